@@ -1,0 +1,22 @@
+"""Rollback-capable KV cache sessions. Knows nothing of chat, templates or UI.
+
+Module map:
+  session.py      CacheSession: a DynamicCache + the ledger of token ids it holds; prepare/commit
+  rollback.py     how each kind of cache layer rolls back (the only file that does)
+  checkpoints.py  bounded-size snapshots at token positions, and the store that keeps them
+"""
+
+from cache_sessions.checkpoints import Checkpoint, CheckpointStore
+from cache_sessions.rollback import UnsupportedCacheLayer, layer_kinds, roll_back
+from cache_sessions.session import CacheSession, PrefillResult, common_prefix_length
+
+__all__ = [
+    "CacheSession",
+    "Checkpoint",
+    "CheckpointStore",
+    "PrefillResult",
+    "UnsupportedCacheLayer",
+    "common_prefix_length",
+    "layer_kinds",
+    "roll_back",
+]

@@ -1,0 +1,80 @@
+"""Checkpoints: the bounded-size states of a cache at a token position, kept to roll back to.
+
+Only layers that cannot be cropped exactly contribute (sliding windows, recurrent states); the
+full-attention layers are cropped to the checkpoint's position instead, so a checkpoint costs
+O(window + state size), never O(history).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass
+class Checkpoint:
+    position: int  # number of tokens the cache held when the snapshot was taken
+    states: list[Any]  # one entry per LayerKind, in the same order
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from _tensors_in(self.states)
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            yield from _tensors_in(getattr(value, name))
+
+
+class CheckpointStore:
+    """Checkpoints ordered by position; the oldest is dropped past `max_checkpoints`."""
+
+    def __init__(self, max_checkpoints: int):
+        if max_checkpoints < 0:
+            raise ValueError("max_checkpoints must be >= 0")
+        self.max_checkpoints = max_checkpoints
+        self._checkpoints: list[Checkpoint] = []
+
+    def __len__(self) -> int:
+        return len(self._checkpoints)
+
+    def __iter__(self) -> Iterator[Checkpoint]:
+        return iter(self._checkpoints)
+
+    def positions(self) -> list[int]:
+        return [checkpoint.position for checkpoint in self._checkpoints]
+
+    def add(self, checkpoint: Checkpoint) -> None:
+        if self.max_checkpoints == 0:
+            return
+        self.drop_after(checkpoint.position - 1)
+        self._checkpoints.append(checkpoint)
+        del self._checkpoints[: -self.max_checkpoints]
+
+    def has(self, position: int) -> bool:
+        return any(checkpoint.position == position for checkpoint in self._checkpoints)
+
+    def latest_at_or_before(self, position: int) -> Checkpoint | None:
+        candidates = [checkpoint for checkpoint in self._checkpoints if checkpoint.position <= position]
+        return candidates[-1] if candidates else None
+
+    def drop_after(self, position: int) -> None:
+        """Forget checkpoints past `position`: the tokens they describe are being replaced."""
+        self._checkpoints = [checkpoint for checkpoint in self._checkpoints if checkpoint.position <= position]
+
+    def clear(self) -> None:
+        self._checkpoints.clear()
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for checkpoint in self._checkpoints:
+            yield from checkpoint.tensors()

@@ -1,0 +1,248 @@
+"""Moving a cache back in time: the one place that knows how each kind of cache layer rolls back.
+
+Every layer of a `DynamicCache` is wrapped in a `LayerKind`, chosen by inspecting the layer's
+class (never the model's name):
+
+- `FullAttention`  keeps every key/value; `crop` is always exact.
+- `SlidingWindow`  keeps a window; `crop` is exact only while the target lies inside what it has
+                   recorded since its last trim. Otherwise a checkpoint is needed.
+- `RecurrentState` (linear attention, SSM) folds the past into fixed-size states; it can never
+                   be cropped, only restored from a checkpoint.
+
+`roll_back` picks the cheapest exact path: crop every layer, else restore the newest checkpoint at
+or before the target, else report that the caller must rebuild from scratch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+)
+
+from cache_sessions.checkpoints import Checkpoint, CheckpointStore
+
+
+class UnsupportedCacheLayer(TypeError):
+    """A cache layer whose rollback semantics this project does not know."""
+
+
+class LayerKind(ABC):
+    """How one cache layer moves back in time. `current` and `target` are token positions."""
+
+    def __init__(self, layer: Any):
+        self.layer = layer
+
+    def prepare(self) -> None:
+        """Called once on a fresh cache, before the first forward."""
+
+    @abstractmethod
+    def can_crop(self, current: int, target: int) -> bool: ...
+
+    @abstractmethod
+    def crop(self, current: int, target: int) -> None: ...
+
+    def snapshot(self) -> Any:
+        """The bounded state a checkpoint must keep for this layer (None: nothing to keep)."""
+        return None
+
+    @abstractmethod
+    def restore(self, state: Any, current: int, position: int) -> None: ...
+
+    def trim(self) -> None:
+        """Drop states that no exact crop can use any more (called right after a checkpoint)."""
+
+    @abstractmethod
+    def tensors(self) -> Iterator[torch.Tensor]: ...
+
+
+class FullAttention(LayerKind):
+    def can_crop(self, current: int, target: int) -> bool:
+        return True
+
+    def crop(self, current: int, target: int) -> None:
+        if target < current:
+            DynamicLayer.crop(self.layer, target - current)
+
+    def restore(self, state: Any, current: int, position: int) -> None:
+        self.crop(current, position)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        if self.layer.is_initialized:
+            yield from (self.layer.keys, self.layer.values)
+
+
+@dataclass
+class WindowState:
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    cumulative_length: int
+
+
+class SlidingWindow(LayerKind):
+    """Holds states for positions [cumulative_length - stored, cumulative_length)."""
+
+    def prepare(self) -> None:
+        self.layer.activate_past_recording()
+
+    def _stored(self) -> int:
+        return 0 if not self.layer.is_initialized else self.layer.keys.shape[-2]
+
+    def can_crop(self, current: int, target: int) -> bool:
+        if target >= current:
+            return True
+        first_stored = self.layer.cumulative_length - self._stored()
+        first_needed = max(0, target - (self.layer.sliding_window - 1))
+        return self.layer.record_past and first_stored <= first_needed
+
+    def crop(self, current: int, target: int) -> None:
+        if target >= current:
+            return
+        # Slice ourselves: the library's crop keeps only `window - 1` states, which is right
+        # for the next forward but would make a later crop further back inexact.
+        keep_from = max(0, target - (self.layer.sliding_window - 1)) - (current - self._stored())
+        keep_to = self._stored() - (current - target)
+        self.layer.keys = self.layer.keys[..., keep_from:keep_to, :]
+        self.layer.values = self.layer.values[..., keep_from:keep_to, :]
+        self.layer.cumulative_length = target
+
+    def snapshot(self) -> WindowState:
+        if not self.layer.is_initialized:
+            return WindowState(None, None, self.layer.cumulative_length)
+        window = self.layer.sliding_window - 1
+        return WindowState(
+            self.layer.keys[..., -window:, :].clone(),
+            self.layer.values[..., -window:, :].clone(),
+            self.layer.cumulative_length,
+        )
+
+    def restore(self, state: WindowState, current: int, position: int) -> None:
+        if state.keys is None:
+            self.layer.keys = self.layer.values = None
+            self.layer.is_initialized = False
+            self.layer.cumulative_length = 0
+            return
+        # Safe to share: layers only ever replace their tensors (torch.cat, slicing), never write in place.
+        self.layer.keys, self.layer.values = state.keys, state.values
+        self.layer.cumulative_length = state.cumulative_length
+
+    def trim(self) -> None:
+        if self.layer.is_initialized and self._stored() > self.layer.sliding_window - 1:
+            window = self.layer.sliding_window - 1
+            # Clone so the long recorded tensor can be freed.
+            self.layer.keys = self.layer.keys[..., -window:, :].clone()
+            self.layer.values = self.layer.values[..., -window:, :].clone()
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        if self.layer.is_initialized:
+            yield from (self.layer.keys, self.layer.values)
+
+
+_RECURRENT_FIELDS = (
+    "conv_states",
+    "recurrent_states",
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+    "has_previous_state",
+    "conv_kernel_size",
+)
+
+
+class RecurrentState(LayerKind):
+    """Linear attention / state-space layers: the past is folded into states updated in place."""
+
+    def can_crop(self, current: int, target: int) -> bool:
+        return target == current
+
+    def crop(self, current: int, target: int) -> None:
+        if target != current:
+            raise RuntimeError("a recurrent state cannot be cropped; restore a checkpoint")
+
+    def snapshot(self) -> dict[str, dict]:
+        state = {}
+        for name in _RECURRENT_FIELDS:
+            field = getattr(self.layer, name)
+            # Clone: the model updates these tensors in place (`copy_`).
+            state[name] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in field.items()}
+        return state
+
+    def restore(self, state: dict[str, dict], current: int, position: int) -> None:
+        for name in _RECURRENT_FIELDS:
+            restored = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[name].items()}
+            setattr(self.layer, name, restored)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for field in (self.layer.conv_states, self.layer.recurrent_states):
+            yield from (t for t in field.values() if isinstance(t, torch.Tensor))
+
+
+# Exact classes only: a subclass may store more (quantized, indexed) and crop differently.
+_KINDS_BY_LAYER_CLASS: dict[type, tuple[type[LayerKind], ...]] = {
+    DynamicLayer: (FullAttention,),
+    DynamicSlidingWindowLayer: (SlidingWindow,),
+    LinearAttentionLayer: (RecurrentState,),
+    LinearAttentionAndFullAttentionLayer: (RecurrentState, FullAttention),
+    LinearAttentionAndSlidingWindowAttentionLayer: (RecurrentState, SlidingWindow),
+    DummyLayer: (),  # layers that share another layer's states or have no attention: nothing stored
+}
+
+
+def layer_kinds(cache: DynamicCache) -> list[LayerKind]:
+    """The rollback behaviour of every layer of `cache`, in layer order."""
+    kinds: list[LayerKind] = []
+    for layer in cache.layers:
+        if type(layer) not in _KINDS_BY_LAYER_CLASS:
+            raise UnsupportedCacheLayer(f"no exact rollback is known for cache layer {type(layer).__name__}")
+        kinds.extend(kind(layer) for kind in _KINDS_BY_LAYER_CLASS[type(layer)])
+    return kinds
+
+
+def needs_checkpoints(kinds: list[LayerKind]) -> bool:
+    return any(not isinstance(kind, FullAttention) for kind in kinds)
+
+
+def take_checkpoint(kinds: list[LayerKind], position: int) -> Checkpoint:
+    """Snapshot the bounded states at `position`, then trim the sliding windows behind it."""
+    checkpoint = Checkpoint(position, [kind.snapshot() for kind in kinds])
+    for kind in kinds:
+        kind.trim()
+    return checkpoint
+
+
+@dataclass(frozen=True)
+class RollbackResult:
+    position: int  # where the cache now ends; <= the target asked for
+    how: str  # "none", "crop", "checkpoint" or "rebuild"
+
+
+def roll_back(kinds: list[LayerKind], checkpoints: CheckpointStore, current: int, target: int) -> RollbackResult:
+    """Move the cache from `current` back to `target` (or to the closest exact point before it).
+
+    "rebuild" means no exact path exists: the caller must start again from an empty cache.
+    """
+    if target > current:
+        raise ValueError(f"cannot roll forward from {current} to {target}")
+    if target == current:
+        return RollbackResult(current, "none")
+    checkpoints.drop_after(target)
+    if all(kind.can_crop(current, target) for kind in kinds):
+        for kind in kinds:
+            kind.crop(current, target)
+        return RollbackResult(target, "crop")
+    checkpoint = checkpoints.latest_at_or_before(target)
+    if checkpoint is None:
+        checkpoints.clear()
+        return RollbackResult(0, "rebuild")
+    for kind, state in zip(kinds, checkpoint.states, strict=True):
+        kind.restore(state, current, checkpoint.position)
+    return RollbackResult(checkpoint.position, "checkpoint")

@@ -1,0 +1,124 @@
+"""The offline `demo` model: a tiny Qwen3 with random weights and a tokenizer trained in code.
+
+It exists so that the app, the tests and the benchmarks run with no network. Its replies are
+random text: it has never been trained. Everything here is deterministic (fixed corpus, fixed
+seed), so two builds give the same tokenizer and the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+DEMO_VERSION = "v1"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Added (not special) tokens, as in Qwen3: they decode as text so reasoning can be split.
+ADDED_TOKENS = ["<think>", "</think>"]
+ASSETS = Path(__file__).parent / "assets"
+
+_WORDS = (
+    "the a an and or but if then when while because so that this these those it its is are was were be "
+    "been being have has had do does did can could will would should may might must shall not no yes "
+    "hello hi thanks thank you please sorry okay sure maybe what why how who where which whose whom "
+    "cache token tokens model models chat reply message messages user assistant system prompt think "
+    "answer question reason reasoning step steps first second third next last more less many few one "
+    "two three four five six seven eight nine ten zero number numbers add plus minus times equal sum "
+    "time day week year today tomorrow yesterday morning evening night good bad better best new old "
+    "small large tiny big fast slow quick memory layer layers window sliding linear attention state "
+    "roll back rollback undo edit regenerate stop continue version versions history turn turns text "
+    "word words write read code python data file list string value key keys values prefix suffix "
+    "i me my we us our he she they them their his her your yours mine ours in on at to from by with "
+    "about into over under after before between through during without within again once here there "
+    "all any both each other some such only own same than too very just now also well even still"
+)
+
+
+def _corpus() -> list[str]:
+    """A fixed synthetic corpus: words, numbers, punctuation and chat-like lines."""
+    words = _WORDS.split()
+    generator = torch.Generator().manual_seed(1234)
+    lines = []
+    for line_index in range(3000):
+        count = 4 + line_index % 12
+        picks = torch.randint(len(words), (count,), generator=generator).tolist()
+        sentence = " ".join(words[i] for i in picks)
+        number = int(torch.randint(10_000, (1,), generator=generator))
+        lines.append(f"{sentence.capitalize()}, {number}? {sentence[::-1][:12]}!\n")
+    lines.append("".join(chr(c) for c in range(32, 127)))
+    lines.append("Ünïcödé ✓ — 漢字 😀 <script>alert(1)</script> \t tabs\nnew lines\n\n")
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on the fixed corpus and wrap it for transformers."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    wrapped.add_tokens(ADDED_TOKENS)
+    wrapped.chat_template = (ASSETS / "qwen3.jinja").read_text()
+    return wrapped
+
+
+def demo_config(vocab_size: int) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        # Wide random weights and untied embeddings: the default init repeats one token forever.
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def build_demo(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(demo_config(len(tokenizer)))
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # Sample by default, as real chat models ship: regenerate then gives a new reply.
+    model.generation_config.do_sample = True
+    model.generation_config.temperature = 0.8
+    model.generation_config.top_k = 50
+    model.eval()
+    return model, tokenizer
+
+
+def demo_folder() -> Path:
+    root = os.environ.get("REWIND_CHAT_CACHE") or Path.home() / ".cache" / "rewind-chat"
+    return Path(root) / f"demo-{DEMO_VERSION}"
+
+
+def ensure_demo_saved() -> Path:
+    """Build the demo once and save it, so later loads take the ordinary `from_pretrained` path."""
+    folder = demo_folder()
+    if not (folder / "config.json").exists():
+        model, tokenizer = build_demo()
+        staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(folder) if not folder.exists() else None
+    return folder

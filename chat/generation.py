@@ -1,0 +1,178 @@
+"""Streaming generation on a prepared cache: `model.generate` in a worker thread, tokens out.
+
+`generate` does the sampling, the logits processors and the decode loop; this file only feeds
+it the cache, listens to its streamer, stops it on request and reports timings.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Iterator, Sequence
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What a user can set per reply; None means the model's own generation config decides."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    enable_thinking: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature is not None and self.temperature <= 0:
+            raise ValueError("temperature must be > 0 (use do_sample=False for greedy)")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "GenerationOptions":
+        known = {field.name for field in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown generation options: {sorted(unknown)}")
+        return cls(**kwargs)
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"max_new_tokens": self.max_new_tokens}
+        sampling = ("temperature", "top_p", "top_k")
+        for name in ("do_sample", "repetition_penalty", *sampling):
+            value = getattr(self, name)
+            if value is not None and not (self.do_sample is False and name in sampling):
+                kwargs[name] = value
+        return kwargs
+
+
+class IncrementalDecoder:
+    """Token ids in, text deltas out; holds back bytes of a character that is not complete yet."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.skip_ids = skip_ids
+        self.ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i not in self.skip_ids], skip_special_tokens=False)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        after = self._decode(self.ids[self._prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        before = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        after = self._decode(self.ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self.ids)
+        return after[len(before) :]
+
+
+class _TokenQueue(BaseStreamer):
+    """`generate`'s streamer: the first `put` is the prompt, each later one a new token."""
+
+    END = object()
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue = queue.Queue()
+        self._seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        for token_id in value.reshape(-1).tolist():
+            self.queue.put(token_id)
+
+    def end(self) -> None:
+        self.queue.put(self.END)
+
+
+class _StopWhenSet(StoppingCriteria):
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class GenerationRun:
+    """One `generate` call on a worker thread. Iterate `tokens()`, then read `sequence`."""
+
+    def __init__(self, model: PreTrainedModel, cache: Any, prompt_ids: Sequence[int], options: GenerationOptions,
+                 stop_event: threading.Event):
+        self.stop_event = stop_event
+        self.sequence: list[int] | None = None
+        self.error: BaseException | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.token_count = 0
+        self.ended = False  # the streamer said the end: `generate` returned or raised
+        self._streamer = _TokenQueue()
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)
+        self._kwargs = dict(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            past_key_values=cache,
+            streamer=self._streamer,
+            stopping_criteria=StoppingCriteriaList([_StopWhenSet(stop_event)]),
+            **options.generate_kwargs(),
+        )
+        self._model = model
+        self._thread = threading.Thread(target=self._work, name="generate", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        try:
+            with torch.no_grad():
+                output = self._model.generate(**self._kwargs)
+            self.sequence = output[0].tolist()
+        except BaseException as error:  # handed to the consumer thread
+            self.error = error
+        finally:
+            self._streamer.end()
+
+    def tokens(self) -> Iterator[int]:
+        while True:
+            item = self._streamer.queue.get()
+            if item is _TokenQueue.END:
+                self.ended = True
+                return
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+            self.token_count += 1
+            yield item
+
+    def finish(self) -> list[int]:
+        """Stop early if still running, wait for the worker, and return the full sequence."""
+        if not self.ended:  # the consumer left early: stop the model rather than let it run on
+            self.stop_event.set()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.sequence is not None
+        return self.sequence

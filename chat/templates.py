@@ -1,0 +1,72 @@
+"""Rendering the canonical history into prompt token ids with the tokenizer's own chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    ids: list[int]
+    opens_reasoning: bool  # the generation prompt leaves a <think> block open (QwQ, DeepSeek-R1)
+
+
+class ChatTemplate:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        source = tokenizer.chat_template
+        if not source:
+            raise ValueError("the tokenizer has no chat template")
+        if isinstance(source, dict):  # several named templates: use the default one
+            source = source.get("default") or next(iter(source.values()))
+        self.tokenizer = tokenizer
+        self.source: str = source
+        # Templates such as Qwen3's read `reasoning_content`; the others get reasoning stripped.
+        self.reads_reasoning_content = "reasoning_content" in source
+
+    def template_messages(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """What the template expects: reasoning as a field where it reads one, else dropped."""
+        converted = []
+        for message in messages:
+            item = {"role": message["role"], "content": message["content"]}
+            reasoning = message.get("reasoning_content")
+            if message["role"] == "assistant" and reasoning and self.reads_reasoning_content:
+                item["reasoning_content"] = reasoning
+            converted.append(item)
+        return converted
+
+    def _render_text(self, messages: Sequence[dict[str, Any]], *, continue_final: bool, add_generation_prompt: bool,
+                     enable_thinking: bool | None) -> str:
+        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        return self.tokenizer.apply_chat_template(
+            self.template_messages(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final,
+            continue_final_message=continue_final,
+            chat_template=self.source,
+            **extra,
+        )
+
+    def render(self, messages: Sequence[dict[str, Any]], *, enable_thinking: bool | None = None,
+               continue_final: bool = False) -> RenderedPrompt:
+        """The prompt for the next reply (or, with `continue_final`, for extending the last one)."""
+        text = self._render_text(messages, continue_final=continue_final, add_generation_prompt=True,
+                                 enable_thinking=enable_thinking)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        opens = False  # when continuing, the caller knows where the reply stood
+        if not continue_final:
+            history = self._render_text(messages, continue_final=False, add_generation_prompt=False,
+                                        enable_thinking=enable_thinking)
+            suffix = text[len(history):] if text.startswith(history) else ""
+            opens = _opens_reasoning(suffix)
+        return RenderedPrompt(text=text, ids=list(ids), opens_reasoning=opens)
+
+
+def _opens_reasoning(text: str) -> bool:
+    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)

@@ -1,0 +1,49 @@
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+for path in (ROOT, TESTS):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from chat import ChatEngine  # noqa: E402
+from chat.demo import build_tokenizer  # noqa: E402
+from tiny_models import ARCHS, build_model  # noqa: E402
+
+FIXTURES = TESTS / "fixtures"
+THINKING_TEMPLATE = "qwen3"  # reads reasoning_content, drops earlier <think> blocks
+PLAIN_TEMPLATE = "qwen2_5"  # knows nothing of reasoning
+
+
+@pytest.fixture(scope="session")
+def base_tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def models(base_tokenizer):
+    eos = base_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return {arch: build_model(arch, len(base_tokenizer), eos) for arch in ARCHS}
+
+
+def tokenizer_with_template(base_tokenizer, template: str):
+    tokenizer = copy.deepcopy(base_tokenizer)
+    tokenizer.chat_template = (FIXTURES / f"{template}.jinja").read_text()
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizers(base_tokenizer):
+    return {name: tokenizer_with_template(base_tokenizer, name) for name in (THINKING_TEMPLATE, PLAIN_TEMPLATE)}
+
+
+@pytest.fixture
+def make_engine(models, tokenizers):
+    def make(arch: str, template: str = THINKING_TEMPLATE, **options) -> ChatEngine:
+        return ChatEngine(models[arch], tokenizers[template], **options)
+
+    return make

@@ -1,0 +1,97 @@
+"""Reasoning: split while streaming, stored apart, given to the template the way it expects."""
+
+import pytest
+
+from chat.reasoning import ReasoningSplitter
+from chat.templates import ChatTemplate
+from conftest import THINKING_TEMPLATE, tokenizer_with_template
+from reference import check_exact
+from tiny_models import ARCHS
+
+
+def split(chunks, starts_in_reasoning=False):
+    splitter = ReasoningSplitter(starts_in_reasoning)
+    deltas = [d for chunk in chunks for d in splitter.feed(chunk)] + splitter.finish()
+    reasoning = "".join(d.text for d in deltas if d.kind == "reasoning")
+    answer = "".join(d.text for d in deltas if d.kind == "answer")
+    return reasoning, answer, splitter.message_fields()
+
+
+@pytest.mark.parametrize("chunks", [
+    ["<think>\nadd two and two\n</think>\n\nIt is 4."],
+    ["<th", "ink>\nadd two", " and two\n</th", "ink>\n\nIt is 4."],
+    list("<think>\nadd two and two\n</think>\n\nIt is 4."),
+])
+def test_tags_split_across_chunks(chunks):
+    reasoning, answer, (content, reasoning_content) = split(chunks)
+    assert reasoning == "\nadd two and two\n"
+    assert answer == "\n\nIt is 4."
+    assert (content, reasoning_content) == ("It is 4.", "add two and two")
+
+
+def test_generation_prompt_already_opened_the_block():
+    reasoning, answer, fields = split(["hmm, four", "</think>\n\nFour."], starts_in_reasoning=True)
+    assert (reasoning, answer) == ("hmm, four", "\n\nFour.")
+    assert fields == ("Four.", "hmm, four")
+
+
+def test_think_tag_later_in_the_answer_is_plain_text():
+    _, answer, fields = split(["The tag <think> is ", "just text here."])
+    assert answer == "The tag <think> is just text here."
+    assert fields == (answer, "")
+
+
+def test_reply_cut_inside_reasoning_keeps_it_as_reasoning():
+    reasoning, answer, fields = split(["<think>\nstill thinking</th"])
+    assert reasoning == "\nstill thinking</th" and answer == ""
+    assert fields == ("", "still thinking</th")
+
+
+def test_plain_reply_is_kept_byte_for_byte():
+    assert split(["  spaced\n reply \n"])[2] == ("  spaced\n reply \n", "")
+
+
+HISTORY = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "It is 4.", "reasoning_content": "add two and two"},
+    {"role": "user", "content": "And 3+3?"},
+]
+
+
+def test_reasoning_goes_where_the_template_reads_it(base_tokenizer):
+    qwen3 = ChatTemplate(tokenizer_with_template(base_tokenizer, "qwen3"))
+    plain = ChatTemplate(tokenizer_with_template(base_tokenizer, "qwen2_5"))
+    assert qwen3.reads_reasoning_content and not plain.reads_reasoning_content
+    assert qwen3.template_messages(HISTORY)[1]["reasoning_content"] == "add two and two"
+    assert "reasoning_content" not in plain.template_messages(HISTORY)[1]
+    # Qwen3 drops reasoning of turns before the last user message; a plain template never sees it.
+    assert "add two and two" not in qwen3.render(HISTORY).text
+    assert "add two and two" not in plain.render(HISTORY).text
+    # ...but Qwen3 keeps it for a reply after the last user message.
+    assert "add two and two" in qwen3.render(HISTORY[:2], continue_final=True).text
+
+
+def test_enable_thinking_is_passed_to_the_template(base_tokenizer):
+    qwen3 = ChatTemplate(tokenizer_with_template(base_tokenizer, "qwen3"))
+    assert qwen3.render(HISTORY, enable_thinking=False).text.endswith("<think>\n\n</think>\n\n")
+    assert not qwen3.render(HISTORY, enable_thinking=False).opens_reasoning
+    qwq = ChatTemplate(tokenizer_with_template(base_tokenizer, "qwq"))
+    assert qwq.render(HISTORY).opens_reasoning
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reply_inside_an_opened_block_is_stripped_and_stays_exact(models, base_tokenizer, arch):
+    """QwQ's prompt opens <think>: the whole (random) reply is reasoning, the template drops it."""
+    from chat import ChatEngine
+
+    tokenizer = tokenizer_with_template(base_tokenizer, "qwq")
+    conv = ChatEngine(models[arch], tokenizer).conversation()
+    deltas = list(conv.send("First?", max_new_tokens=10, do_sample=False))
+    assert deltas and all(d.kind == "reasoning" for d in deltas)
+    assert conv.messages[-1]["content"] == "" and conv.messages[-1]["reasoning_content"]
+    check_exact(conv, models[arch], tokenizer, max_new_tokens=10)
+    first_prompt_tokens = conv.stats.prompt_tokens
+    list(conv.send("Second?", max_new_tokens=10, do_sample=False))
+    check_exact(conv, models[arch], tokenizer, max_new_tokens=10)
+    # The stripped reply is gone from the prompt: the cache rolled back to where it began.
+    assert conv.stats.reused_tokens <= first_prompt_tokens

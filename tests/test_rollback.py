@@ -1,0 +1,115 @@
+"""Rollback per layer kind, checkpoints, memory accounting: the cache_sessions package alone."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
+
+from cache_sessions import CacheSession, Checkpoint, CheckpointStore, UnsupportedCacheLayer, layer_kinds
+from cache_sessions.rollback import FullAttention, RecurrentState, SlidingWindow
+from reference import LOGIT_TOLERANCE, cached_vs_scratch_logit_error
+from tiny_models import ARCHS, SLIDING_WINDOW
+
+PROMPT = list(range(30, 90))
+
+
+def exact(session: CacheSession) -> bool:
+    return cached_vs_scratch_logit_error(session.model, session.cache, session.token_ids, 7) < LOGIT_TOLERANCE
+
+
+def test_layer_kinds_follow_the_cache_layers(models):
+    kinds = {arch: [type(k) for k in layer_kinds(DynamicCache(config=models[arch].config))] for arch in ARCHS}
+    assert kinds["full"] == [FullAttention] * 2
+    assert kinds["sliding"] == [SlidingWindow] * 2
+    assert kinds["mixed"] == [SlidingWindow, FullAttention] * 2
+    assert kinds["hybrid"] == [RecurrentState, FullAttention] * 2
+
+
+def test_unknown_layer_class_is_refused():
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer(), DynamicIndexedLayer()]
+    with pytest.raises(UnsupportedCacheLayer):
+        layer_kinds(cache)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cut", [1, 5, 25, 59])
+def test_prepare_rolls_back_to_any_prefix_exactly(models, arch, cut):
+    session = CacheSession(models[arch])
+    session.prepare(PROMPT + [5])
+    assert exact(session)
+    result = session.prepare(PROMPT[:cut] + [11, 12, 13])
+    assert session.token_ids == PROMPT[:cut] + [11, 12]
+    assert exact(session)
+    assert result.reused_tokens <= cut and result.prefilled_tokens == cut + 3 - result.reused_tokens
+    if arch == "full":
+        assert (result.rollback, result.reused_tokens) == ("crop", cut)
+
+
+def test_sliding_crop_only_inside_what_was_recorded(models):
+    session = CacheSession(models["sliding"])
+    session.prepare(PROMPT[:40] + [5])  # checkpoint at 40 (the generation start)
+    session.prepare(PROMPT + [5])  # checkpoint at 60, then the window is trimmed to its last 7 states
+    window_kind = session._kinds[0]
+    assert window_kind.layer.keys.shape[-2] == SLIDING_WINDOW - 1
+    assert not window_kind.can_crop(60, 59)  # would need position 52, which was trimmed
+    session._forward([1, 2, 3])  # recorded again from 60 on
+    session.token_ids += [1, 2, 3]
+    assert window_kind.can_crop(63, 60) and not window_kind.can_crop(63, 59)
+
+    result = session.prepare(PROMPT[:59] + [1, 2])
+    assert (result.rollback, result.reused_tokens) == ("checkpoint", 40)
+    assert exact(session)
+
+
+def test_sliding_memory_stays_bounded_over_many_turns(models):
+    session = CacheSession(models["sliding"], max_checkpoints=4)
+    prompt: list[int] = []
+    for turn in range(12):
+        prompt = prompt + list(range(40 + turn, 60 + turn))
+        session.prepare(prompt + [3])
+    stored = [kind.layer.keys.shape[-2] for kind in session._kinds]
+    assert max(stored) == SLIDING_WINDOW - 1  # not 12 * 20 tokens
+    assert len(session.checkpoints) == 4
+    assert exact(session)
+
+
+def test_without_checkpoints_recurrent_rollback_rebuilds_and_says_so(models):
+    session = CacheSession(models["hybrid"], max_checkpoints=0)
+    session.prepare(PROMPT + [5])
+    result = session.prepare(PROMPT[:40] + [5])
+    assert result.rollback == "rebuild" and result.rebuilt and result.reused_tokens == 0
+    assert exact(session)
+
+
+def test_release_frees_everything_and_next_prepare_reports_a_rebuild(models):
+    session = CacheSession(models["mixed"])
+    session.prepare(PROMPT + [5])
+    assert session.nbytes() > 0
+    session.release()
+    assert session.nbytes() == 0 and session.token_ids == []
+    result = session.prepare(PROMPT + [5])
+    assert result.rebuilt and result.reused_tokens == 0
+    assert exact(session)
+
+
+def test_cache_bytes_count_checkpoints(models):
+    session = CacheSession(models["hybrid"])
+    session.prepare(PROMPT + [5])
+    checkpoint_bytes = sum(t.numel() * t.element_size() for t in session.checkpoints.tensors())
+    assert len(session.checkpoints) >= 1 and checkpoint_bytes > 0
+    cache_only = sum(t.numel() * t.element_size() for k in session._kinds for t in k.tensors())
+    assert session.nbytes() >= cache_only + checkpoint_bytes
+
+
+def test_checkpoint_store_keeps_the_newest_and_forgets_replaced_positions():
+    store = CheckpointStore(max_checkpoints=2)
+    for position in (10, 20, 30):
+        store.add(Checkpoint(position, [torch.zeros(1)]))
+    assert store.positions() == [20, 30]
+    assert store.latest_at_or_before(25).position == 20
+    assert store.latest_at_or_before(15) is None
+    store.drop_after(25)
+    assert store.positions() == [20]
+    store.add(Checkpoint(15, []))  # a new branch at 15 replaces what came after it
+    assert store.positions() == [15]
