@@ -95,3 +95,30 @@ def test_reply_inside_an_opened_block_is_stripped_and_stays_exact(models, base_t
     check_exact(conv, models[arch], tokenizer, max_new_tokens=10)
     # The stripped reply is gone from the prompt: the cache rolled back to where it began.
     assert conv.stats.reused_tokens <= first_prompt_tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_think_block_is_split_stored_apart_and_dropped_from_history_exactly(models, tokenizers, arch):
+    from chat import ChatEngine
+    from tiny_models import with_scripted_think_block
+
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    model = with_scripted_think_block(models[arch], tokenizer)
+    conv = ChatEngine(model, tokenizer).conversation()
+    deltas = list(conv.send("Why?", max_new_tokens=10, do_sample=False))
+    kinds = [d.kind for d in deltas]
+    assert kinds[:2] == ["reasoning", "reasoning"] and set(kinds[2:]) == {"answer"}
+    reply = conv.messages[-1]
+    assert reply["reasoning_content"] == " reason" and "<think>" not in reply["content"]
+    check_exact(conv, model, tokenizer, max_new_tokens=10)
+    first_prompt = conv.stats.prompt_tokens
+    list(conv.send("And then?", max_new_tokens=10, do_sample=False))
+    check_exact(conv, model, tokenizer, max_new_tokens=10)
+    # Qwen3 renders the earlier reply without its reasoning: the cache went back to its start.
+    assert conv.stats.reused_tokens <= first_prompt
+    assert "reason\n</think>" not in tokenizer.decode(conv.session.token_ids[:first_prompt + 5])
+    for operation in (lambda: conv.regenerate(max_new_tokens=10, do_sample=False),
+                      lambda: conv.edit(0, "Why not?", max_new_tokens=10, do_sample=False)):
+        list(operation())
+        check_exact(conv, model, tokenizer, max_new_tokens=10)
+        assert conv.messages[-1]["reasoning_content"] == " reason"

@@ -82,3 +82,26 @@ def build_model(arch: str, vocab_size: int, eos_token_id: int, seed: int = 0) ->
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = eos_token_id
     return model.eval()
+
+
+def with_scripted_think_block(model: PreTrainedModel, tokenizer) -> PreTrainedModel:
+    """A copy whose greedy replies open with `<think> reason\n</think>` and then go on at random.
+
+    Done with `sequence_bias` in the model's generation config, so plain `generate` (the
+    reference) applies it too: a random model then exercises the reasoning path for real.
+    """
+    import copy
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    think, close = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    (word,), (newline,) = ids(" reason"), ids("\n")
+    scripted = copy.deepcopy(model)
+    scripted.generation_config.sequence_bias = [
+        [ids("assistant\n") + [think], 100.0],
+        [[think, word], 100.0],
+        [[think, word, newline], 100.0],
+        [[word, newline, close], 100.0],
+    ]
+    return scripted
