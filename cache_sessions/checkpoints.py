@@ -21,6 +21,22 @@ class Checkpoint:
     def tensors(self) -> Iterator[torch.Tensor]:
         yield from _tensors_in(self.states)
 
+    def to(self, device: torch.device | str) -> None:
+        self.states = moved(self.states, device)
+
+
+def moved(value: Any, device: torch.device | str) -> Any:
+    """The same nested structure of states with every tensor on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: moved(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(moved(item, device) for item in value)
+    if hasattr(value, "__dataclass_fields__"):
+        return type(value)(**{name: moved(getattr(value, name), device) for name in value.__dataclass_fields__})
+    return value
+
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):

@@ -62,8 +62,19 @@ class LayerKind(ABC):
     def trim(self) -> None:
         """Drop states that no exact crop can use any more (called right after a checkpoint)."""
 
+    def cut_segment(self, start: int, end: int) -> Any:
+        """What `append_segment` needs to go from `start` to `end` (the cache is at `end`)."""
+        return self.snapshot()
+
+    def append_segment(self, state: Any, start: int, end: int) -> None:
+        """Put back a segment cut earlier; the cache is at `start`."""
+        self.restore(state, start, end)
+
     @abstractmethod
     def tensors(self) -> Iterator[torch.Tensor]: ...
+
+    @abstractmethod
+    def to(self, device: torch.device | str) -> None: ...
 
 
 class FullAttention(LayerKind):
@@ -77,9 +88,25 @@ class FullAttention(LayerKind):
     def restore(self, state: Any, current: int, position: int) -> None:
         self.crop(current, position)
 
+    def cut_segment(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.layer.is_initialized:
+            return None
+        return self.layer.keys[..., start:end, :].clone(), self.layer.values[..., start:end, :].clone()
+
+    def append_segment(self, state: tuple[torch.Tensor, torch.Tensor] | None, start: int, end: int) -> None:
+        if state is not None:
+            keys, values = state
+            if not self.layer.is_initialized:
+                self.layer.lazy_initialization(keys, values)
+            self.layer.keys = torch.cat([self.layer.keys, keys.to(self.layer.keys.device)], dim=-2)
+            self.layer.values = torch.cat([self.layer.values, values.to(self.layer.values.device)], dim=-2)
+
     def tensors(self) -> Iterator[torch.Tensor]:
         if self.layer.is_initialized:
             yield from (self.layer.keys, self.layer.values)
+
+    def to(self, device: torch.device | str) -> None:
+        _move_attention(self.layer, device)
 
 
 @dataclass
@@ -133,6 +160,8 @@ class SlidingWindow(LayerKind):
             self.layer.cumulative_length = 0
             return
         # Safe to share: layers only ever replace their tensors (torch.cat, slicing), never write in place.
+        if not self.layer.is_initialized:
+            self.layer.lazy_initialization(state.keys, state.values)
         self.layer.keys, self.layer.values = state.keys, state.values
         self.layer.cumulative_length = state.cumulative_length
 
@@ -146,6 +175,10 @@ class SlidingWindow(LayerKind):
     def tensors(self) -> Iterator[torch.Tensor]:
         if self.layer.is_initialized:
             yield from (self.layer.keys, self.layer.values)
+
+    def to(self, device: torch.device | str) -> None:
+        _move_attention(self.layer, device)
+        self.layer._sliding_window_tensor = self.layer._sliding_window_tensor.to(device)
 
 
 _RECURRENT_FIELDS = (
@@ -180,10 +213,27 @@ class RecurrentState(LayerKind):
         for name in _RECURRENT_FIELDS:
             restored = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[name].items()}
             setattr(self.layer, name, restored)
+        first = next(self.tensors(), None)
+        if first is not None and self.layer.device is None:
+            self.layer.dtype, self.layer.device = first.dtype, first.device
 
     def tensors(self) -> Iterator[torch.Tensor]:
         for field in (self.layer.conv_states, self.layer.recurrent_states):
             yield from (t for t in field.values() if isinstance(t, torch.Tensor))
+
+    def to(self, device: torch.device | str) -> None:
+        for field in (self.layer.conv_states, self.layer.recurrent_states):
+            for key, tensor in field.items():
+                if isinstance(tensor, torch.Tensor):
+                    field[key] = tensor.to(device)
+        if self.layer.device is not None:
+            self.layer.device = torch.device(device)
+
+
+def _move_attention(layer: Any, device: torch.device | str) -> None:
+    if layer.is_initialized:
+        layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
+        layer.device = torch.device(device)
 
 
 # Exact classes only: a subclass may store more (quantized, indexed) and crop differently.

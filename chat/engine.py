@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from cache_sessions.prefixes import PrefixStore
 from cache_sessions.session import DEFAULT_MAX_CHECKPOINTS
 from chat.conversation import Conversation
 from chat.loading import load_model_and_tokenizer
@@ -13,13 +14,19 @@ from chat.templates import ChatTemplate
 
 class ChatEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-                 max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS, context_limit: int | None = None):
+                 max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS, context_limit: int | None = None,
+                 shared_prefixes: int = 8, offload_sessions: bool = False):
+        """`shared_prefixes`: how many distinct system-prompt prefixes to keep prefilled for new
+        conversations (0: none). `offload_sessions`: keep caches on the CPU between operations
+        (ZeroGPU, where GPU memory does not survive between calls)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer)
         self.max_checkpoints = max_checkpoints
         self.context_limit = context_limit or _context_limit(model)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.prefix_store = PrefixStore(shared_prefixes) if shared_prefixes else None
+        self.offload_sessions = offload_sessions
 
     @classmethod
     def load(cls, name_or_path: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,

@@ -64,12 +64,13 @@ class GenerationOptions:
 class IncrementalDecoder:
     """Token ids in, text deltas out; holds back bytes of a character that is not complete yet."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_ids: set[int]):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_ids: set[int], context_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.skip_ids = skip_ids
-        self.ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self.ids: list[int] = list(context_ids)  # tokens already shown (a reply being continued)
+        self.context_text = self._decode(self.ids)
+        self._prefix_offset = max(0, len(self.ids) - 6)  # a few tokens of context for merges
+        self._read_offset = len(self.ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i not in self.skip_ids], skip_special_tokens=False)

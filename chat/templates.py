@@ -53,6 +53,11 @@ class ChatTemplate:
             **extra,
         )
 
+    def render_history(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Token ids of `messages` alone, without a generation prompt (e.g. a system turn)."""
+        text = self._render_text(messages, continue_final=False, add_generation_prompt=False, enable_thinking=None)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def render(self, messages: Sequence[dict[str, Any]], *, enable_thinking: bool | None = None,
                continue_final: bool = False) -> RenderedPrompt:
         """The prompt for the next reply (or, with `continue_final`, for extending the last one)."""

@@ -1,0 +1,119 @@
+"""Continue, reply versions, context fitting and shared prefixes: exact like every other operation."""
+
+import pytest
+import torch
+
+from chat import ChatEngine, ContextOverflowError, ConversationError
+from conftest import PLAIN_TEMPLATE, THINKING_TEMPLATE
+from reference import check_exact, render_ids, scratch_greedy_reply, cached_vs_scratch_logit_error, LOGIT_TOLERANCE
+from tiny_models import ARCHS
+
+GREEDY = dict(max_new_tokens=8, do_sample=False)
+
+
+def count_forwards(model, monkeypatch):
+    calls = []
+    original = model.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counting)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_continue_extends_the_reply_with_one_token_of_prefill(make_engine, models, tokenizers, arch):
+    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
+    conv = make_engine(arch).conversation("Be brief.")
+    list(conv.send("Tell me about caches.", **GREEDY))
+    first = conv.reply_ids
+    list(conv.continue_reply(**GREEDY))
+    assert conv.stats.prefilled_tokens == 1 and conv.stats.rollback in ("none", "crop")
+    assert conv.reply_ids[: len(first)] == first and len(conv.messages) == 3
+    # reference: greedy from scratch on the original prompt followed by the reply so far
+    prompt = render_ids(tokenizer, conv.messages[:-1])
+    assert conv.reply_ids == first + scratch_greedy_reply(model, prompt + first, 8, {tokenizer.eos_token_id})
+    assert cached_vs_scratch_logit_error(model, conv.session.cache, conv.session.token_ids, 7) < LOGIT_TOLERANCE
+    assert conv.stats.prefilled_tokens == conv.stats.prompt_tokens - conv.stats.reused_tokens
+    # and the conversation goes on exactly
+    list(conv.send("Next?", **GREEDY))
+    check_exact(conv, model, tokenizer, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_versions_switch_back_without_running_the_model(make_engine, models, tokenizers, arch, monkeypatch):
+    model, tokenizer = models[arch], tokenizers[PLAIN_TEMPLATE]
+    conv = make_engine(arch, PLAIN_TEMPLATE).conversation()
+    list(conv.send("Pick a number.", **GREEDY))
+    texts = [conv.messages[-1]["content"]]
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        list(conv.regenerate(max_new_tokens=8, do_sample=True, temperature=1.5))
+        texts.append(conv.messages[-1]["content"])
+    assert conv.versions == (2, 3) and len(set(texts)) > 1
+
+    forwards = count_forwards(model, monkeypatch)
+    for index in (0, 1, 2, 0):
+        assert conv.select_version(index) is True
+        assert conv.versions == (index, 3)
+        assert conv.messages[-1]["content"] == texts[index]
+    assert forwards == []  # switching ran no forward pass
+    monkeypatch.undo()
+    # the cache now holds version 0 exactly, and the next turn continues from it
+    assert cached_vs_scratch_logit_error(model, conv.session.cache, conv.session.token_ids, 7) < LOGIT_TOLERANCE
+    assert conv.session.token_ids[-len(conv.reply_ids) + 1:] == conv.reply_ids[:-1]
+    list(conv.send("Another?", **GREEDY))
+    check_exact(conv, model, tokenizer, max_new_tokens=8)
+    assert conv.versions == (0, 1)  # a new turn: the earlier reply keeps the version shown
+
+
+def test_version_index_out_of_range_changes_nothing(make_engine):
+    conv = make_engine("full").conversation()
+    with pytest.raises(ConversationError):
+        conv.select_version(0)
+    list(conv.send("Hi", **GREEDY))
+    before = (conv.messages, list(conv.session.token_ids))
+    for bad in (-1, 1, "0"):
+        with pytest.raises(ConversationError):
+            conv.select_version(bad)
+    assert (conv.messages, conv.session.token_ids) == before
+
+
+@pytest.mark.parametrize("arch", ["full", "hybrid"])
+def test_fit_context_drops_the_oldest_turns_and_stays_exact(models, tokenizers, arch):
+    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
+    conv = ChatEngine(model, tokenizer, context_limit=60).conversation("System stays.")
+    for question in ("First question here?", "Second question here?", "Third question here?"):
+        stream = conv.send(question, fit_context=True, **GREEDY)
+        list(stream)
+    assert stream.dropped_turns >= 1 and conv.stats.dropped_turns == stream.dropped_turns
+    messages = conv.messages
+    assert messages[0] == {"role": "system", "content": "System stays."}
+    assert messages[1]["content"] != "First question here?"
+    check_exact(conv, model, tokenizer, max_new_tokens=8)
+    with pytest.raises(ContextOverflowError):  # one message alone too long: refused, nothing dropped
+        conv.send("word " * 200, fit_context=True, **GREEDY)
+    assert conv.messages == messages
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_system_prompt_is_prefilled_once(make_engine, models, tokenizers, arch):
+    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
+    engine = make_engine(arch)
+    first = engine.conversation("You are a shared system prompt.")
+    list(first.send("Hello!", **GREEDY))
+    assert first.stats.shared_prefix_tokens == 0 and len(engine.prefix_store) == 1
+    second = engine.conversation("You are a shared system prompt.")
+    list(second.send("Hi there, other question.", **GREEDY))
+    system_text = tokenizer.apply_chat_template([{"role": "system", "content": "You are a shared system prompt."}],
+                                                tokenize=False)
+    system_tokens = len(tokenizer(system_text, add_special_tokens=False)["input_ids"])
+    assert second.stats.shared_prefix_tokens == system_tokens == second.stats.reused_tokens
+    check_exact(second, model, tokenizer, max_new_tokens=8)
+    check_exact(first, model, tokenizer, max_new_tokens=8)  # the copy did not disturb the first
+    other = engine.conversation("A different system prompt.")
+    list(other.send("Hello!", **GREEDY))
+    assert other.stats.shared_prefix_tokens == 0
+    check_exact(other, model, tokenizer, max_new_tokens=8)
