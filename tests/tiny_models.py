@@ -105,3 +105,17 @@ def with_scripted_think_block(model: PreTrainedModel, tokenizer) -> PreTrainedMo
         [[word, newline, close], 100.0],
     ]
     return scripted
+
+
+def scripted_reply_model(tokenizer, reply: str, seed: int = 0) -> PreTrainedModel:
+    """A tiny Qwen3 whose every reply is exactly `reply` then end-of-turn, greedy or sampled.
+
+    `sequence_bias` pins each next token given everything before it in the reply, so the model
+    says what a test needs it to say (a think block, markup that must not run in a browser).
+    """
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = build_model("full", len(tokenizer), eos, seed=seed)
+    start = tokenizer("assistant\n", add_special_tokens=False)["input_ids"]
+    script = tokenizer(reply, add_special_tokens=False)["input_ids"] + [eos]
+    model.generation_config.sequence_bias = [[start + script[: i + 1], 1000.0] for i in range(len(script))]
+    return model

@@ -1,0 +1,52 @@
+"""Start `app.py` in a subprocess on a free local port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class AppServer:
+    def __init__(self, *args: str, cache_dir: Path, log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        env = dict(os.environ, REWIND_CHAT_CACHE=str(cache_dir), GRADIO_ANALYTICS_ENABLED="False",
+                   HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(self.port), *args],
+                                        cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"app exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError("app did not start")
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()

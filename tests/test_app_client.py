@@ -1,0 +1,156 @@
+"""End to end through `gradio_client` against a launched app on the demo model."""
+
+import threading
+
+import pytest
+import torch
+from gradio_client import Client
+
+from app_server import AppServer
+
+SYSTEM = "You are a helpful assistant."
+
+
+def settings(max_new_tokens=12, temperature=0.0, thinking=True):
+    return [SYSTEM, thinking, max_new_tokens, temperature, 0.95, 50, 1.0]
+
+
+def texts(chat):
+    return [(m["role"], "".join(part["text"] for part in m["content"] if part.get("type") == "text")) for m in chat]
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("demo-cache")
+
+
+@pytest.fixture(scope="module")
+def app(demo_cache, tmp_path_factory):
+    server = AppServer(cache_dir=demo_cache, log_path=tmp_path_factory.mktemp("logs") / "app.log")
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def client(app):
+    return Client(app.url, verbose=False)
+
+
+def test_send_streams_and_every_button_works(client):
+    job = client.submit("Hello there!", *settings(), api_name="/send")
+    outputs = job.outputs()
+    final = job.result()
+    assert len(outputs) > 3  # streamed: several updates, not one
+    chat = texts(final[0])
+    assert chat[0] == ("user", "Hello there!") and chat[1][0] == "assistant" and chat[1][1]
+    assert "reused" in final[2] and outputs[0][1] == ""  # stats line shown, message box cleared at once
+    first_reply = chat[1][1]
+
+    regenerated = client.predict(*settings(temperature=1.5), api_name="/regenerate")
+    assert "2 / 2" in regenerated[3]["value"]
+    assert "prefilled **1**" in regenerated[2]  # regenerate prefills one token
+    back = client.predict(*settings(), api_name="/previous_version")
+    assert texts(back[0])[-1][1] == first_reply and "without running the model" in back[2]
+    forward = client.predict(*settings(), api_name="/next_version")
+    assert texts(forward[0])[-1][1] == texts(regenerated[0])[-1][1]
+
+    continued = client.predict(*settings(), api_name="/continue")
+    assert texts(continued[0])[-1][1].startswith(texts(forward[0])[-1][1])
+    assert "prefilled **1**" in continued[2]
+
+    client.predict("Second question?", *settings(), api_name="/send")
+    undone = client.predict(*settings(), api_name="/undo")
+    assert len(texts(undone[0])) == 2 and undone[1] == "Second question?"  # back in the box
+
+    edited = client.predict(1, "Hello, edited!", *settings(), api_name="/edit")  # index 1: after the system prompt
+    assert texts(edited[0])[0] == ("user", "Hello, edited!") and len(edited[0]) == 2
+
+    cleared = client.predict(*settings(), api_name="/clear")
+    assert cleared[0] == []
+
+
+def test_stop_keeps_the_partial_reply(client):
+    job = client.submit("Write a very long story.", *settings(max_new_tokens=512), api_name="/send")
+    while len(job.outputs()) < 3:
+        pass
+    client.predict(api_name="/stop")
+    final = job.result()
+    assert "stopped" in final[2]
+    reply = texts(final[0])[-1]
+    assert reply[0] == "assistant" and reply[1]
+    after = client.predict("Next one.", *settings(), api_name="/send")  # the conversation goes on
+    assert texts(after[0])[2] == ("user", "Next one.")
+
+
+def test_bad_input_changes_nothing(client):
+    client.predict("A question.", *settings(), api_name="/send")
+    before = client.predict(*settings(), api_name="/next_version")[0]  # a no-op read of the chat
+    for call in (lambda: client.predict("   ", *settings(), api_name="/send"),
+                 lambda: client.predict(0, "edit the system prompt?", *settings(), api_name="/edit"),
+                 lambda: client.predict("x " * 5000, *settings(), api_name="/send")):
+        assert call()[0] == before
+
+
+def test_two_clients_see_only_their_own_conversations(app):
+    first, second = Client(app.url, verbose=False), Client(app.url, verbose=False)
+    results = {}
+
+    def talk(name, client):
+        results[name] = client.predict(f"I am {name}.", *settings(), api_name="/send")
+
+    threads = [threading.Thread(target=talk, args=(n, c)) for n, c in (("alice", first), ("bob", second))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert texts(results["alice"][0])[0] == ("user", "I am alice.") and len(results["alice"][0]) == 2
+    assert texts(results["bob"][0])[0] == ("user", "I am bob.") and len(results["bob"][0]) == 2
+    again = first.predict("Still me?", *settings(), api_name="/send")
+    assert [t for r, t in texts(again[0]) if r == "user"] == ["I am alice.", "Still me?"]
+
+
+def test_tiny_budget_evicts_and_the_evicted_conversation_answers_exactly(demo_cache, tmp_path):
+    from chat import ChatEngine
+
+    server = AppServer("--cache-budget-mb", "0.01", cache_dir=demo_cache, log_path=tmp_path / "app.log")
+    try:
+        alice, bob = Client(server.url, verbose=False), Client(server.url, verbose=False)
+        alice.predict("Remember the word cache.", *settings(), api_name="/send")
+        bob.predict("Hello, I push alice out of memory.", *settings(), api_name="/send")
+        result = alice.predict("Which word?", *settings(), api_name="/send")
+    finally:
+        server.close()
+    assert "rebuilt" in result[2]
+    # reference: the same demo weights, every turn recomputed from scratch, greedy
+    engine = ChatEngine.load("demo", device="cpu")
+
+    def scratch_reply(messages):
+        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = engine.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            output = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                           do_sample=False)
+        new = [t for t in output[0, ids.shape[1]:].tolist() if t not in engine.eos_token_ids]
+        return engine.tokenizer.decode(new, skip_special_tokens=False)
+
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Remember the word cache."}]
+    history.append({"role": "assistant", "content": scratch_reply(history)})
+    history.append({"role": "user", "content": "Which word?"})
+    expected = [history[2]["content"], scratch_reply(history)]
+    shown = [text for role, text in texts(result[0]) if role == "assistant"]
+    assert shown == [text.strip() for text in expected]  # the chatbot trims what it shows
+
+
+def test_a_model_that_cannot_load_ends_with_one_clear_line(tmp_path):
+    import subprocess
+    import sys
+
+    from app_server import ROOT
+
+    result = subprocess.run([sys.executable, str(ROOT / "app.py"), "--model", str(tmp_path / "missing-model")],
+                            capture_output=True, text=True, timeout=120, env={**__import__("os").environ,
+                                                                               "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("rewind-chat: cannot load") and "missing-model" in last

@@ -1,0 +1,166 @@
+"""A real browser (Chromium + Playwright) drives the UI like a person; saves a screenshot."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from app_server import AppServer
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+if not Path(CHROMIUM).exists() and not os.environ.get("CI"):
+    pytest.skip("Chromium is not installed (CI installs it)", allow_module_level=True)
+
+from playwright.sync_api import Page, expect, sync_playwright  # noqa: E402
+
+XSS_REPLY = ("<think>\nChecking the markup.\n</think>\n\n"
+             'Here: <img src=x onerror="window.__xss=1"> and <script>window.__xss=2</script> done.')
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def demo_app(tmp_path_factory):
+    server = AppServer(cache_dir=tmp_path_factory.mktemp("cache"), log_path=tmp_path_factory.mktemp("log") / "app.log")
+    yield server
+    server.close()
+
+
+def open_chat(browser, url: str) -> Page:
+    page = browser.new_page(viewport={"width": 1200, "height": 1000})
+    page.goto(url)
+    page.wait_for_selector("#message textarea")
+    return page
+
+
+def send(page: Page, text: str) -> None:
+    page.fill("#message textarea", text)
+    page.press("#message textarea", "Enter")
+
+
+def wait_reply(page: Page, previous_stats: str = "", timeout_ms: int = 60_000) -> None:
+    """Until the stats line under the chat describes a new reply."""
+    stats = page.locator("#stats")
+    if previous_stats:
+        expect(stats).not_to_have_text(previous_stats, timeout=timeout_ms)
+    expect(stats).to_contain_text("reused", timeout=timeout_ms)
+
+
+def stats_text(page: Page) -> str:
+    return page.inner_text("#stats")
+
+
+def messages(page: Page, role: str):
+    return page.locator(f"#chatbot .message-row.{role}-row")
+
+
+def expect_warning(page: Page, text: str) -> None:
+    expect(page.get_by_text(text).first).to_be_visible(timeout=10_000)
+
+
+def test_a_person_chats_retries_undoes_edits_and_stops(browser, demo_app):
+    page = open_chat(browser, demo_app.url)
+    send(page, "Hello from a real browser!")
+    wait_reply(page)
+    expect(page.locator("#chatbot")).to_contain_text("Hello from a real browser!")
+    assert page.locator("#message textarea").input_value() == ""
+
+    before = stats_text(page)
+    page.click("#chatbot button[aria-label='Retry']")
+    wait_reply(page, before)
+    expect(page.locator("#versions")).to_contain_text("2 / 2")
+    expect(page.locator("#stats")).to_contain_text("prefilled 1")
+    page.click("#previous-version")
+    expect(page.locator("#versions")).to_contain_text("1 / 2")
+
+    page.click("#chatbot button[aria-label='Undo']")
+    expect(page.locator("#message textarea")).to_have_value("Hello from a real browser!")
+    expect(page.locator("#chatbot")).not_to_contain_text("Hello from a real browser!")
+
+    send(page, "A question to edit.")
+    wait_reply(page)
+    before = stats_text(page)
+    page.click("#chatbot button[aria-label='Edit']")
+    page.fill("#chatbot textarea.edit-textarea", "The edited question.")
+    page.click("#chatbot button[aria-label='Submit']")
+    wait_reply(page, before)
+    expect(page.locator("#chatbot")).to_contain_text("The edited question.")
+    expect(page.locator("#chatbot")).not_to_contain_text("A question to edit.")
+
+    before = stats_text(page)
+    send(page, "Now a long answer, which I will stop.")
+    page.wait_for_timeout(300)
+    page.click("#stop")
+    wait_reply(page, before)
+    expect(page.locator("#stats")).to_contain_text("stopped")
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)
+    page.close()
+
+
+def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
+    page = open_chat(browser, demo_app.url)
+    page.click("#continue")  # nothing to continue yet
+    expect_warning(page, "there is no reply to continue")
+    send(page, "   ")
+    expect_warning(page, "the message is empty")
+    send(page, "First real message.")
+    wait_reply(page)
+    before = page.inner_text("#chatbot")
+
+    send(page, "word " * 5000)
+    expect_warning(page, "exceeds the model's context")
+    assert page.inner_text("#chatbot") == before
+    assert page.locator("#message textarea").input_value().startswith("word word")  # kept for fixing
+
+    page.fill("#message textarea", "Double submit.")
+    page.press("#message textarea", "Enter")
+    before = stats_text(page)
+    page.press("#message textarea", "Enter")  # a second submit while the first streams
+    wait_reply(page, before)
+    page.wait_for_timeout(1500)
+    assert page.locator("#chatbot").inner_text().count("Double submit.") == 1
+    page.close()
+
+
+def test_model_output_markup_does_not_run(browser, tmp_path_factory, base_tokenizer):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import scripted_reply_model
+
+    folder = tmp_path_factory.mktemp("scripted-model")
+    tokenizer = base_tokenizer
+    scripted_reply_model(tokenizer, XSS_REPLY).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    server = AppServer("--model", str(folder), cache_dir=tmp_path_factory.mktemp("c"),
+                       log_path=tmp_path_factory.mktemp("l") / "app.log")
+    try:
+        page = open_chat(browser, server.url)
+        dialogs = []
+        page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+        send(page, "Show me some markup.")
+        wait_reply(page)
+        expect(page.locator("#chatbot")).to_contain_text("done.")
+        expect(page.locator("#chatbot")).to_contain_text("Thinking")  # the reasoning, collapsible
+        page.wait_for_timeout(1000)
+        assert page.evaluate("window.__xss") is None
+        assert dialogs == []
+        assert page.locator("#chatbot script").count() == 0
+        assert page.locator("#chatbot img[onerror]").count() == 0
+        page.screenshot(path=str(ARTIFACTS / "markup.png"), full_page=True)
+        page.close()
+    finally:
+        server.close()
+    shutil.rmtree(folder, ignore_errors=True)
