@@ -59,11 +59,15 @@ class CacheSession:
     # ---- the main path -----------------------------------------------------------------------
     def prepare(self, prompt_ids: Sequence[int], *, prefix_store: PrefixStore | None = None,
                 shared_prefix_length: int = 0) -> PrefillResult:
-        """Make the cache hold exactly `prompt_ids[:-1]`, reusing the longest exact prefix.
+        """Roll the cache back to the longest exact prefix of `prompt_ids`, and prefill.
 
-        The last prompt token is left for `generate` to feed: given a cache that covers the
-        whole input, `generate` would re-feed all of it. `shared_prefix_length` tokens of the
-        prompt (a system prompt) are shared through `prefix_store` with other sessions.
+        Afterwards the cache holds a prefix of `prompt_ids[:-1]` and `generate` feeds the rest:
+        at least the last token, since given a cache that covers the whole input `generate`
+        would re-feed all of it. Layers that need checkpoints are prefilled here up to the last
+        token, to checkpoint the generation start (where regenerate returns); full attention
+        alone leaves the whole prefill to `generate`, in one forward pass.
+        `shared_prefix_length` tokens of the prompt (a system prompt) are shared through
+        `prefix_store` with other sessions.
         """
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
@@ -87,9 +91,10 @@ class CacheSession:
                 if not prefix_store.has(self.token_ids):
                     prefix_store.add(self.cut_segment(0))
                 self._checkpoint_here()
-            self._forward(prompt_ids[len(self.token_ids) : -1])
-            self.token_ids = prompt_ids[:-1]
-            self._checkpoint_here()  # the generation start: regenerate rolls back to here
+            if self._uses_checkpoints:
+                self._forward(prompt_ids[len(self.token_ids) : -1])
+                self.token_ids = prompt_ids[:-1]
+                self._checkpoint_here()  # the generation start: regenerate rolls back to here
         except BaseException:
             self.invalidate()
             raise

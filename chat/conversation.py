@@ -206,14 +206,18 @@ class Conversation:
         with self._exclusive():
             if index == last.active:
                 return True
-            self._stash_reply_segment(last.reply)
-            last.active = index
-            self._revision += 1
-            segment = self.session.segments.get(last.reply.uid)
-            self._move_session_to_model()
-            restored = segment is not None and self.session.append_segment(segment)
-            self._offload_session()
-            return restored
+            return self._engine.worker.run(self._switch_version, last, index)
+
+    def _switch_version(self, last: _Entry, index: int) -> bool:
+        """On the compute thread: keep the shown reply's states, put back those of `index`."""
+        self._move_session_to_model()
+        self._stash_reply_segment(last.reply)
+        last.active = index
+        self._revision += 1
+        segment = self.session.segments.get(last.reply.uid)
+        restored = segment is not None and self.session.append_segment(segment)
+        self._offload_session()
+        return restored
 
     def stop(self) -> None:
         """End the running stream early; safe from any thread. The partial reply is kept."""
@@ -265,21 +269,18 @@ class Conversation:
         with self._exclusive():
             if plan.revision != self._revision:
                 raise ConversationBusyError("the conversation changed after this operation was planned")
-            self._move_session_to_model()
+            self._engine.worker.run(self._move_session_to_model)
             try:
                 yield from self._generate(plan)
             finally:
-                self._offload_session()
+                self._engine.worker.run(self._offload_session)
 
     def _generate(self, plan: _Plan) -> Iterator[Delta]:
         engine = self._engine
         self._stop.clear()
         started = time.perf_counter()
-        if self._is_regeneration(plan):
-            self._stash_reply_segment(self._entries[-1].reply)
-        prefill = self.session.prepare(plan.prompt_ids, prefix_store=engine.prefix_store,
-                                       shared_prefix_length=self._shared_prefix_length(plan))
-        run = GenerationRun(engine.model, self.session.cache, plan.prompt_ids, plan.options, self._stop)
+        prefill = engine.worker.run(self._prepare, plan)
+        run = GenerationRun(engine.model, self.session.cache, plan.prompt_ids, plan.options, self._stop, engine.worker)
         earlier_ids = self._last_reply().reply.reply_ids if plan.kind == "continue" else []
         decoder = IncrementalDecoder(engine.tokenizer, engine.eos_token_ids, context_ids=earlier_ids)
         splitter = ReasoningSplitter(starts_in_reasoning=plan.opens_reasoning)
@@ -301,6 +302,13 @@ class Conversation:
             stopped = not finished_stream or self._stop.is_set()
             self._record(plan, sequence, earlier_ids, stopped)
             self._record_stats(plan, sequence, started, prefill, run, stopped)
+
+    def _prepare(self, plan: _Plan) -> PrefillResult:
+        """On the compute thread: keep the reply being regenerated, then roll back and prefill."""
+        if self._is_regeneration(plan):
+            self._stash_reply_segment(self._entries[-1].reply)
+        return self.session.prepare(plan.prompt_ids, prefix_store=self._engine.prefix_store,
+                                    shared_prefix_length=self._shared_prefix_length(plan))
 
     def _record(self, plan: _Plan, sequence: list[int], earlier_ids: list[int], stopped: bool) -> None:
         engine = self._engine

@@ -53,8 +53,8 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on the fixed corpus and wrap it for transformers."""
+def build_tokenizer(vocab_size: int = 2048, corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on a fixed corpus (the demo's by default) and wrap it for transformers."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -64,7 +64,7 @@ def build_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(corpus if corpus is not None else _corpus(), trainer=trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",

@@ -16,6 +16,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from chat.worker import ModelWorker
+
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
@@ -120,10 +122,10 @@ class _StopWhenSet(StoppingCriteria):
 
 
 class GenerationRun:
-    """One `generate` call on a worker thread. Iterate `tokens()`, then read `sequence`."""
+    """One `generate` call on the model's compute thread. Iterate `tokens()`, then `finish()`."""
 
     def __init__(self, model: PreTrainedModel, cache: Any, prompt_ids: Sequence[int], options: GenerationOptions,
-                 stop_event: threading.Event):
+                 stop_event: threading.Event, worker: ModelWorker):
         self.stop_event = stop_event
         self.sequence: list[int] | None = None
         self.error: BaseException | None = None
@@ -142,8 +144,7 @@ class GenerationRun:
             **options.generate_kwargs(),
         )
         self._model = model
-        self._thread = threading.Thread(target=self._work, name="generate", daemon=True)
-        self._thread.start()
+        self._done = worker.submit(self._work)
 
     def _work(self) -> None:
         try:
@@ -172,7 +173,7 @@ class GenerationRun:
         """Stop early if still running, wait for the worker, and return the full sequence."""
         if not self.ended:  # the consumer left early: stop the model rather than let it run on
             self.stop_event.set()
-        self._thread.join()
+        self._done.result()
         if self.error is not None:
             raise self.error
         assert self.sequence is not None

@@ -13,6 +13,13 @@ from tiny_models import ARCHS, SLIDING_WINDOW
 PROMPT = list(range(30, 90))
 
 
+def hold(session: CacheSession, token_ids: list[int]) -> None:
+    """Make the session hold `token_ids`, as prepare + generate would leave it."""
+    session.prepare(token_ids + [5])
+    session._forward(token_ids[len(session.token_ids):])
+    session.token_ids = list(token_ids)
+
+
 def exact(session: CacheSession) -> bool:
     return cached_vs_scratch_logit_error(session.model, session.cache, session.token_ids, 7) < LOGIT_TOLERANCE
 
@@ -36,14 +43,18 @@ def test_unknown_layer_class_is_refused():
 @pytest.mark.parametrize("cut", [1, 5, 25, 59])
 def test_prepare_rolls_back_to_any_prefix_exactly(models, arch, cut):
     session = CacheSession(models[arch])
-    session.prepare(PROMPT + [5])
+    hold(session, PROMPT)
     assert exact(session)
-    result = session.prepare(PROMPT[:cut] + [11, 12, 13])
-    assert session.token_ids == PROMPT[:cut] + [11, 12]
+    prompt = PROMPT[:cut] + [11, 12, 13]
+    result = session.prepare(prompt)
+    held = session.token_ids
+    assert held == prompt[: len(held)] and len(held) < len(prompt)  # generate feeds the rest
     assert exact(session)
-    assert result.reused_tokens <= cut and result.prefilled_tokens == cut + 3 - result.reused_tokens
-    if arch == "full":
-        assert (result.rollback, result.reused_tokens) == ("crop", cut)
+    assert result.reused_tokens <= cut and result.prefilled_tokens == len(prompt) - result.reused_tokens
+    if arch == "full":  # crop is exact, and generate does the whole prefill in one forward
+        assert (result.rollback, result.reused_tokens, held) == ("crop", cut, PROMPT[:cut])
+    else:  # prefilled up to the generation start, to checkpoint it
+        assert held == prompt[:-1]
 
 
 def test_sliding_crop_only_inside_what_was_recorded(models):
