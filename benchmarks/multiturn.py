@@ -168,6 +168,10 @@ class Bench:
                 "naive": asdict(naive),
                 "floor": asdict(results["floor"][0]),
                 "same_reply": session_reply == naive_reply,
+                # reply tokens the cache held but the re-rendered prompt spells differently (decode
+                # then encode gives other ids): random weights emit non-canonical token sequences
+                "retokenized_tokens": len(before.token_ids) - common_prefix_length(
+                    before.token_ids, self.engine.template.render(conv.messages[:-1]).ids),
                 "peak_rss_bytes": peak_rss_bytes(),
             })
             print(f"turn {turn:2d}: history {conv.stats.prompt_tokens:5d} tokens · ttft session "
@@ -275,6 +279,7 @@ def plot(result: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     turns = [row["turn"] for row in result["turns"]]
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
@@ -287,6 +292,7 @@ def plot(result: dict, path: str) -> None:
     top.set_ylabel("time to first token (ms)")
     bottom.set_ylabel("prefilled tokens")
     bottom.set_xlabel("turn")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     for axis in (top, bottom):
         axis.grid(alpha=0.3)
         axis.legend()
@@ -300,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="a hub id or local folder instead of the built-in model")
     parser.add_argument("--thinking", action="store_true", help="replies open with a <think> block")
     parser.add_argument("--turns", type=int, default=18)
-    parser.add_argument("--message-words", type=int, default=60, help="about 100-150 tokens a message")
+    parser.add_argument("--message-words", type=int, default=70, help="about 100-150 tokens a message")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="a short run (under 2 minutes)")
@@ -339,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         "turns": bench.turns(conv, questions),
     }
     result.update(bench.operations(conv, words, args.message_words))
-    result["decode"] = bench.decode(conv, args.decode_tokens, repeats=2)
+    result["decode"] = bench.decode(conv, args.decode_tokens, repeats=3)
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["wall_s"] = time.perf_counter() - started
     result["targets"] = targets(result)

@@ -53,7 +53,15 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
 
 
 class CheckpointStore:
-    """Checkpoints ordered by position; the oldest is dropped past `max_checkpoints`."""
+    """Checkpoints ordered by position, at most `max_checkpoints` of them.
+
+    Past the limit, the checkpoint dropped is the one whose loss leaves the smallest gap between
+    its neighbours, never one of the newest `keep_newest`: recent turns stay finely covered (undo,
+    regenerate), older ones coarsely but to the start, so an edit far back re-prefills from a
+    nearby checkpoint instead of rebuilding everything.
+    """
+
+    keep_newest = 4
 
     def __init__(self, max_checkpoints: int):
         if max_checkpoints < 0:
@@ -75,7 +83,14 @@ class CheckpointStore:
             return
         self.drop_after(checkpoint.position - 1)
         self._checkpoints.append(checkpoint)
-        del self._checkpoints[: -self.max_checkpoints]
+        while len(self._checkpoints) > self.max_checkpoints:
+            del self._checkpoints[self._cheapest_to_drop()]
+
+    def _cheapest_to_drop(self) -> int:
+        count = len(self._checkpoints)
+        protected = min(self.keep_newest, count - 1)  # the newest always stays
+        positions = [0] + self.positions()  # dropping i merges positions[i]..positions[i + 2]
+        return min(range(count - protected), key=lambda i: positions[i + 2] - positions[i])
 
     def has(self, position: int) -> bool:
         return any(checkpoint.position == position for checkpoint in self._checkpoints)

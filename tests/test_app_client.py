@@ -69,6 +69,13 @@ def test_send_streams_and_every_button_works(client):
     assert cleared[0] == []
 
 
+def test_changing_the_system_prompt_starts_a_new_conversation(client):
+    client.predict("Under the first system prompt.", *settings(), api_name="/send")
+    other = ["You are a pirate."] + settings()[1:]
+    result = client.predict("Under the second one.", *other, api_name="/send")
+    assert [text for role, text in texts(result[0]) if role == "user"] == ["Under the second one."]
+
+
 def test_stop_keeps_the_partial_reply(client):
     job = client.submit("Write a very long story.", *settings(max_new_tokens=512), api_name="/send")
     while len(job.outputs()) < 3:

@@ -109,6 +109,15 @@ def test_a_person_chats_retries_undoes_edits_and_stops(browser, demo_app):
     page.close()
 
 
+def test_an_example_starts_a_conversation(browser, demo_app):
+    page = open_chat(browser, demo_app.url)
+    page.get_by_text("Write a haiku about rolling back time.").click()
+    wait_reply(page)
+    expect(messages(page, "user")).to_have_count(1)
+    expect(page.locator("#chatbot")).to_contain_text("Write a haiku about rolling back time.")
+    page.close()
+
+
 def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
     page = open_chat(browser, demo_app.url)
     page.click("#continue")  # nothing to continue yet

@@ -113,7 +113,17 @@ def test_cache_bytes_count_checkpoints(models):
     assert session.nbytes() >= cache_only + checkpoint_bytes
 
 
-def test_checkpoint_store_keeps_the_newest_and_forgets_replaced_positions():
+def test_checkpoint_store_keeps_recent_ones_dense_and_old_ones_spread():
+    store = CheckpointStore(max_checkpoints=6)
+    for position in range(10, 400, 10):
+        store.add(Checkpoint(position, []))
+    positions = store.positions()
+    assert len(positions) == 6 and positions[-4:] == [360, 370, 380, 390]  # the newest four
+    gaps = [b - a for a, b in zip([0] + positions, positions[:3])]
+    assert max(gaps) <= 2 * min(gaps)  # the older ones spread evenly back towards the start
+
+
+def test_checkpoint_store_forgets_replaced_positions():
     store = CheckpointStore(max_checkpoints=2)
     for position in (10, 20, 30):
         store.add(Checkpoint(position, [torch.zeros(1)]))

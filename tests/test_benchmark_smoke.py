@@ -1,0 +1,23 @@
+"""The benchmark runs end to end (a tiny run: no timing is asserted, only its bookkeeping)."""
+
+import json
+
+from benchmarks.multiturn import main
+
+
+def test_multiturn_benchmark_writes_the_documented_fields(tmp_path):
+    out = tmp_path / "result.json"
+    main(["--turns", "3", "--message-words", "12", "--max-new-tokens", "4", "--decode-tokens", "6",
+          "--json", str(out), "--plot", str(tmp_path / "plot.png")])
+    result = json.loads(out.read_text())
+    assert {"config", "turns", "regenerate", "decode", "undo_send", "edit", "targets"} <= set(result)
+    assert [row["turn"] for row in result["turns"]] == [1, 2, 3]
+    for row in result["turns"]:
+        assert {"ttft_s", "prefilled_tokens"} <= set(row["session"]) & set(row["naive"]) & set(row["floor"])
+        assert row["same_reply"]  # session and naive generate the same greedy tokens
+        assert row["session"]["prefilled_tokens"] == row["floor"]["prefilled_tokens"]  # no wasted prefill
+    later = result["turns"][1:]
+    assert all(row["session"]["prefilled_tokens"] < row["naive"]["prefilled_tokens"] for row in later)
+    assert result["regenerate"]["session_prefilled_tokens"] == 1
+    assert {"session_tokens_per_s", "bare_tokens_per_s"} <= set(result["decode"])
+    assert (tmp_path / "plot.png").stat().st_size > 0
