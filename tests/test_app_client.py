@@ -77,9 +77,12 @@ def test_changing_the_system_prompt_starts_a_new_conversation(client):
 
 
 def test_stop_keeps_the_partial_reply(client):
+    import time
+
     job = client.submit("Write a very long story.", *settings(max_new_tokens=512), api_name="/send")
-    while len(job.outputs()) < 3:
-        pass
+    deadline = time.monotonic() + 60
+    while len(job.outputs()) < 3 and not job.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
     client.predict(api_name="/stop")
     final = job.result()
     assert "stopped" in final[2]
