@@ -382,7 +382,8 @@ class Conversation:
     def _shared_prefix_length(self, plan: _Plan) -> int:
         """Tokens of the system prompt turn, when the template renders it as a prompt prefix."""
         engine = self._engine
-        if engine.prefix_store is None or not plan.history or plan.history[0].role != "system":
+        if (engine.prefix_store is None or not engine.template.accepts_system or not plan.history
+                or plan.history[0].role != "system"):
             return 0
         prefix = engine.template.render_history([plan.history[0].message()])
         return len(prefix) if plan.prompt_ids[: len(prefix)] == prefix else 0

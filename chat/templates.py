@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
+
+from chat.errors import ConversationError
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -29,29 +32,49 @@ class ChatTemplate:
         self.source: str = source
         # Templates such as Qwen3's read `reasoning_content`; the others get reasoning stripped.
         self.reads_reasoning_content = "reasoning_content" in source
+        self.accepts_system = self._accepts_system()
+
+    def _accepts_system(self) -> bool:
+        """Some templates (Gemma's) raise on a system message; theirs goes into the first user turn."""
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        try:
+            self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
+                                               chat_template=self.source)
+            return True
+        except TemplateError:
+            return False
 
     def template_messages(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """What the template expects: reasoning as a field where it reads one, else dropped."""
         converted = []
+        system = None
         for message in messages:
+            if message["role"] == "system" and not self.accepts_system:
+                system = message["content"]
+                continue
             item = {"role": message["role"], "content": message["content"]}
             reasoning = message.get("reasoning_content")
             if message["role"] == "assistant" and reasoning and self.reads_reasoning_content:
                 item["reasoning_content"] = reasoning
+            if system is not None and message["role"] == "user":
+                item["content"], system = f"{system}\n\n{item['content']}", None
             converted.append(item)
         return converted
 
     def _render_text(self, messages: Sequence[dict[str, Any]], *, continue_final: bool, add_generation_prompt: bool,
                      enable_thinking: bool | None) -> str:
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        return self.tokenizer.apply_chat_template(
-            self.template_messages(messages),
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final,
-            continue_final_message=continue_final,
-            chat_template=self.source,
-            **extra,
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                self.template_messages(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final,
+                continue_final_message=continue_final,
+                chat_template=self.source,
+                **extra,
+            )
+        except TemplateError as error:  # the template's own rule (roles must alternate, ...)
+            raise ConversationError(f"the model's chat template refused this history: {error}") from error
 
     def render_history(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Token ids of `messages` alone, without a generation prompt (e.g. a system turn)."""

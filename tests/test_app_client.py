@@ -93,6 +93,8 @@ def test_stop_keeps_the_partial_reply(client):
 
 
 def test_bad_input_changes_nothing(client):
+    assert client.predict(*settings(), api_name="/regenerate")[0] == []  # retry with no reply: a warning
+    assert client.predict(*settings(), api_name="/continue")[0] == []
     client.predict("A question.", *settings(), api_name="/send")
     before = client.predict(*settings(), api_name="/next_version")[0]  # a no-op read of the chat
     for call in (lambda: client.predict("   ", *settings(), api_name="/send"),

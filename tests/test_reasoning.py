@@ -5,7 +5,7 @@ import pytest
 from chat.reasoning import ReasoningSplitter
 from chat.templates import ChatTemplate
 from conftest import THINKING_TEMPLATE, tokenizer_with_template
-from reference import check_exact
+from reference import cached_vs_scratch_logit_error, check_exact, render_ids, scratch_greedy_reply
 from tiny_models import ARCHS
 
 
@@ -122,3 +122,26 @@ def test_think_block_is_split_stored_apart_and_dropped_from_history_exactly(mode
         list(operation())
         check_exact(conv, model, tokenizer, max_new_tokens=10)
         assert conv.messages[-1]["reasoning_content"] == " reason"
+
+
+def test_template_without_a_system_role_gets_it_in_the_first_user_turn(models, base_tokenizer):
+    """Gemma's template raises on a system message: it goes into the first user message instead."""
+    from chat import ChatEngine
+
+    tokenizer = tokenizer_with_template(base_tokenizer, "gemma")
+    engine = ChatEngine(models["mixed"], tokenizer)
+    assert not engine.template.accepts_system
+    conv = engine.conversation("Answer in French.")
+    list(conv.send("Hello?", max_new_tokens=8, do_sample=False))
+    assert conv.messages[0] == {"role": "system", "content": "Answer in French."}
+    assert "<start_of_turn>user\nAnswer in French.\n\nHello?" in engine.template.render(conv.messages[:-1]).text
+    list(conv.send("Again?", max_new_tokens=8, do_sample=False))
+    list(conv.regenerate(max_new_tokens=8, do_sample=False))
+    assert conv.stats.prefilled_tokens == 1
+    # exact against the same merged history rendered by the template itself, from scratch
+    merged = [{"role": "user", "content": "Answer in French.\n\nHello?"}] + conv.messages[2:]
+    for message in merged:
+        message.pop("reasoning_content", None)
+    prompt = render_ids(tokenizer, merged[:-1])
+    assert conv.reply_ids == scratch_greedy_reply(models["mixed"], prompt, 8, {tokenizer.eos_token_id})
+    assert cached_vs_scratch_logit_error(models["mixed"], conv.session.cache, conv.session.token_ids, 7) < 1e-4
