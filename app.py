@@ -22,7 +22,9 @@ from chat import (
     ConversationError,
     ModelLoadError,
 )
+from chat import remote
 from chat.conversation import ReplyStream
+from chat.remote import RemoteOperation
 
 try:  # Hugging Face ZeroGPU: generation must run inside `spaces.GPU`
     import spaces
@@ -36,11 +38,6 @@ EXAMPLES = [
     "What is 17 * 23? Think it through.",
 ]
 THINKING_TITLE = "Thinking"
-
-
-def gpu(function):
-    """`spaces.GPU` on ZeroGPU, else nothing."""
-    return spaces.GPU(duration=120)(function) if ON_ZERO_GPU else function
 
 
 def env(name: str, default: Any) -> Any:
@@ -73,6 +70,7 @@ class BrowserChat:
 
     conversation: Conversation
     thinking_seconds: dict[int, float] = field(default_factory=dict)
+    running: Any = None  # the operation streaming now, to stop it
 
     @property
     def session(self):
@@ -121,9 +119,12 @@ def stats_line(chat: BrowserChat) -> str:
 
 class ChatApp:
     def __init__(self, engine: ChatEngine, manager: SessionManager, *, max_new_tokens: int = 512,
-                 model_label: str = "model"):
+                 model_label: str = "model", runner: Any = None):
+        """`runner`: on ZeroGPU, `spaces.GPU(chat.remote.run_operation)`; operations then run in
+        its worker process (see chat/remote.py). None: they run here."""
         self.engine = engine
         self.model_label = model_label
+        self.runner = runner
         self.manager = manager
         self.max_new_tokens = max_new_tokens
 
@@ -142,6 +143,15 @@ class ChatApp:
             chat = BrowserChat(self.engine.conversation(settings.system_prompt.strip() or None))
             key = self.manager.open(chat)
         return key, chat
+
+    def start(self, chat: BrowserChat, operation: str, *args: Any, **kwargs: Any) -> Any:
+        """Plan `operation` on the conversation (bad input raises now) and return its stream."""
+        if self.runner is None:
+            stream = getattr(chat.conversation, operation)(*args, **kwargs)
+        else:
+            stream = RemoteOperation(chat.conversation, self.engine, self.runner, operation, *args, **kwargs)
+        chat.running = stream
+        return stream
 
     # ---- display ---------------------------------------------------------------------------------
     def display(self, chat: BrowserChat, upto: int | None = None) -> tuple[list[dict], list[int]]:
@@ -178,7 +188,7 @@ class ChatApp:
         )
 
     # ---- streaming -------------------------------------------------------------------------------
-    def stream(self, key: str, chat: BrowserChat, stream: ReplyStream, base: list[dict],
+    def stream(self, key: str, chat: BrowserChat, stream: ReplyStream | RemoteOperation, base: list[dict],
                reasoning: str = "", answer: str = "") -> Iterator[tuple]:
         """Show the reply as it streams: reasoning in a collapsible message, then the answer."""
         started = time.perf_counter()
@@ -220,7 +230,7 @@ class ChatApp:
             return
         conv = chat.conversation
         try:
-            stream = conv.send(text, fit_context=True, **settings.options())
+            stream = self.start(chat, "send", text, fit_context=True, **settings.options())
         except (ConversationError, ConversationBusyError, TypeError) as error:
             gr.Warning(_why(error))
             yield self.outputs(key, chat)  # the message stays in the box
@@ -236,7 +246,7 @@ class ChatApp:
         key, chat = self._chat(key, self._settings(settings_values))
         conv = chat.conversation
         try:
-            stream = conv.regenerate(**self._settings(settings_values).options())
+            stream = self.start(chat, "regenerate", **self._settings(settings_values).options())
         except (ConversationError, ConversationBusyError) as error:
             gr.Warning(_why(error))
             yield self.outputs(key, chat)
@@ -248,7 +258,7 @@ class ChatApp:
         key, chat = self._chat(key, self._settings(settings_values))
         conv = chat.conversation
         try:
-            stream = conv.continue_reply(**self._settings(settings_values).options())
+            stream = self.start(chat, "continue_reply", **self._settings(settings_values).options())
         except (ConversationError, ConversationBusyError) as error:
             gr.Warning(_why(error))
             yield self.outputs(key, chat)
@@ -261,7 +271,7 @@ class ChatApp:
         key, chat = self._chat(key, self._settings(settings_values))
         conv = chat.conversation
         try:
-            stream = conv.edit(int(index), text, **self._settings(settings_values).options())
+            stream = self.start(chat, "edit", int(index), text, **self._settings(settings_values).options())
         except (ConversationError, ConversationBusyError, ValueError, TypeError) as error:
             gr.Warning(_why(error))
             yield self.outputs(key, chat)
@@ -299,6 +309,8 @@ class ChatApp:
     def stop(self, key: str | None) -> None:
         chat = self.manager.get(key)
         if chat is not None:
+            if isinstance(chat.running, RemoteOperation):
+                chat.running.stop()
             chat.conversation.stop()
 
     def clear(self, key: str | None, *settings_values: Any) -> tuple:
@@ -395,29 +407,29 @@ class ChatApp:
             generating = dict(concurrency_id="generate")  # shares the queue's default concurrency limit
             control = dict(queue=False)
             for trigger in (textbox.submit, send.click):
-                trigger(gpu(self.send), [textbox, key, *settings], outputs, api_name="send" if trigger == send.click
+                trigger(self.send, [textbox, key, *settings], outputs, api_name="send" if trigger == send.click
                         else False, **generating)
             private = dict(api_visibility="private")
-            chatbot.retry(gpu(self.on_retry), [key, *settings], outputs, api_name="chatbot_retry", **private,
+            chatbot.retry(self.on_retry, [key, *settings], outputs, api_name="chatbot_retry", **private,
                           **generating)
             chatbot.undo(self.on_undo, [key, *settings], outputs, api_name="chatbot_undo", **private)
-            chatbot.edit(gpu(self.on_edit), [key, *settings], outputs, api_name="chatbot_edit", **private, **generating)
-            chatbot.example_select(gpu(self.on_example), [key, *settings], outputs, api_name="chatbot_example",
+            chatbot.edit(self.on_edit, [key, *settings], outputs, api_name="chatbot_edit", **private, **generating)
+            chatbot.example_select(self.on_example, [key, *settings], outputs, api_name="chatbot_example",
                                    **private, **generating)
             chatbot.clear(self.clear, [key, *settings], outputs, api_name="chatbot_clear", api_visibility="private")
-            continue_button.click(gpu(self.continue_reply), [key, *settings], outputs, api_name="continue", **generating)
-            previous_version.click(gpu(lambda k, *s: self.select_version(-1, k, *s)), [key, *settings], outputs,
+            continue_button.click(self.continue_reply, [key, *settings], outputs, api_name="continue", **generating)
+            previous_version.click(lambda k, *s: self.select_version(-1, k, *s), [key, *settings], outputs,
                                    api_name="previous_version")
-            next_version.click(gpu(lambda k, *s: self.select_version(1, k, *s)), [key, *settings], outputs,
+            next_version.click(lambda k, *s: self.select_version(1, k, *s), [key, *settings], outputs,
                                api_name="next_version")
             new_chat.click(self.clear, [key, *settings], outputs, api_name="clear")
             stop.click(self.stop, [key], None, api_name="stop", **control)
             # API twins of the chatbot's own events (which need browser event data)
             api_regenerate = gr.Button(visible=False)
-            api_regenerate.click(gpu(self.regenerate), [key, *settings], outputs, api_name="regenerate", **generating)
+            api_regenerate.click(self.regenerate, [key, *settings], outputs, api_name="regenerate", **generating)
             api_undo = gr.Button(visible=False)
             api_undo.click(self.undo, [key, *settings], outputs, api_name="undo")
-            api_edit.click(gpu(self.edit), [edit_index, edit_text, key, *settings], outputs, api_name="edit",
+            api_edit.click(self.edit, [edit_index, edit_text, key, *settings], outputs, api_name="edit",
                            **generating)
         return demo
 
@@ -442,8 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = "cuda" if ON_ZERO_GPU else args.device
     try:
+        # On ZeroGPU each call runs in a worker process: caches live on the CPU between calls, and
+        # shared prefixes (kept inside a worker) are off.
         engine = ChatEngine.load(args.model, device=device, dtype=args.dtype, max_checkpoints=args.max_checkpoints,
-                                 offload_sessions=ON_ZERO_GPU)
+                                 offload_sessions=ON_ZERO_GPU, shared_prefixes=0 if ON_ZERO_GPU else 8)
     except ModelLoadError as error:
         print(f"rewind-chat: {error}", file=sys.stderr)
         return 1
@@ -454,7 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         prefix_store=engine.prefix_store,
     )
     label = "`demo` (a tiny untrained model: random text)" if args.model == "demo" else f"`{args.model}`"
-    demo = ChatApp(engine, manager, max_new_tokens=args.max_new_tokens, model_label=label).build()
+    runner = None
+    if ON_ZERO_GPU:
+        remote.ENGINE = engine
+        runner = spaces.GPU(duration=120)(remote.run_operation)
+    demo = ChatApp(engine, manager, max_new_tokens=args.max_new_tokens, model_label=label, runner=runner).build()
     demo.queue(default_concurrency_limit=args.concurrency, max_size=256)
     demo.launch(server_name=args.host, server_port=args.port)
     return 0

@@ -56,6 +56,12 @@ class CacheSession:
         self.checkpoints = CheckpointStore(self.max_checkpoints if self._uses_checkpoints else 0)
         self.token_ids = []
 
+    def __getstate__(self) -> dict:
+        """Pickled without its model (a session crosses to a GPU worker process and back)."""
+        state = self.__dict__.copy()
+        state["model"] = None
+        return state
+
     # ---- the main path -----------------------------------------------------------------------
     def prepare(self, prompt_ids: Sequence[int], *, prefix_store: PrefixStore | None = None,
                 shared_prefix_length: int = 0) -> PrefillResult:

@@ -126,6 +126,34 @@ class Conversation:
         self._stop = threading.Event()
         self._revision = 0
 
+    # ---- moving between processes (ZeroGPU runs each call in a forked worker) ---------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the engine, locks and events: a conversation travels without its model."""
+        state = self.__dict__.copy()
+        for name in ("_engine", "_lock", "_stop"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._engine = None  # type: ignore[assignment]  # attach() gives it one
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def attach(self, engine: "ChatEngine") -> None:
+        """Serve this conversation with `engine` (after it crossed a process boundary)."""
+        self._engine = engine
+        self.session.model = engine.model
+
+    def take_state_of(self, other: "Conversation", engine: "ChatEngine") -> None:
+        """Become `other` (the same conversation, updated in a worker process)."""
+        self.__dict__.update(other.__getstate__())
+        self.attach(engine)
+
+    def exclusive(self) -> "_Exclusive":
+        """Hold the conversation for an operation run elsewhere; concurrent ones are refused."""
+        return self._exclusive()
+
     # ---- read-only views -------------------------------------------------------------------
     @property
     def messages(self) -> list[Message]:
@@ -209,15 +237,13 @@ class Conversation:
             return self._engine.worker.run(self._switch_version, last, index)
 
     def _switch_version(self, last: _Entry, index: int) -> bool:
-        """On the compute thread: keep the shown reply's states, put back those of `index`."""
-        self._move_session_to_model()
+        """On the compute thread: keep the shown reply's states, put back those of `index`.
+        No forward pass: this works wherever the cache lies, on the CPU between ZeroGPU calls too."""
         self._stash_reply_segment(last.reply)
         last.active = index
         self._revision += 1
         segment = self.session.segments.get(last.reply.uid)
-        restored = segment is not None and self.session.append_segment(segment)
-        self._offload_session()
-        return restored
+        return segment is not None and self.session.append_segment(segment)
 
     def stop(self) -> None:
         """End the running stream early; safe from any thread. The partial reply is kept."""

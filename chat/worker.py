@@ -10,6 +10,7 @@ the request that asked for it.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -22,8 +23,15 @@ class ModelWorker:
     def __init__(self, threads: int = 1, name: str = "model"):
         if threads < 1:
             raise ValueError("a model worker needs at least one thread")
+        self._count, self._name = threads, name
+        self._start()
+        # A forked child (a ZeroGPU worker) inherits this object but none of its threads.
+        os.register_at_fork(after_in_child=self._start)
+
+    def _start(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        self._threads = [threading.Thread(target=self._loop, name=f"{self._name}-{i}", daemon=True)
+                         for i in range(self._count)]
         for thread in self._threads:
             thread.start()
 
