@@ -205,10 +205,8 @@ class ChatApp:
                             thought_for = time.perf_counter() - thinking_since
                         answer += delta.text
                     yield self.outputs(key, chat, base + _reply_messages(reasoning, answer, thought_for))
-        except ConversationBusyError as error:
-            gr.Warning(str(error))
-        except ConversationError as error:
-            gr.Warning(str(error))
+        except (ConversationBusyError, ConversationError) as error:
+            gr.Warning(_why(error))
         except Exception as error:  # the model failed: the conversation is intact, say so
             gr.Warning(f"Generation failed: {error}")
         last = len(chat.conversation.messages) - 1
@@ -228,7 +226,6 @@ class ChatApp:
             gr.Warning(str(error))
             yield (gr.skip(),) * 7
             return
-        conv = chat.conversation
         try:
             stream = self.start(chat, "send", text, fit_context=True, **settings.options())
         except (ConversationError, ConversationBusyError, TypeError) as error:
@@ -269,7 +266,6 @@ class ChatApp:
 
     def edit(self, index: int, text: str, key: str | None, *settings_values: Any) -> Iterator[tuple]:
         key, chat = self._chat(key, self._settings(settings_values))
-        conv = chat.conversation
         try:
             stream = self.start(chat, "edit", int(index), text, **self._settings(settings_values).options())
         except (ConversationError, ConversationBusyError, ValueError, TypeError) as error:

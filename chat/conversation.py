@@ -7,7 +7,6 @@ the new prompt diverges, prefill the rest, stream the reply, record it.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import threading
 import time
