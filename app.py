@@ -38,6 +38,7 @@ EXAMPLES = [
     "What is 17 * 23? Think it through.",
 ]
 THINKING_TITLE = "Thinking"
+GENERATING = "generating… (Stop ends it and keeps what was written)"
 
 
 def env(name: str, default: Any) -> Any:
@@ -111,9 +112,9 @@ def stats_line(chat: BrowserChat) -> str:
     if stats.shared_prefix_tokens:
         parts.append(f"{stats.shared_prefix_tokens} from the shared system prompt")
     if stats.rebuilt:
-        parts.append("♻️ **rebuilt** (this conversation's cache had been freed)")
+        parts.append("**rebuilt**: this conversation's cache had been freed")
     if stats.stopped:
-        parts.append("⏹ stopped")
+        parts.append("stopped")
     return " · ".join(parts)
 
 
@@ -172,7 +173,8 @@ class ChatApp:
                 index_of.append(index)
         return shown, index_of
 
-    def outputs(self, key: str, chat: BrowserChat, shown: list[dict] | None = None, textbox: Any = None) -> tuple:
+    def outputs(self, key: str, chat: BrowserChat, shown: list[dict] | None = None, textbox: Any = None,
+                status: str | None = None) -> tuple:
         if shown is None:
             shown = self.display(chat)[0]
         active, count = chat.conversation.versions
@@ -181,7 +183,7 @@ class ChatApp:
             shown,
             gr.skip() if textbox is None else textbox,
             key,
-            stats_line(chat),
+            stats_line(chat) if status is None else status,
             gr.update(value=label, visible=count > 1),
             gr.update(visible=count > 1, interactive=active > 0),
             gr.update(visible=count > 1, interactive=active < count - 1),
@@ -204,7 +206,8 @@ class ChatApp:
                         if thinking_since and thought_for is None:
                             thought_for = time.perf_counter() - thinking_since
                         answer += delta.text
-                    yield self.outputs(key, chat, base + _reply_messages(reasoning, answer, thought_for))
+                    yield self.outputs(key, chat, base + _reply_messages(reasoning, answer, thought_for),
+                                       status=GENERATING)
         except (ConversationBusyError, ConversationError) as error:
             gr.Warning(_why(error))
         except Exception as error:  # the model failed: the conversation is intact, say so
@@ -236,7 +239,7 @@ class ChatApp:
             gr.Warning(f"The conversation was too long for the model's context: the {stream.dropped_turns} "
                        "oldest turn(s) were dropped (the system prompt is kept).")
         base = self.display(chat)[0]
-        yield self.outputs(key, chat, base + [{"role": "user", "content": text}], textbox="")
+        yield self.outputs(key, chat, base + [{"role": "user", "content": text}], textbox="", status=GENERATING)
         yield from self.stream(key, chat, stream, base + [{"role": "user", "content": text}])
 
     def regenerate(self, key: str | None, *settings_values: Any) -> Iterator[tuple]:
@@ -274,7 +277,7 @@ class ChatApp:
             return
         chat.thinking_seconds = {i: s for i, s in chat.thinking_seconds.items() if i < int(index)}
         base = self.display(chat, int(index))[0] + [{"role": "user", "content": text}]
-        yield self.outputs(key, chat, base)
+        yield self.outputs(key, chat, base, status=GENERATING)
         yield from self.stream(key, chat, stream, base)
 
     def undo(self, key: str | None, *settings_values: Any) -> tuple:

@@ -1,6 +1,7 @@
 """A real browser (Chromium + Playwright) drives the UI like a person; saves a screenshot."""
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -43,17 +44,20 @@ def open_chat(browser, url: str) -> Page:
     return page
 
 
-def send(page: Page, text: str) -> None:
+def send(page: Page, text: str) -> str:
+    """Type and press Enter; returns the stats line from before, for `wait_reply`."""
+    before = stats_text(page)
     page.fill("#message textarea", text)
     page.press("#message textarea", "Enter")
+    return before
 
 
-def wait_reply(page: Page, previous_stats: str = "", timeout_ms: int = 60_000) -> None:
-    """Until the stats line under the chat describes a new reply."""
+def wait_reply(page: Page, previous_stats: str, timeout_ms: int = 60_000) -> None:
+    """Until the stats line describes a reply newer than `previous_stats` (not one streaming)."""
     stats = page.locator("#stats")
-    if previous_stats:
-        expect(stats).not_to_have_text(previous_stats, timeout=timeout_ms)
-    expect(stats).to_contain_text("reused", timeout=timeout_ms)
+    expect(stats).not_to_have_text(previous_stats, timeout=timeout_ms)
+    # the final line starts with "reused"; while busy, Gradio's own timer text comes first
+    expect(stats).to_have_text(re.compile(r"^\s*reused"), timeout=timeout_ms)
 
 
 def stats_text(page: Page) -> str:
@@ -70,8 +74,7 @@ def expect_warning(page: Page, text: str) -> None:
 
 def test_a_person_chats_retries_undoes_edits_and_stops(browser, demo_app):
     page = open_chat(browser, demo_app.url)
-    send(page, "Hello from a real browser!")
-    wait_reply(page)
+    wait_reply(page, send(page, "Hello from a real browser!"))
     expect(page.locator("#chatbot")).to_contain_text("Hello from a real browser!")
     assert page.locator("#message textarea").input_value() == ""
 
@@ -87,8 +90,7 @@ def test_a_person_chats_retries_undoes_edits_and_stops(browser, demo_app):
     expect(page.locator("#message textarea")).to_have_value("Hello from a real browser!")
     expect(page.locator("#chatbot")).not_to_contain_text("Hello from a real browser!")
 
-    send(page, "A question to edit.")
-    wait_reply(page)
+    wait_reply(page, send(page, "A question to edit."))
     before = stats_text(page)
     page.click("#chatbot button[aria-label='Edit']")
     page.fill("#chatbot textarea.edit-textarea", "The edited question.")
@@ -97,12 +99,12 @@ def test_a_person_chats_retries_undoes_edits_and_stops(browser, demo_app):
     expect(page.locator("#chatbot")).to_contain_text("The edited question.")
     expect(page.locator("#chatbot")).not_to_contain_text("A question to edit.")
 
-    before = stats_text(page)
-    send(page, "Now a long answer, which I will stop.")
-    page.wait_for_timeout(300)
+    before = send(page, "Now a long answer, which I will stop.")
+    expect(page.locator("#stats")).to_contain_text("generating")
     page.click("#stop")
     wait_reply(page, before)
     expect(page.locator("#stats")).to_contain_text("stopped")
+    expect(page.locator("#chatbot")).to_contain_text("Now a long answer, which I will stop.")
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)
@@ -111,8 +113,9 @@ def test_a_person_chats_retries_undoes_edits_and_stops(browser, demo_app):
 
 def test_an_example_starts_a_conversation(browser, demo_app):
     page = open_chat(browser, demo_app.url)
+    before = stats_text(page)
     page.get_by_text("Write a haiku about rolling back time.").click()
-    wait_reply(page)
+    wait_reply(page, before)
     expect(messages(page, "user")).to_have_count(1)
     expect(page.locator("#chatbot")).to_contain_text("Write a haiku about rolling back time.")
     page.close()
@@ -124,8 +127,7 @@ def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
     expect_warning(page, "there is no reply to continue")
     send(page, "   ")
     expect_warning(page, "the message is empty")
-    send(page, "First real message.")
-    wait_reply(page)
+    wait_reply(page, send(page, "First real message."))
     before = page.inner_text("#chatbot")
 
     send(page, "word " * 5000)
@@ -159,8 +161,7 @@ def test_model_output_markup_does_not_run(browser, tmp_path_factory, base_tokeni
         page = open_chat(browser, server.url)
         dialogs = []
         page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
-        send(page, "Show me some markup.")
-        wait_reply(page)
+        wait_reply(page, send(page, "Show me some markup."))
         expect(page.locator("#chatbot")).to_contain_text("done.")
         expect(page.locator("#chatbot")).to_contain_text("Thinking")  # the reasoning, collapsible
         page.wait_for_timeout(1000)
