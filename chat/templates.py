@@ -53,9 +53,10 @@ class ChatTemplate:
                 system = message["content"]
                 continue
             item = {"role": message["role"], "content": message["content"]}
-            reasoning = message.get("reasoning_content")
-            if message["role"] == "assistant" and reasoning and self.reads_reasoning_content:
-                item["reasoning_content"] = reasoning
+            if message["role"] == "assistant" and self.reads_reasoning_content:
+                # Always given, "" included: it tells the template the content is literal answer
+                # text (Qwen3's would otherwise split a stray "</think>" out of it).
+                item["reasoning_content"] = message.get("reasoning_content") or ""
             if system is not None and message["role"] == "user":
                 item["content"], system = f"{system}\n\n{item['content']}", None
             converted.append(item)

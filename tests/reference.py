@@ -39,9 +39,13 @@ def scratch_greedy_reply(model, prompt_ids: list[int], max_new_tokens: int, eos_
     return reply
 
 
-def check_exact(conv, model, tokenizer, *, max_new_tokens: int, enable_thinking=None, stopped: bool = False,
-                generated: bool = True) -> None:
-    """The three checks of the issue after an operation: (a) states, (b) greedy reply, (c) stats."""
+def check_exact(conv, model, tokenizer, *, max_new_tokens: int | None, enable_thinking=None, stopped: bool = False,
+                generated: bool = True, continued_from: int = 0) -> None:
+    """The three checks of the issue after an operation: (a) states, (b) greedy reply, (c) stats.
+
+    `stopped`: the reply is a prefix of the greedy one (cut short, or continued: then
+    `max_new_tokens=None` compares with as many greedy tokens as the reply has).
+    `continued_from`: reply tokens the last operation continued (its prompt ended with them)."""
     session = conv.session
     # (a) the cached states are those of a from-scratch forward over the ledger
     if session.token_ids:
@@ -52,7 +56,8 @@ def check_exact(conv, model, tokenizer, *, max_new_tokens: int, enable_thinking=
         return
     # (b) the reply is what greedy generate gives from scratch on the re-rendered prompt
     prompt_ids = render_ids(tokenizer, messages[:-1], enable_thinking=enable_thinking)
-    expected = scratch_greedy_reply(model, prompt_ids, max_new_tokens, {tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    length = max_new_tokens if max_new_tokens is not None else len(conv.reply_ids)
+    expected = scratch_greedy_reply(model, prompt_ids, max(length, 1), {tokenizer.convert_tokens_to_ids("<|im_end|>")})
     if stopped:
         assert conv.reply_ids == expected[: len(conv.reply_ids)]
     else:
@@ -60,5 +65,5 @@ def check_exact(conv, model, tokenizer, *, max_new_tokens: int, enable_thinking=
     if not generated:  # undo: the stats describe an earlier operation
         return
     # (c) nothing reused was prefilled again, nothing prefilled was counted as reused
-    assert conv.stats.prompt_tokens == len(prompt_ids)
-    assert conv.stats.prefilled_tokens == len(prompt_ids) - conv.stats.reused_tokens
+    assert conv.stats.prompt_tokens == len(prompt_ids) + continued_from
+    assert conv.stats.prefilled_tokens == conv.stats.prompt_tokens - conv.stats.reused_tokens

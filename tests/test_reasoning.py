@@ -145,3 +145,13 @@ def test_template_without_a_system_role_gets_it_in_the_first_user_turn(models, b
     prompt = render_ids(tokenizer, merged[:-1])
     assert conv.reply_ids == scratch_greedy_reply(models["mixed"], prompt, 8, {tokenizer.eos_token_id})
     assert cached_vs_scratch_logit_error(models["mixed"], conv.session.cache, conv.session.token_ids, 7) < 1e-4
+
+
+def test_a_stray_close_tag_in_an_answer_stays_literal(base_tokenizer):
+    """Found by the property test: an answer that contains "</think>" must be re-rendered as
+    generated, not split by the template into reasoning and answer."""
+    qwen3 = ChatTemplate(tokenizer_with_template(base_tokenizer, "qwen3"))
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "</think> literal text", "reasoning_content": ""},
+               {"role": "user", "content": "Again"}]
+    assert "<|im_start|>assistant\n</think> literal text<|im_end|>" in qwen3.render(history).text
