@@ -126,6 +126,7 @@ class ChatApp:
         self.engine = engine
         self.model_label = model_label
         self.runner = runner
+        self._key_of_connection: dict[str, str] = {}  # Gradio's session hash -> our key, for unload
         self.manager = manager
         self.max_new_tokens = max_new_tokens
 
@@ -312,6 +313,27 @@ class ChatApp:
                 chat.running.stop()
             chat.conversation.stop()
 
+    def on_load(self, request: gr.Request, key: str | None, *settings_values: Any) -> str:
+        """A page opened: its conversation starts now, so that closing the tab can free it."""
+        key, _ = self._chat(key, self._settings(settings_values))
+        if request is not None and request.session_hash:
+            self._key_of_connection[request.session_hash] = key
+        return key
+
+    def on_unload(self, request: gr.Request) -> None:
+        """The tab closed (Gradio's heartbeat stopped): free its conversation now, not in an hour.
+        The session hash is Gradio's; it only finds a key this server handed to that page."""
+        if request is not None:
+            self.manager.close(self._key_of_connection.pop(request.session_hash, None))
+
+    def server_status(self) -> dict:
+        """Aggregate numbers only (no session keys): what an operator of a shared Space needs."""
+        stats = self.manager.stats()
+        return {"conversations": stats.sessions, "generating": stats.in_use,
+                "cache_bytes": stats.cache_bytes, "cache_budget_bytes": stats.budget_bytes,
+                "shared_prefix_bytes": stats.shared_prefix_bytes, "evictions": stats.evictions,
+                "expired": stats.expired}
+
     def clear(self, key: str | None, *settings_values: Any) -> tuple:
         self.manager.close(key)
         key, chat = self._chat(None, self._settings(settings_values))
@@ -430,6 +452,11 @@ class ChatApp:
             api_undo.click(self.undo, [key, *settings], outputs, api_name="undo")
             api_edit.click(self.edit, [edit_index, edit_text, key, *settings], outputs, api_name="edit",
                            **generating)
+            demo.load(self.on_load, [key, *settings], [key], api_visibility="private")
+            demo.unload(self.on_unload)
+            status = gr.JSON(visible=False)
+            api_status = gr.Button(visible=False)
+            api_status.click(self.server_status, None, status, api_name="status", queue=False)
         return demo
 
 

@@ -121,6 +121,26 @@ def test_an_example_starts_a_conversation(browser, demo_app):
     page.close()
 
 
+def test_closing_the_tab_frees_its_conversation(browser, demo_app):
+    import time
+
+    from gradio_client import Client
+
+    status = Client(demo_app.url, verbose=False)
+    opened_before = -1
+    while opened_before != status.predict(api_name="/status")["conversations"]:  # earlier tabs settle
+        opened_before = status.predict(api_name="/status")["conversations"]
+        time.sleep(2.5)
+    page = open_chat(browser, demo_app.url)
+    wait_reply(page, send(page, "Remember me for a moment."))
+    assert status.predict(api_name="/status")["conversations"] == opened_before + 1
+    page.close()
+    deadline = time.monotonic() + 30
+    while status.predict(api_name="/status")["conversations"] > opened_before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert status.predict(api_name="/status")["conversations"] == opened_before
+
+
 def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
     page = open_chat(browser, demo_app.url)
     page.click("#continue")  # nothing to continue yet
