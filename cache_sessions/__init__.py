@@ -4,6 +4,9 @@ Module map:
   session.py      CacheSession: a DynamicCache + the ledger of token ids it holds; prepare/commit
   rollback.py     how each kind of cache layer rolls back (the only file that does)
   checkpoints.py  bounded-size snapshots at token positions, and the store that keeps them
+  segments.py     the states a span of tokens added, cut out to be put back (reply versions)
+  prefixes.py     shared prefilled prefixes (system prompts) for new sessions
+  manager.py      many sessions under one byte budget: LRU eviction of idle ones, limits, expiry
 """
 
 from cache_sessions.checkpoints import Checkpoint, CheckpointStore

@@ -6,6 +6,8 @@ Module map:
   generation.py    model.generate on a worker thread, streamed token ids, generation options
   templates.py     rendering history to prompt ids with the tokenizer's chat template
   reasoning.py     splitting <think> reasoning from the answer, as a stream
+  worker.py        the compute thread every forward pass runs on
+  remote.py        running an operation in another process (Hugging Face ZeroGPU)
   loading.py       from_pretrained with automatic device and dtype; the "demo" model
   demo.py          the tiny offline demo model (random weights, tokenizer trained in code)
   errors.py        errors a UI can show
