@@ -146,12 +146,17 @@ class ChatApp:
             key = self.manager.open(chat)
         return key, chat
 
-    def start(self, chat: BrowserChat, operation: str, *args: Any, **kwargs: Any) -> Any:
-        """Plan `operation` on the conversation (bad input raises now) and return its stream."""
-        if self.runner is None:
-            stream = getattr(chat.conversation, operation)(*args, **kwargs)
-        else:
-            stream = RemoteOperation(chat.conversation, self.engine, self.runner, operation, *args, **kwargs)
+    def start(self, chat: BrowserChat, operation: str, *args: Any, **kwargs: Any) -> Any | None:
+        """Plan `operation` on the conversation and return its stream; None, after a warning,
+        when it is refused (bad input, nothing to act on, busy): then nothing has changed."""
+        try:
+            if self.runner is None:
+                stream = getattr(chat.conversation, operation)(*args, **kwargs)
+            else:
+                stream = RemoteOperation(chat.conversation, self.engine, self.runner, operation, *args, **kwargs)
+        except (ConversationError, ConversationBusyError, ValueError, TypeError) as error:
+            gr.Warning(_why(error))
+            return None
         chat.running = stream
         return stream
 
@@ -230,10 +235,8 @@ class ChatApp:
             gr.Warning(str(error))
             yield (gr.skip(),) * 7
             return
-        try:
-            stream = self.start(chat, "send", text, fit_context=True, **settings.options())
-        except (ConversationError, ConversationBusyError, TypeError) as error:
-            gr.Warning(_why(error))
+        stream = self.start(chat, "send", text, fit_context=True, **settings.options())
+        if stream is None:
             yield self.outputs(key, chat)  # the message stays in the box
             return
         if stream.dropped_turns:
@@ -246,10 +249,8 @@ class ChatApp:
     def regenerate(self, key: str | None, *settings_values: Any) -> Iterator[tuple]:
         key, chat = self._chat(key, self._settings(settings_values))
         conv = chat.conversation
-        try:
-            stream = self.start(chat, "regenerate", **self._settings(settings_values).options())
-        except (ConversationError, ConversationBusyError) as error:
-            gr.Warning(_why(error))
+        stream = self.start(chat, "regenerate", **self._settings(settings_values).options())
+        if stream is None:
             yield self.outputs(key, chat)
             return
         upto = len(conv.messages) - (1 if conv.messages[-1]["role"] == "assistant" else 0)
@@ -258,10 +259,8 @@ class ChatApp:
     def continue_reply(self, key: str | None, *settings_values: Any) -> Iterator[tuple]:
         key, chat = self._chat(key, self._settings(settings_values))
         conv = chat.conversation
-        try:
-            stream = self.start(chat, "continue_reply", **self._settings(settings_values).options())
-        except (ConversationError, ConversationBusyError) as error:
-            gr.Warning(_why(error))
+        stream = self.start(chat, "continue_reply", **self._settings(settings_values).options())
+        if stream is None:
             yield self.outputs(key, chat)
             return
         last = conv.messages[-1]
@@ -270,14 +269,13 @@ class ChatApp:
 
     def edit(self, index: int, text: str, key: str | None, *settings_values: Any) -> Iterator[tuple]:
         key, chat = self._chat(key, self._settings(settings_values))
-        try:
-            stream = self.start(chat, "edit", int(index), text, **self._settings(settings_values).options())
-        except (ConversationError, ConversationBusyError, ValueError, TypeError) as error:
-            gr.Warning(_why(error))
+        index = int(index) if isinstance(index, (int, float)) and float(index).is_integer() else index
+        stream = self.start(chat, "edit", index, text, **self._settings(settings_values).options())
+        if stream is None:
             yield self.outputs(key, chat)
             return
-        chat.thinking_seconds = {i: s for i, s in chat.thinking_seconds.items() if i < int(index)}
-        base = self.display(chat, int(index))[0] + [{"role": "user", "content": text}]
+        chat.thinking_seconds = {i: s for i, s in chat.thinking_seconds.items() if i < index}
+        base = self.display(chat, index)[0] + [{"role": "user", "content": text}]
         yield self.outputs(key, chat, base, status=GENERATING)
         yield from self.stream(key, chat, stream, base)
 
