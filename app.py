@@ -131,20 +131,24 @@ class ChatApp:
         self.max_new_tokens = max_new_tokens
 
     # ---- sessions -------------------------------------------------------------------------------
-    def _chat(self, key: str | None, settings: Settings) -> tuple[str, BrowserChat]:
-        """This browser's chat; a new one when there is none (first visit, expired, evicted)."""
+    def _chat(self, key: str | None, settings: Settings, *, fresh: bool = False) -> tuple[str, BrowserChat]:
+        """This browser's chat; a new one when asked (`fresh`), when the system prompt changed, or
+        when there is none (first visit, expired)."""
+        system = settings.system_prompt.strip()
         chat = self.manager.get(key)
-        if chat is not None and (chat.conversation.system_prompt or "") != settings.system_prompt.strip():
-            if chat.conversation.messages[-1:] and chat.conversation.messages[-1]["role"] != "system":
-                gr.Info("The system prompt changed: a new conversation was started.")
-            self.manager.close(key)
-            chat = None
-        if chat is None:
-            if isinstance(key, str) and key not in self.manager:  # a key we gave out, since expired
-                gr.Info("Your session had expired: a new conversation was started.")
-            chat = BrowserChat(self.engine.conversation(settings.system_prompt.strip() or None))
-            key = self.manager.open(chat)
-        return key, chat
+        if chat is not None and not fresh and (chat.conversation.system_prompt or "") == system:
+            return key, chat
+        if chat is not None and not fresh and any(m["role"] != "system" for m in chat.conversation.messages):
+            gr.Info("The system prompt changed: a new conversation was started.")
+        elif chat is None and isinstance(key, str):  # a key this server gave out, since expired
+            gr.Info("Your session had expired: a new conversation was started.")
+        self.manager.close(key)
+        chat = BrowserChat(self.engine.conversation(system or None))
+        new_key = self.manager.open(chat)
+        for connection, known in list(self._key_of_connection.items()):  # closing the tab frees the new one
+            if known == key:
+                self._key_of_connection[connection] = new_key
+        return new_key, chat
 
     def start(self, chat: BrowserChat, operation: str, *args: Any, **kwargs: Any) -> Any | None:
         """Plan `operation` on the conversation and return its stream; None, after a warning,
@@ -333,8 +337,7 @@ class ChatApp:
                 "expired": stats.expired}
 
     def clear(self, key: str | None, *settings_values: Any) -> tuple:
-        self.manager.close(key)
-        key, chat = self._chat(None, self._settings(settings_values))
+        key, chat = self._chat(key, self._settings(settings_values), fresh=True)
         return self.outputs(key, chat, textbox="")
 
     # chatbot's own events carry the index of the message they act on

@@ -126,6 +126,8 @@ class GenerationRun:
 
     def __init__(self, model: PreTrainedModel, cache: Any, prompt_ids: Sequence[int], options: GenerationOptions,
                  stop_event: threading.Event, worker: ModelWorker):
+        if worker.on_compute_thread():  # it would wait for tokens from a job queued behind itself
+            raise RuntimeError("stream a reply from outside the engine's compute thread")
         self.stop_event = stop_event
         self.sequence: list[int] | None = None
         self.error: BaseException | None = None

@@ -50,8 +50,11 @@ class ModelWorker:
         self._jobs.put((future, function, args, kwargs))
         return future
 
+    def on_compute_thread(self) -> bool:
+        return threading.current_thread() in self._threads
+
     def run(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run on a compute thread and wait; directly if already on one."""
-        if threading.current_thread() in self._threads:
+        if self.on_compute_thread():
             return function(*args, **kwargs)
         return self.submit(function, *args, **kwargs).result()
