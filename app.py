@@ -246,14 +246,15 @@ class ChatApp:
         if stream.dropped_turns:
             gr.Warning(f"The conversation was too long for the model's context: the {stream.dropped_turns} "
                        "oldest turn(s) were dropped (the system prompt is kept).")
-        base = self.display(chat)[0]
-        yield self.outputs(key, chat, base + [{"role": "user", "content": text}], textbox="", status=GENERATING)
-        yield from self.stream(key, chat, stream, base + [{"role": "user", "content": text}])
+        base = self.display(chat)[0] + [{"role": "user", "content": text}]
+        yield self.outputs(key, chat, base, textbox="", status=GENERATING)
+        yield from self.stream(key, chat, stream, base)
 
     def regenerate(self, key: str | None, *settings_values: Any) -> Iterator[tuple]:
-        key, chat = self._chat(key, self._settings(settings_values))
+        settings = self._settings(settings_values)
+        key, chat = self._chat(key, settings)
         conv = chat.conversation
-        stream = self.start(chat, "regenerate", **self._settings(settings_values).options())
+        stream = self.start(chat, "regenerate", **settings.options())
         if stream is None:
             yield self.outputs(key, chat)
             return
@@ -261,9 +262,10 @@ class ChatApp:
         yield from self.stream(key, chat, stream, self.display(chat, upto)[0])
 
     def continue_reply(self, key: str | None, *settings_values: Any) -> Iterator[tuple]:
-        key, chat = self._chat(key, self._settings(settings_values))
+        settings = self._settings(settings_values)
+        key, chat = self._chat(key, settings)
         conv = chat.conversation
-        stream = self.start(chat, "continue_reply", **self._settings(settings_values).options())
+        stream = self.start(chat, "continue_reply", **settings.options())
         if stream is None:
             yield self.outputs(key, chat)
             return
@@ -272,9 +274,10 @@ class ChatApp:
         yield from self.stream(key, chat, stream, base, reasoning=last["reasoning_content"], answer=last["content"])
 
     def edit(self, index: int, text: str, key: str | None, *settings_values: Any) -> Iterator[tuple]:
-        key, chat = self._chat(key, self._settings(settings_values))
+        settings = self._settings(settings_values)
+        key, chat = self._chat(key, settings)
         index = int(index) if isinstance(index, (int, float)) and float(index).is_integer() else index
-        stream = self.start(chat, "edit", index, text, **self._settings(settings_values).options())
+        stream = self.start(chat, "edit", index, text, **settings.options())
         if stream is None:
             yield self.outputs(key, chat)
             return

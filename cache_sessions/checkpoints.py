@@ -19,7 +19,7 @@ class Checkpoint:
     states: list[Any]  # one entry per LayerKind, in the same order
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        yield from _tensors_in(self.states)
+        yield from tensors_in(self.states)
 
     def to(self, device: torch.device | str) -> None:
         self.states = moved(self.states, device)
@@ -38,18 +38,18 @@ def moved(value: Any, device: torch.device | str) -> Any:
     return value
 
 
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
     elif hasattr(value, "__dataclass_fields__"):
         for name in value.__dataclass_fields__:
-            yield from _tensors_in(getattr(value, name))
+            yield from tensors_in(getattr(value, name))
 
 
 class CheckpointStore:

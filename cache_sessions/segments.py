@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from cache_sessions.checkpoints import _tensors_in, moved
+from cache_sessions.checkpoints import tensors_in, moved
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Segment:
         return self.start + len(self.token_ids)
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        yield from _tensors_in(self.states)
+        yield from tensors_in(self.states)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -391,8 +391,8 @@ class Conversation:
     def _is_regeneration(self, plan: _Plan) -> bool:
         """The plan answers the same history as the current last reply (a new version of it)."""
         n = len(plan.history)
-        return (n < len(self._entries) and self._entries[n].role == "assistant"
-                and n == len(self._entries) - 1 and all(a is b for a, b in zip(plan.history, self._entries)))
+        return (n == len(self._entries) - 1 and self._entries[n].role == "assistant"
+                and all(a is b for a, b in zip(plan.history, self._entries)))
 
     def _stash_reply_segment(self, reply: ReplyVersion) -> None:
         """Keep the cache states of the shown reply, if the cache holds them, to switch back later."""
