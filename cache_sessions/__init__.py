@@ -1,10 +1,12 @@
 """Rollback-capable KV cache sessions. Knows nothing of chat, templates or UI.
 
 Module map:
-  session.py      CacheSession: a DynamicCache + the ledger of token ids it holds; prepare/commit
+  session.py      CacheSession: the prompt-driven path (prepare / commit / extend) and segments
+  states.py       CacheStates: a DynamicCache, its layer kinds, checkpoints, segments; memory
   rollback.py     how each kind of cache layer rolls back (the only file that does)
   checkpoints.py  bounded-size snapshots at token positions, and the store that keeps them
   segments.py     the states a span of tokens added, cut out to be put back (reply versions)
+  tensors.py      walking nested states: find, move and measure their tensors
   prefixes.py     shared prefilled prefixes (system prompts) for new sessions
   manager.py      many sessions under one byte budget: LRU eviction of idle ones, limits, expiry
 """
@@ -12,9 +14,11 @@ Module map:
 from cache_sessions.checkpoints import Checkpoint, CheckpointStore
 from cache_sessions.rollback import UnsupportedCacheLayer, layer_kinds, roll_back
 from cache_sessions.session import CacheSession, PrefillResult, common_prefix_length
+from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
 
 __all__ = [
     "CacheSession",
+    "DEFAULT_MAX_CHECKPOINTS",
     "Checkpoint",
     "CheckpointStore",
     "PrefillResult",

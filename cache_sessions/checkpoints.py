@@ -12,6 +12,8 @@ from typing import Any, Iterator
 
 import torch
 
+from cache_sessions.tensors import moved, tensors_in
+
 
 @dataclass
 class Checkpoint:
@@ -23,33 +25,6 @@ class Checkpoint:
 
     def to(self, device: torch.device | str) -> None:
         self.states = moved(self.states, device)
-
-
-def moved(value: Any, device: torch.device | str) -> Any:
-    """The same nested structure of states with every tensor on `device`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {key: moved(item, device) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(moved(item, device) for item in value)
-    if hasattr(value, "__dataclass_fields__"):
-        return type(value)(**{name: moved(getattr(value, name), device) for name in value.__dataclass_fields__})
-    return value
-
-
-def tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensors_in(item)
-    elif hasattr(value, "__dataclass_fields__"):
-        for name in value.__dataclass_fields__:
-            yield from tensors_in(getattr(value, name))
 
 
 class CheckpointStore:

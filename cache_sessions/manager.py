@@ -49,12 +49,15 @@ class ManagerStats:
 class SessionManager:
     def __init__(self, *, budget_bytes: int | None = None, max_sessions: int | None = None,
                  idle_timeout_s: float | None = None, prefix_store: PrefixStore | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, on_close: Callable[[str], None] | None = None):
+        """`on_close(key)` is told of every key that stops being valid (closed, expired, made room
+        for), so whoever mapped something to it can forget it."""
         self.budget_bytes = budget_bytes
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self.prefix_store = prefix_store
         self._clock = clock
+        self._on_close = on_close
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.RLock()
         self.evictions = 0
@@ -103,8 +106,12 @@ class SessionManager:
     def close(self, key: str | None) -> None:
         with self._lock:
             slot = self._slots.pop(key, None) if isinstance(key, str) else None
-        if slot is not None and not slot.in_use:
+        if slot is None:
+            return
+        if not slot.in_use:
             slot.owner.session.release()
+        if self._on_close is not None:
+            self._on_close(key)
 
     def expire_idle(self) -> list[str]:
         if self.idle_timeout_s is None:

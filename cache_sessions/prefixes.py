@@ -12,9 +12,11 @@ from typing import Sequence
 
 from cache_sessions.segments import Segment
 
+DEFAULT_MAX_ENTRIES = 8
+
 
 class PrefixStore:
-    def __init__(self, max_entries: int = 8):
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES):
         self.max_entries = max_entries
         self._entries: dict[tuple[int, ...], Segment] = {}
         self._last_used: dict[tuple[int, ...], float] = {}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import torch
 from transformers import DynamicCache
@@ -77,7 +77,20 @@ class LayerKind(ABC):
     def to(self, device: torch.device | str) -> None: ...
 
 
-class FullAttention(LayerKind):
+class _Attention(LayerKind):
+    """Key/value layers (full or sliding): two tensors that layers replace, never write in place."""
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        if self.layer.is_initialized:
+            yield from (self.layer.keys, self.layer.values)
+
+    def to(self, device: torch.device | str) -> None:
+        if self.layer.is_initialized:
+            self.layer.keys, self.layer.values = self.layer.keys.to(device), self.layer.values.to(device)
+            self.layer.device = torch.device(device)
+
+
+class FullAttention(_Attention):
     def can_crop(self, current: int, target: int) -> bool:
         return True
 
@@ -101,12 +114,6 @@ class FullAttention(LayerKind):
             self.layer.keys = torch.cat([self.layer.keys, keys.to(self.layer.keys.device)], dim=-2)
             self.layer.values = torch.cat([self.layer.values, values.to(self.layer.values.device)], dim=-2)
 
-    def tensors(self) -> Iterator[torch.Tensor]:
-        if self.layer.is_initialized:
-            yield from (self.layer.keys, self.layer.values)
-
-    def to(self, device: torch.device | str) -> None:
-        _move_attention(self.layer, device)
 
 
 @dataclass
@@ -116,7 +123,7 @@ class WindowState:
     cumulative_length: int
 
 
-class SlidingWindow(LayerKind):
+class SlidingWindow(_Attention):
     """Holds states for positions [cumulative_length - stored, cumulative_length)."""
 
     def prepare(self) -> None:
@@ -172,12 +179,8 @@ class SlidingWindow(LayerKind):
             self.layer.keys = self.layer.keys[..., -window:, :].clone()
             self.layer.values = self.layer.values[..., -window:, :].clone()
 
-    def tensors(self) -> Iterator[torch.Tensor]:
-        if self.layer.is_initialized:
-            yield from (self.layer.keys, self.layer.values)
-
     def to(self, device: torch.device | str) -> None:
-        _move_attention(self.layer, device)
+        super().to(device)
         self.layer._sliding_window_tensor = self.layer._sliding_window_tensor.to(device)
 
 
@@ -230,12 +233,6 @@ class RecurrentState(LayerKind):
             self.layer.device = torch.device(device)
 
 
-def _move_attention(layer: Any, device: torch.device | str) -> None:
-    if layer.is_initialized:
-        layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
-        layer.device = torch.device(device)
-
-
 # Exact classes only: a subclass may store more (quantized, indexed) and crop differently.
 _KINDS_BY_LAYER_CLASS: dict[type, tuple[type[LayerKind], ...]] = {
     DynamicLayer: (FullAttention,),
@@ -269,10 +266,13 @@ def take_checkpoint(kinds: list[LayerKind], position: int) -> Checkpoint:
     return checkpoint
 
 
+RollbackHow = Literal["none", "crop", "checkpoint", "rebuild"]
+
+
 @dataclass(frozen=True)
 class RollbackResult:
     position: int  # where the cache now ends; <= the target asked for
-    how: str  # "none", "crop", "checkpoint" or "rebuild"
+    how: RollbackHow
 
 
 def roll_back(kinds: list[LayerKind], checkpoints: CheckpointStore, current: int, target: int) -> RollbackResult:

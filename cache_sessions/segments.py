@@ -8,11 +8,11 @@ system prompt) is a segment that starts at 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Hashable, Iterator
 
 import torch
 
-from cache_sessions.checkpoints import tensors_in, moved
+from cache_sessions.tensors import moved, tensors_in
 
 
 @dataclass
@@ -33,3 +33,40 @@ class Segment:
 
     def to(self, device: torch.device | str) -> None:
         self.states = moved(self.states, device)
+
+
+class SegmentStore:
+    """A session's kept segments, by a key its owner chooses (a reply version's id)."""
+
+    def __init__(self) -> None:
+        self._segments: dict[Hashable, Segment] = {}
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._segments
+
+    def get(self, key: Hashable) -> Segment | None:
+        return self._segments.get(key)
+
+    def put(self, key: Hashable, segment: Segment) -> None:
+        self._segments[key] = segment
+
+    def drop(self, key: Hashable) -> None:
+        self._segments.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+    def drop_after(self, position: int) -> None:
+        """Forget segments that start past `position`: the cache below them is being replaced."""
+        self._segments = {key: s for key, s in self._segments.items() if s.start <= position}
+
+    def keep_only(self, keys: set[Hashable]) -> None:
+        self._segments = {key: s for key, s in self._segments.items() if key in keys}
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for segment in self._segments.values():
+            yield from segment.tensors()
+
+    def to(self, device: torch.device | str) -> None:
+        for segment in self._segments.values():
+            segment.to(device)

@@ -2,23 +2,22 @@
 
 Invariant at rest: `cache.get_seq_length() == len(token_ids)` and the cached states are what a
 from-scratch forward over `token_ids` would give. Every change of the cache goes through this
-class: `prepare` (roll back + prefill), `commit` (after `generate`), segments, `release`.
+class: `prepare` (roll back + prefill), `commit` (after `generate`), `extend`, segments and
+`release`. Segments (spans of states cut out to be put back) are kept here under keys the caller
+chooses, since a rollback must drop those that start past it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterator, Sequence
+from typing import Hashable, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
 
-from cache_sessions.checkpoints import CheckpointStore
 from cache_sessions.prefixes import PrefixStore
-from cache_sessions.rollback import RollbackResult, layer_kinds, needs_checkpoints, roll_back, take_checkpoint
+from cache_sessions.rollback import RollbackHow
 from cache_sessions.segments import Segment
-
-DEFAULT_MAX_CHECKPOINTS = 16
+from cache_sessions.states import CacheStates
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -34,33 +33,12 @@ class PrefillResult:
     reused_tokens: int  # prompt tokens whose states were kept (or copied from a shared prefix)
     prefilled_tokens: int  # prompt tokens computed for this prompt (the last one is fed by generate)
     rebuilt: bool  # the cache had to start from nothing although it once held a usable prefix
-    rollback: str  # "none", "crop", "checkpoint" or "rebuild"
+    rollback: RollbackHow
     shared_prefix_tokens: int = 0  # of reused_tokens, copied from the shared-prefix store
 
 
-class CacheSession:
-    def __init__(self, model: PreTrainedModel, *, max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS):
-        self.model = model
-        self.max_checkpoints = max_checkpoints
-        self.token_ids: list[int] = []
-        self.segments: dict[Hashable, Segment] = {}
-        self._states_lost = False
-        self._reset_cache()
-
-    def _reset_cache(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
-        self._kinds = layer_kinds(self.cache)
-        for kind in self._kinds:
-            kind.prepare()
-        self._uses_checkpoints = needs_checkpoints(self._kinds)
-        self.checkpoints = CheckpointStore(self.max_checkpoints if self._uses_checkpoints else 0)
-        self.token_ids = []
-
-    def __getstate__(self) -> dict:
-        """Pickled without its model (a session crosses to a GPU worker process and back)."""
-        state = self.__dict__.copy()
-        state["model"] = None
-        return state
+class CacheSession(CacheStates):
+    """A cache and its ledger, driven by prompts: `prepare` before generating, `commit` after."""
 
     # ---- the main path -----------------------------------------------------------------------
     def prepare(self, prompt_ids: Sequence[int], *, prefix_store: PrefixStore | None = None,
@@ -78,59 +56,84 @@ class CacheSession:
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise ValueError("cannot prepare an empty prompt")
-        rebuilt, copied = self._states_lost, 0
-        self._states_lost = False
-        if not self.token_ids and prefix_store is not None:
-            shared = prefix_store.find(prompt_ids[:-1])
-            if shared is not None:
-                self._append(shared)
-                copied = len(shared.token_ids)
+        rebuilt, self._states_lost = self._states_lost, False
+        copied = self._start_from_shared_prefix(prefix_store, prompt_ids)
         target = min(common_prefix_length(self.token_ids, prompt_ids), len(prompt_ids) - 1)
         result = self.rollback_to(target)
-        rebuilt = rebuilt or result.how == "rebuild"
         try:
             self._checkpoint_here()  # a turn boundary: where this prompt starts to differ
-            start = len(self.token_ids)
-            if prefix_store is not None and start < shared_prefix_length < len(prompt_ids):
-                self._forward(prompt_ids[start:shared_prefix_length])
-                self.token_ids = prompt_ids[:shared_prefix_length]
+            if prefix_store is not None and len(self.token_ids) < shared_prefix_length < len(prompt_ids):
+                self.extend(prompt_ids[len(self.token_ids) : shared_prefix_length])
                 if not prefix_store.has(self.token_ids):
                     prefix_store.add(self.cut_segment(0))
                 self._checkpoint_here()
             if self._uses_checkpoints:
-                self._forward(prompt_ids[len(self.token_ids) : -1])
-                self.token_ids = prompt_ids[:-1]
+                self.extend(prompt_ids[len(self.token_ids) : -1])
                 self._checkpoint_here()  # the generation start: regenerate rolls back to here
         except BaseException:
-            self.invalidate()
+            self.release()  # a failure mid-update: the states cannot be trusted
             raise
-        self._check_invariant()
         return PrefillResult(
             reused_tokens=result.position,
             prefilled_tokens=len(prompt_ids) - result.position,
-            rebuilt=rebuilt,
+            rebuilt=rebuilt or result.how == "rebuild",
             rollback=result.how,
             shared_prefix_tokens=min(copied, result.position),
         )
+
+    def _start_from_shared_prefix(self, prefix_store: PrefixStore | None, prompt_ids: list[int]) -> int:
+        """An empty cache starts from the longest stored shared prefix; returns its length."""
+        if self.token_ids or prefix_store is None:
+            return 0
+        shared = prefix_store.find(prompt_ids[:-1])
+        if shared is None:
+            return 0
+        self._append(shared)
+        return len(shared.token_ids)
 
     def commit(self, sequence_ids: Sequence[int]) -> None:
         """Record what `generate` fed: the prompt and all sampled tokens but the last."""
         cached = self.cache.get_seq_length()
         if list(sequence_ids[: len(self.token_ids)]) != self.token_ids or cached > len(sequence_ids):
-            self.invalidate()
+            self.release()
             raise RuntimeError("generated sequence does not extend the cache ledger")
         self.token_ids = list(sequence_ids[:cached])
 
-    def rollback_to(self, target: int) -> RollbackResult:
-        """Go back to `target` tokens, or to the closest exact point before it."""
-        self.segments = {key: seg for key, seg in self.segments.items() if seg.start <= target}
-        result = roll_back(self._kinds, self.checkpoints, len(self.token_ids), target)
-        if result.how == "rebuild":
-            self._reset_cache()
-        self.token_ids = self.token_ids[: result.position]
-        return result
+    @torch.no_grad()
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Feed `token_ids` on top of what the cache holds, and add them to the ledger."""
+        if not token_ids:
+            return
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.model.device)
+        self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.token_ids = self.token_ids + list(token_ids)
+        self._check_invariant()
 
     # ---- segments: cut a span of states out, put it back later without a forward pass -------
+    def stash_segment(self, key: Hashable, start: int, expected_ids: Sequence[int]) -> bool:
+        """Keep the states from `start` to the end under `key`, if the ledger is a prefix of
+        `expected_ids` that reaches past `start + 1` (the span the caller means to come back to)."""
+        held = self.token_ids
+        if key in self._segments or len(held) <= start + 1 or list(expected_ids[: len(held)]) != held:
+            return False
+        self._segments.put(key, self.cut_segment(start))
+        return True
+
+    def restore_segment(self, key: Hashable) -> bool:
+        """Put back the segment kept under `key`; False when there is none or it cannot be reached."""
+        segment = self._segments.get(key)
+        return segment is not None and self.append_segment(segment)
+
+    def has_segment(self, key: Hashable) -> bool:
+        return key in self._segments
+
+    def keep_segments(self, keys: set[Hashable]) -> None:
+        """Forget every kept segment whose key is not in `keys`."""
+        self._segments.keep_only(keys)
+
+    def drop_segment(self, key: Hashable) -> None:
+        self._segments.drop(key)
+
     def cut_segment(self, start: int) -> Segment:
         """The states for positions [start, now), as a copy that later changes do not touch."""
         end = len(self.token_ids)
@@ -140,9 +143,7 @@ class CacheSession:
 
     def append_segment(self, segment: Segment) -> bool:
         """Put `segment` back on top of its start; False when the cache cannot reach that start."""
-        if len(self.token_ids) < segment.start:
-            return False
-        if self.rollback_to(segment.start).position != segment.start:
+        if len(self.token_ids) < segment.start or self.rollback_to(segment.start).position != segment.start:
             return False
         self._append(segment)
         self._checkpoint_here()
@@ -154,57 +155,3 @@ class CacheSession:
         self.token_ids = self.token_ids + list(segment.token_ids)
         self._check_invariant()
 
-    # ---- internals -----------------------------------------------------------------------------
-    def _checkpoint_here(self) -> None:
-        position = len(self.token_ids)
-        if self._uses_checkpoints and position > 0 and not self.checkpoints.has(position):
-            self.checkpoints.add(take_checkpoint(self._kinds, position))
-
-    @torch.no_grad()
-    def _forward(self, token_ids: Sequence[int]) -> None:
-        if not token_ids:
-            return
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.model.device)
-        self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-
-    def _check_invariant(self) -> None:
-        if self.cache.get_seq_length() != len(self.token_ids):
-            held = self.cache.get_seq_length()
-            self.invalidate()
-            raise RuntimeError(f"cache holds {held} tokens but the ledger {len(self.token_ids)}")
-
-    # ---- memory ---------------------------------------------------------------------------------
-    def release(self) -> None:
-        """Free every tensor (memory pressure); the next `prepare` rebuilds and says so."""
-        had_states = bool(self.token_ids)
-        self.segments = {}
-        self._reset_cache()
-        self._states_lost = self._states_lost or had_states
-
-    def invalidate(self) -> None:
-        """After a failure mid-update the states cannot be trusted: drop them all."""
-        self.release()
-
-    def tensors(self) -> Iterator[torch.Tensor]:
-        for kind in self._kinds:
-            yield from kind.tensors()
-        yield from self.checkpoints.tensors()
-        for segment in self.segments.values():
-            yield from segment.tensors()
-
-    def nbytes(self) -> int:
-        """Bytes held by the cache, checkpoints and segments, each storage once (crops are views)."""
-        seen: dict[int, int] = {}
-        for tensor in self.tensors():
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
-
-    def to(self, device: torch.device | str) -> None:
-        """Move every held tensor, e.g. to the CPU between ZeroGPU calls."""
-        for kind in self._kinds:
-            kind.to(device)
-        for checkpoint in self.checkpoints:
-            checkpoint.to(device)
-        for segment in self.segments.values():
-            segment.to(device)

@@ -2,44 +2,72 @@
 
 Module map:
   engine.py        ChatEngine: a loaded model + tokenizer; makes conversations
-  conversation.py  Conversation: send / regenerate / undo / edit / stop over one cache session
-  generation.py    model.generate on a worker thread, streamed token ids, generation options
+  config.py        EngineConfig: the engine's limits, each default once
+  runtime.py       Runtime: the narrow part of an engine a conversation uses
+  conversation.py  Conversation: plans and runs operations over one cache session
+  operations.py    Send / Regenerate / Edit / Continue: operations as checked values
+  options.py       GenerationOptions: what a user sets per reply
+  history.py       the canonical messages and the versions of the last reply
+  plans.py         planning an operation: history, prompt ids, context check (no changes)
+  turns.py         one reply being made: prefill, stream deltas, then reply and stats
+  generation.py    model.generate on the compute thread, streamed token ids, text deltas
   templates.py     rendering history to prompt ids with the tokenizer's chat template
   reasoning.py     splitting <think> reasoning from the answer, as a stream
   worker.py        the compute thread every forward pass runs on
-  remote.py        running an operation in another process (Hugging Face ZeroGPU)
+  remote.py        running a planned operation in another process (Hugging Face ZeroGPU)
   loading.py       from_pretrained with automatic device and dtype; the "demo" model
-  demo.py          the tiny offline demo model (random weights, tokenizer trained in code)
-  errors.py        errors a UI can show
+  demo.py          the offline demo model (random weights, tokenizer trained in code)
+  models.py        the table of model shapes built in code (demo, tests, benchmarks)
+  errors.py        errors a UI can show, one family (ChatError)
 """
 
-from chat.conversation import Conversation, TurnStats
+from chat.config import EngineConfig
+from chat.conversation import Conversation
 from chat.engine import ChatEngine
 from chat.errors import (
+    ChatError,
     ContextOverflowError,
     ConversationBusyError,
     ConversationError,
     EmptyMessageError,
+    InvalidOptionError,
     ModelLoadError,
     NothingToRegenerateError,
     NothingToUndoError,
     NotAUserMessageError,
+    ServerBusyError,
+    StalePlanError,
+    UnknownOptionError,
 )
-from chat.generation import GenerationOptions
+from chat.operations import Continue, Edit, Operation, Regenerate, Send
+from chat.options import GenerationOptions
 from chat.reasoning import Delta
+from chat.turns import ReplyStream, TurnStats
 
 __all__ = [
     "ChatEngine",
-    "Conversation",
+    "ChatError",
+    "Continue",
     "ContextOverflowError",
+    "Conversation",
     "ConversationBusyError",
     "ConversationError",
     "Delta",
+    "Edit",
     "EmptyMessageError",
+    "EngineConfig",
     "GenerationOptions",
+    "InvalidOptionError",
     "ModelLoadError",
     "NothingToRegenerateError",
     "NothingToUndoError",
     "NotAUserMessageError",
+    "Operation",
+    "Regenerate",
+    "ReplyStream",
+    "Send",
+    "ServerBusyError",
+    "StalePlanError",
     "TurnStats",
+    "UnknownOptionError",
 ]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from chat import ChatEngine, ConversationError, ModelLoadError
+from chat import ChatEngine, ChatError, GenerationOptions, ModelLoadError
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="demo", help='hub id, local folder, or "demo" (tiny, random, offline)')
     parser.add_argument("--system", default=None, help="system prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=GenerationOptions.max_new_tokens)
     args = parser.parse_args()
     try:
         engine = ChatEngine.load(args.model)
@@ -38,7 +38,7 @@ def main() -> int:
             stats = conv.stats
             print(f"\n     [reused {stats.reused_tokens}, prefilled {stats.prefilled_tokens}, "
                   f"ttft {stats.ttft_s * 1000:.0f} ms, {stats.decode_tokens_per_s:.0f} tok/s]")
-        except ConversationError as error:
+        except ChatError as error:
             print(f"(!) {error}")
 
 

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from chat.models import build_model
 
 DEMO_VERSION = "v1"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -75,35 +77,14 @@ def build_tokenizer(vocab_size: int = 2048, corpus: list[str] | None = None) -> 
     return wrapped
 
 
-def demo_config(vocab_size: int) -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        # Wide random weights and untied embeddings: the default init repeats one token forever.
-        initializer_range=0.15,
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-
-
 def build_demo(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     tokenizer = build_tokenizer()
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(demo_config(len(tokenizer)))
-    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = build_model("demo", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"), seed=seed)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     # Sample by default, as real chat models ship: regenerate then gives a new reply.
     model.generation_config.do_sample = True
     model.generation_config.temperature = 0.8
     model.generation_config.top_k = 50
-    model.eval()
     return model, tokenizer
 
 

@@ -2,48 +2,74 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cache_sessions.prefixes import PrefixStore
-from cache_sessions.session import DEFAULT_MAX_CHECKPOINTS
+from chat.config import EngineConfig
 from chat.conversation import Conversation
 from chat.loading import load_model_and_tokenizer
+from chat.runtime import Runtime
 from chat.templates import ChatTemplate
 from chat.worker import ModelWorker
 
 
 class ChatEngine:
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-                 max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS, context_limit: int | None = None,
-                 shared_prefixes: int = 8, offload_sessions: bool = False, compute_threads: int = 1,
-                 worker: ModelWorker | None = None):
-        """`shared_prefixes`: how many distinct system-prompt prefixes to keep prefilled for new
-        conversations (0: none). `offload_sessions`: keep caches on the CPU between operations
-        (ZeroGPU, where GPU memory does not survive between calls). `compute_threads`: generations
-        that can run at once; more than one only pays off on a GPU (see chat/worker.py). `worker`:
-        the compute threads the model was built on, if any (build it there for full CPU speed)."""
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig | None = None,
+                 *, worker: ModelWorker | None = None, **settings: Any):
+        """`config` (or its fields as keyword arguments, see chat/config.py) sets the limits.
+        `worker`: the compute threads the model was built on, if any (build it there for full CPU speed)."""
+        config = replace(config or EngineConfig(), **settings)
+        self.config = config
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.template = ChatTemplate(tokenizer)
-        self.max_checkpoints = max_checkpoints
-        self.context_limit = context_limit or _context_limit(model)
-        self.eos_token_ids = _eos_token_ids(model, tokenizer)
-        self.prefix_store = PrefixStore(shared_prefixes) if shared_prefixes else None
-        self.offload_sessions = offload_sessions
-        self.worker = worker or ModelWorker(compute_threads)
+        self.runtime = Runtime(
+            model=self.model,
+            tokenizer=tokenizer,
+            template=ChatTemplate(tokenizer),
+            worker=worker or ModelWorker(config.compute_threads),
+            eos_token_ids=frozenset(_eos_token_ids(model, tokenizer)),
+            prefix_store=PrefixStore(config.shared_prefixes) if config.shared_prefixes else None,
+            config=config,
+            context_limit=config.context_limit or _context_limit(model),
+        )
 
     @classmethod
     def load(cls, name_or_path: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-             **engine_options: object) -> "ChatEngine":
-        """`name_or_path`: a hub id, a local folder, or "demo" (tiny random model built offline)."""
-        worker = ModelWorker(int(engine_options.pop("compute_threads", 1)))
+             config: EngineConfig | None = None, **settings: Any) -> "ChatEngine":
+        """`name_or_path`: a hub id, a local folder, or "demo" (tiny model built offline)."""
+        config = replace(config or EngineConfig(), **settings)
+        worker = ModelWorker(config.compute_threads)
         # Loaded on the compute thread: torch's CPU pool then lives on the thread that uses it.
         model, tokenizer = worker.run(load_model_and_tokenizer, name_or_path, device=device, dtype=dtype)
-        return cls(model, tokenizer, worker=worker, **engine_options)
+        return cls(model, tokenizer, config, worker=worker)
 
     def conversation(self, system_prompt: str | None = None) -> Conversation:
-        return Conversation(self, system_prompt)
+        return Conversation(self.runtime, system_prompt)
+
+    # what callers read of an engine
+    @property
+    def template(self) -> ChatTemplate:
+        return self.runtime.template
+
+    @property
+    def worker(self) -> ModelWorker:
+        return self.runtime.worker
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.runtime.eos_token_ids
+
+    @property
+    def prefix_store(self) -> PrefixStore | None:
+        return self.runtime.prefix_store
+
+    @property
+    def context_limit(self) -> int | None:
+        return self.runtime.context_limit
 
 
 def _context_limit(model: PreTrainedModel) -> int | None:

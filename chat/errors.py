@@ -1,8 +1,15 @@
-"""Errors a caller can show to a user. Each is raised before anything changes."""
+"""The errors a caller can show to a user, one family: catch `ChatError`.
+
+Each is raised before anything changes: the conversation is left exactly as it was.
+"""
 
 
-class ConversationError(ValueError):
-    """Bad input or an operation with nothing to act on; the conversation is left as it was."""
+class ChatError(Exception):
+    """Something to tell the user; nothing changed."""
+
+
+class ConversationError(ChatError, ValueError):
+    """Bad input, or an operation with nothing to act on."""
 
 
 class EmptyMessageError(ConversationError):
@@ -21,6 +28,14 @@ class NotAUserMessageError(ConversationError):
     pass
 
 
+class InvalidOptionError(ConversationError):
+    """A generation option out of range."""
+
+
+class UnknownOptionError(InvalidOptionError, TypeError):
+    """A generation option that does not exist (a typo, most likely)."""
+
+
 class ContextOverflowError(ConversationError):
     def __init__(self, message: str, *, prompt_tokens: int, max_new_tokens: int, context_limit: int):
         super().__init__(message)
@@ -29,9 +44,17 @@ class ContextOverflowError(ConversationError):
         self.context_limit = context_limit
 
 
-class ConversationBusyError(RuntimeError):
+class ConversationBusyError(ChatError, RuntimeError):
     """A second operation while one is streaming; the running one is not disturbed."""
 
 
-class ModelLoadError(RuntimeError):
+class StalePlanError(ConversationBusyError):
+    """The conversation changed between planning an operation and running it."""
+
+
+class ServerBusyError(ChatError, RuntimeError):
+    """Every conversation slot of the server is in use."""
+
+
+class ModelLoadError(ChatError, RuntimeError):
     """A model or tokenizer that cannot be loaded, with the reason in one line."""

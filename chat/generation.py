@@ -9,59 +9,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, fields
 from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from chat.options import GenerationOptions
 from chat.worker import ModelWorker
-
-DEFAULT_MAX_NEW_TOKENS = 256
-
-
-@dataclass(frozen=True)
-class GenerationOptions:
-    """What a user can set per reply; None means the model's own generation config decides."""
-
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    do_sample: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    enable_thinking: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
-        if self.temperature is not None and self.temperature <= 0:
-            raise ValueError("temperature must be > 0 (use do_sample=False for greedy)")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0")
-
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "GenerationOptions":
-        known = {field.name for field in fields(cls)}
-        unknown = set(kwargs) - known
-        if unknown:
-            raise TypeError(f"unknown generation options: {sorted(unknown)}")
-        return cls(**kwargs)
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"max_new_tokens": self.max_new_tokens}
-        sampling = ("temperature", "top_p", "top_k")
-        for name in ("do_sample", "repetition_penalty", *sampling):
-            value = getattr(self, name)
-            if value is not None and not (self.do_sample is False and name in sampling):
-                kwargs[name] = value
-        return kwargs
-
 
 class IncrementalDecoder:
     """Token ids in, text deltas out; holds back bytes of a character that is not complete yet."""

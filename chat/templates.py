@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from chat.errors import ConversationError
+from chat.errors import ConversationError, ModelLoadError
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -25,7 +25,7 @@ class ChatTemplate:
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         source = tokenizer.chat_template
         if not source:
-            raise ValueError("the tokenizer has no chat template")
+            raise ModelLoadError("the tokenizer has no chat template: use a chat (instruct) model")
         if isinstance(source, dict):  # several named templates: use the default one
             source = source.get("default") or next(iter(source.values()))
         self.tokenizer = tokenizer
@@ -62,15 +62,14 @@ class ChatTemplate:
             converted.append(item)
         return converted
 
-    def _render_text(self, messages: Sequence[dict[str, Any]], *, continue_final: bool, add_generation_prompt: bool,
+    def _render_text(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool,
                      enable_thinking: bool | None) -> str:
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         try:
             return self.tokenizer.apply_chat_template(
                 self.template_messages(messages),
                 tokenize=False,
-                add_generation_prompt=add_generation_prompt and not continue_final,
-                continue_final_message=continue_final,
+                add_generation_prompt=add_generation_prompt,
                 chat_template=self.source,
                 **extra,
             )
@@ -79,22 +78,16 @@ class ChatTemplate:
 
     def render_history(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Token ids of `messages` alone, without a generation prompt (e.g. a system turn)."""
-        text = self._render_text(messages, continue_final=False, add_generation_prompt=False, enable_thinking=None)
+        text = self._render_text(messages, add_generation_prompt=False, enable_thinking=None)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def render(self, messages: Sequence[dict[str, Any]], *, enable_thinking: bool | None = None,
-               continue_final: bool = False) -> RenderedPrompt:
-        """The prompt for the next reply (or, with `continue_final`, for extending the last one)."""
-        text = self._render_text(messages, continue_final=continue_final, add_generation_prompt=True,
-                                 enable_thinking=enable_thinking)
+    def render(self, messages: Sequence[dict[str, Any]], *, enable_thinking: bool | None = None) -> RenderedPrompt:
+        """The prompt for the next reply, and whether it leaves a <think> block open."""
+        text = self._render_text(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        opens = False  # when continuing, the caller knows where the reply stood
-        if not continue_final:
-            history = self._render_text(messages, continue_final=False, add_generation_prompt=False,
-                                        enable_thinking=enable_thinking)
-            suffix = text[len(history):] if text.startswith(history) else ""
-            opens = _opens_reasoning(suffix)
-        return RenderedPrompt(text=text, ids=list(ids), opens_reasoning=opens)
+        history = self._render_text(messages, add_generation_prompt=False, enable_thinking=enable_thinking)
+        suffix = text[len(history):] if text.startswith(history) else ""
+        return RenderedPrompt(text=text, ids=list(ids), opens_reasoning=_opens_reasoning(suffix))
 
 
 def _opens_reasoning(text: str) -> bool:

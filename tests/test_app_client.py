@@ -7,12 +7,14 @@ import torch
 from gradio_client import Client
 
 from app_server import AppServer
+from ui.outputs import Settings
 
 SYSTEM = "You are a helpful assistant."
 
 
-def settings(max_new_tokens=12, temperature=0.0, thinking=True):
-    return [SYSTEM, thinking, max_new_tokens, temperature, 0.95, 50, 1.0]
+def settings(max_new_tokens=12, temperature=0.0, thinking=True, system_prompt=SYSTEM):
+    return Settings(system_prompt=system_prompt, thinking=thinking, max_new_tokens=max_new_tokens,
+                    temperature=temperature).values()
 
 
 def texts(chat):
@@ -71,7 +73,7 @@ def test_send_streams_and_every_button_works(client):
 
 def test_changing_the_system_prompt_starts_a_new_conversation(client):
     client.predict("Under the first system prompt.", *settings(), api_name="/send")
-    other = ["You are a pirate."] + settings()[1:]
+    other = settings(system_prompt="You are a pirate.")
     result = client.predict("Under the second one.", *other, api_name="/send")
     assert [text for role, text in texts(result[0]) if role == "user"] == ["Under the second one."]
 

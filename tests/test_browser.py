@@ -11,7 +11,9 @@ from app_server import AppServer
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-if not Path(CHROMIUM).exists() and not os.environ.get("CI"):
+if not Path(CHROMIUM).exists():
+    if os.environ.get("CI"):  # CI installs it: a missing browser there is a broken CI, not a skip
+        pytest.fail(f"{CHROMIUM} is missing; .ci/run must install Debian's chromium", pytrace=False)
     pytest.skip("Chromium is not installed (CI installs it)", allow_module_level=True)
 
 from playwright.sync_api import Page, expect, sync_playwright  # noqa: E402

@@ -4,9 +4,13 @@ import pytest
 import torch
 
 from chat import (
+    ChatError,
     ContextOverflowError,
     ConversationBusyError,
     EmptyMessageError,
+    InvalidOptionError,
+    StalePlanError,
+    UnknownOptionError,
     NothingToRegenerateError,
     NothingToUndoError,
     NotAUserMessageError,
@@ -55,9 +59,9 @@ CASES = {
     "edit to empty": (EmptyMessageError, lambda c: c.edit(1, " ", **OPTIONS)),
     "too long for the context": (ContextOverflowError, lambda c: c.send("cache " * 3000, **OPTIONS)),
     "max_new_tokens past the context": (ContextOverflowError, lambda c: c.send("hi", max_new_tokens=10_000)),
-    "bad temperature": (ValueError, lambda c: c.send("hi", max_new_tokens=4, temperature=0)),
-    "zero max_new_tokens": (ValueError, lambda c: c.send("hi", max_new_tokens=0)),
-    "unknown option": (TypeError, lambda c: c.send("hi", max_tokens=4)),
+    "bad temperature": (InvalidOptionError, lambda c: c.send("hi", max_new_tokens=4, temperature=0)),
+    "zero max_new_tokens": (InvalidOptionError, lambda c: c.send("hi", max_new_tokens=0)),
+    "unknown option": (UnknownOptionError, lambda c: c.send("hi", max_tokens=4)),
 }
 
 
@@ -65,8 +69,9 @@ CASES = {
 def test_refused_operation_changes_nothing(conv, case):
     error, operation = CASES[case]
     before = snapshot(conv)
-    with pytest.raises(error):
+    with pytest.raises(error) as raised:
         operation(conv)  # raised eagerly, before any stream is iterated
+    assert isinstance(raised.value, ChatError)  # the one family a UI catches
     assert_unchanged(conv, before)
     list(conv.send("Still works?", **OPTIONS))  # and the conversation goes on
     assert conv.messages[-2]["content"] == "Still works?"
@@ -99,7 +104,7 @@ def test_stale_plan_is_refused(conv):
     stale = conv.send("planned first", **OPTIONS)
     conv.undo()
     before = snapshot(conv)
-    with pytest.raises(ConversationBusyError):
+    with pytest.raises(StalePlanError):
         next(stale)
     assert_unchanged(conv, before)
 

@@ -10,13 +10,13 @@ import pickle
 import pytest
 import torch
 
-from chat import ChatEngine, EmptyMessageError
+from chat import ChatEngine, Continue, EmptyMessageError, NothingToRegenerateError, GenerationOptions, Regenerate, Send
 from chat import remote
 from chat.remote import RemoteOperation
 from conftest import THINKING_TEMPLATE
 from reference import check_exact
 
-GREEDY = dict(max_new_tokens=8, do_sample=False)
+GREEDY = GenerationOptions(max_new_tokens=8, do_sample=False)
 
 
 def fake_spaces_gpu(function):
@@ -59,17 +59,17 @@ def engine(models, tokenizers, monkeypatch):
 
 
 def test_a_conversation_runs_in_a_forked_worker_and_comes_back_exact(engine, models, tokenizers):
-    runner = fake_spaces_gpu(remote.run_operation)
+    runner = fake_spaces_gpu(remote.run_plan)
     conv = engine.conversation("System.")
-    deltas = list(RemoteOperation(conv, engine, runner, "send", "Hello over there?", **GREEDY))
+    deltas = list(RemoteOperation(conv, runner, Send("Hello over there?"), GREEDY))
     assert deltas and conv.messages[-1]["role"] == "assistant" and conv.session.token_ids
     check_exact(conv, models["hybrid"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
 
-    list(RemoteOperation(conv, engine, runner, "regenerate", **GREEDY))
+    list(RemoteOperation(conv, runner, Regenerate(), GREEDY))
     assert conv.stats.prefilled_tokens == 1 and conv.versions == (1, 2)  # the cache made the round trip
     check_exact(conv, models["hybrid"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
     assert conv.select_version(0)  # switching happens on the server, without a forward pass
-    list(RemoteOperation(conv, engine, runner, "send", "And then?", **GREEDY))
+    list(RemoteOperation(conv, runner, Send("And then?"), GREEDY))
     check_exact(conv, models["hybrid"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
 
 
@@ -79,42 +79,48 @@ def test_bad_input_fails_on_the_server_before_any_worker_runs(engine):
 
     conv = engine.conversation()
     with pytest.raises(EmptyMessageError):
-        RemoteOperation(conv, engine, runner, "send", "  ", **GREEDY)
+        RemoteOperation(conv, runner, Send("  "), GREEDY)
+    with pytest.raises(NothingToRegenerateError):
+        RemoteOperation(conv, runner, Continue(), GREEDY)
 
 
 def test_stop_reaches_the_worker(engine):
-    runner = fake_spaces_gpu(remote.run_operation)
+    runner = fake_spaces_gpu(remote.run_plan)
     conv = engine.conversation()
-    operation = RemoteOperation(conv, engine, runner, "send", "A long one.", max_new_tokens=400, do_sample=False)
+    operation = RemoteOperation(conv, runner, Send("A long one."), GenerationOptions(max_new_tokens=400, do_sample=False))
     for index, _ in enumerate(operation):
         if index == 0:
             operation.stop()
     assert conv.stats.stopped and conv.stats.generated_tokens < 400
-    list(RemoteOperation(conv, engine, runner, "send", "Next.", **GREEDY))
+    list(RemoteOperation(conv, runner, Send("Next."), GREEDY))
     assert conv.messages[-2]["content"] == "Next."
 
 
 def test_the_app_runs_every_operation_through_the_worker_on_zerogpu(engine, monkeypatch):
-    from app import ChatApp
-    from cache_sessions.manager import SessionManager
+    from ui.directory import ChatDirectory
+    from ui.handlers import ChatHandlers
+    from ui.outputs import Settings
 
     calls = []
-    forked = fake_spaces_gpu(remote.run_operation)
+    forked = fake_spaces_gpu(remote.run_plan)
 
-    def runner(*args):
-        calls.append(args[1])
-        yield from forked(*args)
+    def runner(conversation, plan, stop_file):
+        calls.append(plan.kind)
+        yield from forked(conversation, plan, stop_file)
 
-    app = ChatApp(engine, SessionManager(), runner=runner)
-    settings = ["System.", True, 8, 0.0, 0.95, 50, 1.0]
-    *_, last = app.send("Hello?", None, *settings)
-    key = last[2]
-    assert [m["role"] for m in last[0]] == ["user", "assistant"]
-    *_, last = app.regenerate(key, *settings)
-    assert "prefilled **1**" in last[3]
-    *_, last = app.continue_reply(key, *settings)
-    *_, last = app.edit(1, "Edited?", key, *settings)
-    assert last[0][0]["content"] == "Edited?"
-    assert calls == ["send", "regenerate", "continue_reply", "edit"]
-    conv = app.manager.get(key).conversation
+    handlers = ChatHandlers(engine, ChatDirectory(engine), runner=runner)
+    settings = Settings(system_prompt="System.", max_new_tokens=8, temperature=0.0).values()
+    *_, last = handlers.send("Hello?", None, *settings)
+    key = last.key
+    assert [m["role"] for m in last.chat] == ["user", "assistant"]
+    *_, last = handlers.regenerate(key, *settings)
+    assert "prefilled **1**" in last.stats
+    before = last.chat[-1]["content"]
+    *_, last = handlers.continue_reply(key, *settings)
+    conv = handlers.directory.find(key).conversation
+    assert conv.stats.prefilled_tokens == 1 and conv.versions == (1, 2)  # continued in place, in the worker
+    assert last.chat[-1]["content"].strip().startswith(before.strip()) and len(last.chat) == 2
+    *_, last = handlers.edit(1, "Edited?", key, *settings)
+    assert last.chat[0]["content"] == "Edited?"
+    assert calls == ["reply", "reply", "continue", "reply"]
     assert {t.device.type for t in conv.session.tensors()} == {"cpu"}

@@ -16,8 +16,7 @@ PROMPT = list(range(30, 90))
 def hold(session: CacheSession, token_ids: list[int]) -> None:
     """Make the session hold `token_ids`, as prepare + generate would leave it."""
     session.prepare(token_ids + [5])
-    session._forward(token_ids[len(session.token_ids):])
-    session.token_ids = list(token_ids)
+    session.extend(token_ids[len(session.token_ids):])
 
 
 def exact(session: CacheSession) -> bool:
@@ -61,11 +60,10 @@ def test_sliding_crop_only_inside_what_was_recorded(models):
     session = CacheSession(models["sliding"])
     session.prepare(PROMPT[:40] + [5])  # checkpoint at 40 (the generation start)
     session.prepare(PROMPT + [5])  # checkpoint at 60, then the window is trimmed to its last 7 states
-    window_kind = session._kinds[0]
+    window_kind = session.kinds[0]
     assert window_kind.layer.keys.shape[-2] == SLIDING_WINDOW - 1
     assert not window_kind.can_crop(60, 59)  # would need position 52, which was trimmed
-    session._forward([1, 2, 3])  # recorded again from 60 on
-    session.token_ids += [1, 2, 3]
+    session.extend([1, 2, 3])  # recorded again from 60 on
     assert window_kind.can_crop(63, 60) and not window_kind.can_crop(63, 59)
 
     result = session.prepare(PROMPT[:59] + [1, 2])
@@ -79,7 +77,7 @@ def test_sliding_memory_stays_bounded_over_many_turns(models):
     for turn in range(12):
         prompt = prompt + list(range(40 + turn, 60 + turn))
         session.prepare(prompt + [3])
-    stored = [kind.layer.keys.shape[-2] for kind in session._kinds]
+    stored = [kind.layer.keys.shape[-2] for kind in session.kinds]
     assert max(stored) == SLIDING_WINDOW - 1  # not 12 * 20 tokens
     assert len(session.checkpoints) == 4
     assert exact(session)
@@ -109,7 +107,7 @@ def test_cache_bytes_count_checkpoints(models):
     session.prepare(PROMPT + [5])
     checkpoint_bytes = sum(t.numel() * t.element_size() for t in session.checkpoints.tensors())
     assert len(session.checkpoints) >= 1 and checkpoint_bytes > 0
-    cache_only = sum(t.numel() * t.element_size() for k in session._kinds for t in k.tensors())
+    cache_only = sum(t.numel() * t.element_size() for k in session.kinds for t in k.tensors())
     assert session.nbytes() >= cache_only + checkpoint_bytes
 
 

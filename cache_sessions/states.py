@@ -1,0 +1,95 @@
+"""The tensors of one conversation's cache: a `DynamicCache`, the rollback kind of each of its
+layers, checkpoints and kept segments, with the ledger of token ids they hold. Rolling back,
+memory and device moves live here; `CacheSession` adds the prompt-driven path on top.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from cache_sessions.checkpoints import CheckpointStore
+from cache_sessions.rollback import LayerKind, RollbackResult, layer_kinds, needs_checkpoints, roll_back, take_checkpoint
+from cache_sessions.segments import SegmentStore
+from cache_sessions.tensors import storage_bytes
+
+DEFAULT_MAX_CHECKPOINTS = 16
+
+
+class CacheStates:
+    def __init__(self, model: PreTrainedModel, *, max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS):
+        self.model = model
+        self.max_checkpoints = max_checkpoints
+        self.token_ids: list[int] = []
+        self._segments = SegmentStore()
+        self._states_lost = False
+        self._reset_cache()
+
+    def _reset_cache(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self._kinds = layer_kinds(self.cache)
+        for kind in self._kinds:
+            kind.prepare()
+        self._uses_checkpoints = needs_checkpoints(self._kinds)
+        self.checkpoints = CheckpointStore(self.max_checkpoints if self._uses_checkpoints else 0)
+        self.token_ids = []
+
+    @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """How each cache layer rolls back, in layer order (read-only: for inspection and tests)."""
+        return tuple(self._kinds)
+
+    def __getstate__(self) -> dict:
+        """Pickled without its model (a session crosses to a GPU worker process and back)."""
+        state = self.__dict__.copy()
+        state["model"] = None
+        return state
+
+    def rollback_to(self, target: int) -> RollbackResult:
+        """Go back to `target` tokens, or to the closest exact point before it."""
+        self._segments.drop_after(target)
+        result = roll_back(self._kinds, self.checkpoints, len(self.token_ids), target)
+        if result.how == "rebuild":
+            self._reset_cache()
+        self.token_ids = self.token_ids[: result.position]
+        return result
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _checkpoint_here(self) -> None:
+        position = len(self.token_ids)
+        if self._uses_checkpoints and position > 0 and not self.checkpoints.has(position):
+            self.checkpoints.add(take_checkpoint(self._kinds, position))
+
+    def _check_invariant(self) -> None:
+        if self.cache.get_seq_length() != len(self.token_ids):
+            held = self.cache.get_seq_length()
+            self.release()
+            raise RuntimeError(f"cache holds {held} tokens but the ledger {len(self.token_ids)}")
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Free every tensor (memory pressure, or states that cannot be trusted after a failure
+        mid-update); the next `prepare` rebuilds and says so."""
+        self._states_lost = self._states_lost or bool(self.token_ids)
+        self._segments = SegmentStore()
+        self._reset_cache()
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for kind in self._kinds:
+            yield from kind.tensors()
+        yield from self.checkpoints.tensors()
+        yield from self._segments.tensors()
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache, checkpoints and segments, each storage once (crops are views)."""
+        return storage_bytes(self.tensors())
+
+    def to(self, device: torch.device | str) -> None:
+        """Move every held tensor, e.g. to the CPU between ZeroGPU calls."""
+        for kind in self._kinds:
+            kind.to(device)
+        for checkpoint in self.checkpoints:
+            checkpoint.to(device)
+        self._segments.to(device)

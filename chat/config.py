@@ -1,0 +1,34 @@
+"""The engine's settings, each default written once (the app's flags read theirs from here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cache_sessions.prefixes import DEFAULT_MAX_ENTRIES
+from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`max_checkpoints`: snapshots kept per conversation for layers that cannot be cropped.
+    `context_limit`: prompt + reply tokens allowed (None: the model's max_position_embeddings).
+    `shared_prefixes`: distinct system-prompt prefixes kept prefilled for new conversations.
+    `offload_sessions`: keep caches on the CPU between operations (ZeroGPU, where GPU memory
+    does not survive between calls). `compute_threads`: generations that can run at once; more
+    than one only pays off on a GPU (see chat/worker.py)."""
+
+    max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS
+    context_limit: int | None = None
+    shared_prefixes: int = DEFAULT_MAX_ENTRIES
+    offload_sessions: bool = False
+    compute_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_checkpoints < 0:
+            raise ValueError("max_checkpoints must be >= 0")
+        if self.context_limit is not None and self.context_limit < 2:
+            raise ValueError("context_limit must be at least 2 tokens")
+        if self.shared_prefixes < 0:
+            raise ValueError("shared_prefixes must be >= 0")
+        if self.compute_threads < 1:
+            raise ValueError("compute_threads must be at least 1")

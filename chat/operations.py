@@ -1,0 +1,55 @@
+"""The operations that make a reply, as values: the app, the ZeroGPU path and the engine all
+pass these, checked once when made. `Conversation.start(operation, options)` runs one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from chat.errors import ConversationError, EmptyMessageError, NotAUserMessageError
+
+
+def checked_text(text: Any) -> str:
+    if not isinstance(text, str):
+        raise ConversationError(f"a message must be text, not {type(text).__name__}")
+    if not text.strip():
+        raise EmptyMessageError("the message is empty")
+    return text
+
+
+@dataclass(frozen=True)
+class Send:
+    """A new user message. With `fit_context`, the oldest turns are dropped (the system prompt
+    stays) when the history would not fit the model's context."""
+
+    text: str
+    fit_context: bool = False
+
+    def __post_init__(self) -> None:
+        checked_text(self.text)
+
+
+@dataclass(frozen=True)
+class Regenerate:
+    """A new version of the last reply (or the missing reply to a trailing user message)."""
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace the user message at `index` of `messages`, drop what follows, reply again."""
+
+    index: int
+    text: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.index, bool) or not isinstance(self.index, int):
+            raise NotAUserMessageError(f"no message at index {self.index!r}")
+        checked_text(self.text)
+
+
+@dataclass(frozen=True)
+class Continue:
+    """Extend the last reply in the same turn: the cache goes on from where it stopped."""
+
+
+Operation = Union[Send, Regenerate, Edit, Continue]

@@ -1,0 +1,55 @@
+"""The app's parts without a server: flags and environment, the browser directory, named I/O."""
+
+import pytest
+
+from chat import EngineConfig, ServerBusyError
+from ui.config import AppConfig
+from ui.directory import ChatDirectory
+from ui.outputs import ChatOutputs, Settings
+
+
+def test_flags_win_over_environment_which_wins_over_defaults():
+    assert AppConfig.from_args([], environ={}) == AppConfig()
+    assert AppConfig().max_checkpoints == EngineConfig().max_checkpoints  # one default, read from the engine's
+    from_env = AppConfig.from_args([], environ={"MAX_SESSIONS": "7", "GRADIO_SERVER_PORT": "9000"})
+    assert (from_env.max_sessions, from_env.port) == (7, 9000)
+    flagged = AppConfig.from_args(["--max-sessions", "3", "--cache-budget-mb", "1.5"], environ={"MAX_SESSIONS": "7"})
+    assert (flagged.max_sessions, flagged.cache_budget_mb) == (3, 1.5)
+
+
+def test_settings_and_outputs_are_bound_by_name():
+    settings = Settings(temperature=0.0, max_new_tokens=9)
+    assert Settings.from_values(tuple(settings.values())) == settings
+    options = settings.options()
+    assert (options.do_sample, options.temperature, options.max_new_tokens) == (False, None, 9)
+    assert ChatOutputs(key="k", stats="s").to_gradio()[ChatOutputs.names().index("stats")] == "s"
+    with pytest.raises(TypeError):
+        Settings.from_values(("only one",))
+
+
+def test_a_page_is_forgotten_when_its_conversation_expires(make_engine):
+    directory = ChatDirectory(make_engine("full"), idle_timeout_s=0.0)
+    key, chat, notice = directory.chat(None, "System.")
+    directory.page_opened("page-1", key)
+    assert directory.pages() == 1 and notice is None
+    assert directory.find(key) is None  # idle longer than 0 s: expired on the next look-up
+    assert directory.pages() == 0
+
+
+def test_a_new_system_prompt_moves_the_page_to_the_new_conversation(make_engine):
+    directory = ChatDirectory(make_engine("full"))
+    key, chat, _ = directory.chat(None, "First.")
+    directory.page_opened("page-1", key)
+    list(chat.conversation.send("hi", max_new_tokens=2, do_sample=False))
+    new_key, _, notice = directory.chat(key, "Second.")
+    assert new_key != key and "system prompt changed" in notice and key not in directory.manager
+    directory.page_closed("page-1")  # frees the new conversation, not a stale key
+    assert new_key not in directory.manager and directory.pages() == 0
+
+
+def test_a_full_server_says_so_in_the_one_error_family(make_engine):
+    directory = ChatDirectory(make_engine("full"), max_sessions=1)
+    key, chat, _ = directory.chat(None, "")
+    with directory.manager.using(key):
+        with pytest.raises(ServerBusyError):
+            directory.chat(None, "")

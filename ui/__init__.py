@@ -1,0 +1,9 @@
+"""The Gradio app's parts; app.py lays them out and wires them. Knows no cache internals.
+
+Module map:
+  config.py     AppConfig: every flag, its default and its environment variable, read in one place
+  directory.py  which conversation each browser has (server-made keys), the system-prompt rule
+  handlers.py   one method per UI event: run an operation, stream it as ChatOutputs
+  outputs.py    ChatOutputs (what every handler returns, by name) and Settings (inputs, by name)
+  views.py      pure functions: history to Chatbot messages, the stats line
+"""

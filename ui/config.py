@@ -1,0 +1,47 @@
+"""The app's settings: each flag's default, environment variable and help, written once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
+
+from chat.config import EngineConfig
+
+
+def _setting(default: Any, env: str | tuple[str, ...], help: str = "") -> Any:
+    names = (env,) if isinstance(env, str) else env
+    return field(default=default, metadata={"env": names, "help": help})
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    model: str = _setting("demo", "MODEL_ID", 'hub id, local folder, or "demo" (tiny model built offline)')
+    host: str = _setting("127.0.0.1", ("HOST", "GRADIO_SERVER_NAME"))
+    port: int = _setting(7860, ("PORT", "GRADIO_SERVER_PORT"))
+    device: str | None = _setting(None, "DEVICE", "cuda, mps or cpu; automatic by default")
+    dtype: str | None = _setting(None, "DTYPE", "bfloat16, float16, float32; automatic by default")
+    cache_budget_mb: float = _setting(2048.0, "CACHE_BUDGET_MB", "all KV caches together; over it, idle "
+                                      "sessions are evicted")
+    max_sessions: int = _setting(64, "MAX_SESSIONS")
+    idle_timeout_min: float = _setting(30.0, "IDLE_TIMEOUT_MIN", "free a session idle this long")
+    concurrency: int = _setting(2, "CONCURRENCY", "generations running at once")
+    max_new_tokens: int = _setting(512, "MAX_NEW_TOKENS", "the largest reply a user may ask for")
+    max_checkpoints: int = _setting(EngineConfig.max_checkpoints, "MAX_CHECKPOINTS",
+                                    "snapshots per conversation for layers that cannot be cropped")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> "AppConfig":
+        """Flags win over environment variables, which win over the defaults above."""
+        environ = os.environ if environ is None else environ
+        parser = argparse.ArgumentParser(
+            description="rewind-chat: a chat UI whose KV cache rolls back instead of recomputing")
+        for setting in fields(cls):
+            names = setting.metadata["env"]
+            default = next((environ[name] for name in names if name in environ), setting.default)
+            kind = type(setting.default) if setting.default is not None else str
+            parser.add_argument("--" + setting.name.replace("_", "-"), type=kind, default=kind(default)
+                                if default is not None else None,
+                                help=f"{setting.metadata['help']} [env {' or '.join(names)}]".strip())
+        return cls(**vars(parser.parse_args(argv)))
