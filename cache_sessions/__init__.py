@@ -7,6 +7,7 @@ Module map:
   checkpoints.py  bounded-size snapshots at token positions, and the store that keeps them
   segments.py     the states a span of tokens added, cut out to be put back (reply versions)
   tensors.py      walking nested states: find, move and measure their tensors
+  batch.py        several sessions' caches as one batched cache for decode steps, and back
   prefixes.py     shared prefilled prefixes (system prompts) for new sessions
   manager.py      many sessions under one byte budget: LRU eviction of idle ones, limits, expiry
 """

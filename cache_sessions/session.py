@@ -109,6 +109,11 @@ class CacheSession(CacheStates):
         self.token_ids = self.token_ids + list(token_ids)
         self._check_invariant()
 
+    def note_extended(self, token_ids: Sequence[int]) -> None:
+        """The cache was fed `token_ids` elsewhere (a batched decode): add them to the ledger."""
+        self.token_ids = self.token_ids + list(token_ids)
+        self._check_invariant()
+
     # ---- segments: cut a span of states out, put it back later without a forward pass -------
     def stash_segment(self, key: Hashable, start: int, expected_ids: Sequence[int]) -> bool:
         """Keep the states from `start` to the end under `key`, if the ledger is a prefix of
