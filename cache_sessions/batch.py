@@ -111,16 +111,9 @@ def _gather_recurrent(kind: RecurrentState, rows: list[LayerKind], lengths: list
 
 
 def _scatter_attention(kind: LayerKind, own: LayerKind, row: int, steps: int) -> None:
-    new_keys = kind.layer.keys[row : row + 1, :, -steps:, :].clone()
-    new_values = kind.layer.values[row : row + 1, :, -steps:, :].clone()
-    if not own.layer.is_initialized:
-        own.layer.lazy_initialization(new_keys, new_values)
-        own.layer.keys, own.layer.values = new_keys, new_values
-    else:
-        own.layer.keys = torch.cat([own.layer.keys, new_keys], dim=-2)
-        own.layer.values = torch.cat([own.layer.values, new_values], dim=-2)
-    if isinstance(own, SlidingWindow):
-        own.layer.cumulative_length += steps
+    assert isinstance(own, (FullAttention, SlidingWindow))
+    own.append_states(kind.layer.keys[row : row + 1, :, -steps:, :].clone(),
+                      kind.layer.values[row : row + 1, :, -steps:, :].clone())
 
 
 def _scatter_recurrent(kind: LayerKind, own: LayerKind, row: int, steps: int) -> None:

@@ -89,6 +89,14 @@ class _Attention(LayerKind):
             self.layer.keys, self.layer.values = self.layer.keys.to(device), self.layer.values.to(device)
             self.layer.device = torch.device(device)
 
+    def append_states(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add the states of the positions that follow the cached ones (a segment put back, or
+        what a batched decode computed for this layer's session)."""
+        if not self.layer.is_initialized:
+            self.layer.lazy_initialization(keys, values)
+        self.layer.keys = torch.cat([self.layer.keys, keys.to(self.layer.keys.device)], dim=-2)
+        self.layer.values = torch.cat([self.layer.values, values.to(self.layer.values.device)], dim=-2)
+
 
 class FullAttention(_Attention):
     def can_crop(self, current: int, target: int) -> bool:
@@ -108,12 +116,7 @@ class FullAttention(_Attention):
 
     def append_segment(self, state: tuple[torch.Tensor, torch.Tensor] | None, start: int, end: int) -> None:
         if state is not None:
-            keys, values = state
-            if not self.layer.is_initialized:
-                self.layer.lazy_initialization(keys, values)
-            self.layer.keys = torch.cat([self.layer.keys, keys.to(self.layer.keys.device)], dim=-2)
-            self.layer.values = torch.cat([self.layer.values, values.to(self.layer.values.device)], dim=-2)
-
+            self.append_states(*state)
 
 
 @dataclass
@@ -178,6 +181,10 @@ class SlidingWindow(_Attention):
             # Clone so the long recorded tensor can be freed.
             self.layer.keys = self.layer.keys[..., -window:, :].clone()
             self.layer.values = self.layer.values[..., -window:, :].clone()
+
+    def append_states(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().append_states(keys, values)
+        self.layer.cumulative_length += keys.shape[-2]
 
     def to(self, device: torch.device | str) -> None:
         super().to(device)

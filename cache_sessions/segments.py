@@ -53,9 +53,6 @@ class SegmentStore:
     def drop(self, key: Hashable) -> None:
         self._segments.pop(key, None)
 
-    def __len__(self) -> int:
-        return len(self._segments)
-
     def drop_after(self, position: int) -> None:
         """Forget segments that start past `position`: the cache below them is being replaced."""
         self._segments = {key: s for key, s in self._segments.items() if s.start <= position}

@@ -73,6 +73,7 @@ class CacheSession(CacheStates):
         except BaseException:
             self.release()  # a failure mid-update: the states cannot be trusted
             raise
+        self._check_invariant()
         return PrefillResult(
             reused_tokens=result.position,
             prefilled_tokens=len(prompt_ids) - result.position,
@@ -106,11 +107,11 @@ class CacheSession(CacheStates):
             return
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.model.device)
         self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.token_ids = self.token_ids + list(token_ids)
-        self._check_invariant()
+        self.note_extended(token_ids)
 
     def note_extended(self, token_ids: Sequence[int]) -> None:
-        """The cache was fed `token_ids` elsewhere (a batched decode): add them to the ledger."""
+        """The cache now also holds `token_ids` (fed here, put back as a segment, or decoded in a
+        batch): add them to the ledger."""
         self.token_ids = self.token_ids + list(token_ids)
         self._check_invariant()
 
@@ -157,6 +158,5 @@ class CacheSession(CacheStates):
     def _append(self, segment: Segment) -> None:
         for kind, state in zip(self._kinds, segment.states, strict=True):
             kind.append_segment(state, segment.start, segment.end)
-        self.token_ids = self.token_ids + list(segment.token_ids)
-        self._check_invariant()
+        self.note_extended(segment.token_ids)
 

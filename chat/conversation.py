@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 from cache_sessions.session import CacheSession
 from chat.errors import ConversationBusyError, StalePlanError
-from chat.history import History, Message, ReplyVersion
+from chat.history import Entry, History, Message, ReplyVersion
 from chat.operations import Continue, Edit, Operation, Regenerate, Send
 from chat.options import GenerationOptions
 from chat.plans import Plan, plan_operation
@@ -120,7 +120,7 @@ class Conversation:
         with self.exclusive():
             if index == last.active:
                 return True
-            return self._runtime.worker.run(self._switch_version, index)
+            return self._runtime.worker.run(self._switch_version, last, index)
 
     def stop(self) -> None:
         """End the running stream early; safe from any thread. The partial reply is kept."""
@@ -163,10 +163,9 @@ class Conversation:
         if self._runtime.config.offload_sessions:
             self.session.to("cpu")
 
-    def _switch_version(self, index: int) -> bool:
+    def _switch_version(self, last: Entry, index: int) -> bool:
         """Keep the shown reply's states, put back those of `index`. No forward pass: this works
         wherever the cache lies, on the CPU between ZeroGPU calls too."""
-        last = self.history.version_entry(index)
         self._stash_reply(last.reply)
         last.active = index
         self._revision += 1
