@@ -1,13 +1,13 @@
 """Rollback-capable KV cache sessions. Knows nothing of chat, templates or UI.
 
 Module map:
-  session.py      CacheSession: the prompt-driven path (prepare / commit / extend) and segments
+  session.py      CacheSession: the prompt-driven path (prepare / prefill / commit / extend), segments
   states.py       CacheStates: a DynamicCache, its layer kinds, checkpoints, segments; memory
   rollback.py     how each kind of cache layer rolls back (the only file that does)
   checkpoints.py  bounded-size snapshots at token positions, and the store that keeps them
   segments.py     the states a span of tokens added, cut out to be put back (reply versions)
   tensors.py      walking nested states: find, move and measure their tensors
-  batch.py        several sessions' caches as one batched cache for decode steps, and back
+  batch.py        several sessions' caches as one batched cache for decode steps, and back (one row: its own)
   prefixes.py     shared prefilled prefixes (system prompts) for new sessions
   manager.py      many sessions under one byte budget: LRU eviction of idle ones, limits, expiry
 """

@@ -17,6 +17,33 @@ from transformers import DynamicCache, PreTrainedModel
 
 from cache_sessions.rollback import FullAttention, LayerKind, RecurrentState, SlidingWindow, layer_kinds
 from cache_sessions.session import CacheSession
+from cache_sessions.tensors import storage_bytes
+
+
+def decode_batch(model: PreTrainedModel, sessions: Sequence[CacheSession]) -> "BatchedCache | SingleRow":
+    """The batch for these rows: one row decodes on its own cache, with nothing copied."""
+    return SingleRow(model, sessions[0]) if len(sessions) == 1 else BatchedCache(model, sessions)
+
+
+class SingleRow:
+    """A batch of one, as `generate` would run it: on the session's own cache."""
+
+    def __init__(self, model: PreTrainedModel, session: CacheSession):
+        self.sessions = [session]
+        self.device = model.device
+
+    def inputs(self, token_ids: Sequence[int]) -> dict[str, object]:
+        return dict(input_ids=torch.tensor([list(token_ids)], device=self.device),
+                    past_key_values=self.sessions[0].cache, use_cache=True)
+
+    def fed(self, token_ids: Sequence[int]) -> None:
+        self.sessions[0].note_extended(token_ids)
+
+    def scatter(self) -> None:
+        """Nothing to do: the session's cache was fed directly."""
+
+    def nbytes(self) -> int:
+        return 0
 
 
 class BatchedCache:
@@ -64,6 +91,10 @@ class BatchedCache:
             session.note_extended(self._fed[row])
         self.steps = 0
         self._fed = [[] for _ in self.sessions]
+
+    def nbytes(self) -> int:
+        """What the batched copy holds on top of the sessions' own caches."""
+        return storage_bytes(tensor for kind in self.kinds for tensor in kind.tensors())
 
 
 # ---- per layer kind: into the batch (gather) and back out (scatter) ---------------------------

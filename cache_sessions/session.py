@@ -42,14 +42,13 @@ class CacheSession(CacheStates):
 
     # ---- the main path -----------------------------------------------------------------------
     def prepare(self, prompt_ids: Sequence[int], *, prefix_store: PrefixStore | None = None,
-                shared_prefix_length: int = 0) -> PrefillResult:
+                shared_prefix_length: int = 0, prefill: bool = True) -> PrefillResult:
         """Roll the cache back to the longest exact prefix of `prompt_ids`, and prefill.
 
-        Afterwards the cache holds a prefix of `prompt_ids[:-1]` and `generate` feeds the rest:
-        at least the last token, since given a cache that covers the whole input `generate`
-        would re-feed all of it. Layers that need checkpoints are prefilled here up to the last
-        token, to checkpoint the generation start (where regenerate returns); full attention
-        alone leaves the whole prefill to `generate`, in one forward pass.
+        Afterwards the cache holds `prompt_ids[:-1]`, checkpointed there (the generation start,
+        where regenerate returns): the last token is the first one a decode step feeds. Given a
+        cache that covers the whole input, `generate` would re-feed all of it, so one is always
+        left. With `prefill=False` only the rollback happens; `prefill()` then goes on in chunks.
         `shared_prefix_length` tokens of the prompt (a system prompt) are shared through
         `prefix_store` with other sessions.
         """
@@ -60,20 +59,10 @@ class CacheSession(CacheStates):
         copied = self._start_from_shared_prefix(prefix_store, prompt_ids)
         target = min(common_prefix_length(self.token_ids, prompt_ids), len(prompt_ids) - 1)
         result = self.rollback_to(target)
-        try:
-            self._checkpoint_here()  # a turn boundary: where this prompt starts to differ
-            if prefix_store is not None and len(self.token_ids) < shared_prefix_length < len(prompt_ids):
-                self.extend(prompt_ids[len(self.token_ids) : shared_prefix_length])
-                if not prefix_store.has(self.token_ids):
-                    prefix_store.add(self.cut_segment(0))
-                self._checkpoint_here()
-            if self._uses_checkpoints:
-                self.extend(prompt_ids[len(self.token_ids) : -1])
-                self._checkpoint_here()  # the generation start: regenerate rolls back to here
-        except BaseException:
-            self.release()  # a failure mid-update: the states cannot be trusted
-            raise
+        self._checkpoint_here()  # a turn boundary: where this prompt starts to differ
         self._check_invariant()
+        if prefill:
+            self.prefill(prompt_ids, prefix_store=prefix_store, shared_prefix_length=shared_prefix_length)
         return PrefillResult(
             reused_tokens=result.position,
             prefilled_tokens=len(prompt_ids) - result.position,
@@ -81,6 +70,39 @@ class CacheSession(CacheStates):
             rollback=result.how,
             shared_prefix_tokens=min(copied, result.position),
         )
+
+    def prefill(self, prompt_ids: Sequence[int], *, budget: int | None = None,
+                prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0) -> bool:
+        """Feed at most `budget` more tokens of `prompt_ids[:-1]` (all, if None) after what the
+        cache holds, which must be a prefix of it. True once only the last token is left.
+
+        Chunks let a long prompt be prefilled between other conversations' decode steps. The
+        shared prefix, once reached, is added to `prefix_store` for new conversations."""
+        prompt_ids = list(prompt_ids)
+        start, end = len(self.token_ids), len(prompt_ids) - 1
+        if end < start or prompt_ids[:start] != self.token_ids:
+            raise ValueError("the cache does not hold a prefix of this prompt; prepare it first")
+        shares = prefix_store is not None and start < shared_prefix_length < len(prompt_ids)
+        if shares:
+            end = shared_prefix_length  # stop there once, to store it
+        if budget is not None:
+            end = min(end, start + budget)
+        try:
+            self.extend(prompt_ids[start:end])
+            if shares and len(self.token_ids) == shared_prefix_length:
+                assert prefix_store is not None
+                if not prefix_store.has(self.token_ids):
+                    prefix_store.add(self.cut_segment(0))
+                self._checkpoint_here()
+                if budget is None or end - start < budget:
+                    return self.prefill(prompt_ids, budget=None if budget is None else budget - (end - start))
+        except BaseException:
+            self.release()  # a failure mid-update: the states cannot be trusted
+            raise
+        done = len(self.token_ids) == len(prompt_ids) - 1
+        if done:
+            self._checkpoint_here()  # the generation start: regenerate rolls back to here
+        return done
 
     def _start_from_shared_prefix(self, prefix_store: PrefixStore | None, prompt_ids: list[int]) -> int:
         """An empty cache starts from the longest stored shared prefix; returns its length."""

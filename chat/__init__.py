@@ -9,8 +9,10 @@ Module map:
   options.py       GenerationOptions: what a user sets per reply
   history.py       the canonical messages and the versions of the last reply
   plans.py         planning an operation: history, prompt ids, context check (no changes)
-  turns.py         one reply being made: prefill, stream deltas, then reply and stats
-  generation.py    model.generate on the compute thread, streamed token ids, text deltas
+  turns.py         one reply being made: submit, stream deltas, then reply and stats
+  scheduler.py     continuous batching: chunked prefill and one batched decode step for all replies
+  sampling.py      the next token of one row: transformers' logits processors, greedy or seeded sampling
+  detokenizer.py   streamed token ids to text deltas, whole characters only
   templates.py     rendering history to prompt ids with the tokenizer's chat template
   reasoning.py     splitting <think> reasoning from the answer, as a stream
   worker.py        the compute thread every forward pass runs on

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from cache_sessions.prefixes import DEFAULT_MAX_ENTRIES
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
 
+DEFAULT_MAX_BATCH_SIZE = 8
+DEFAULT_PREFILL_CHUNK = 256
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -15,13 +18,17 @@ class EngineConfig:
     `shared_prefixes`: distinct system-prompt prefixes kept prefilled for new conversations.
     `offload_sessions`: keep caches on the CPU between operations (ZeroGPU, where GPU memory
     does not survive between calls). `compute_threads`: generations that can run at once; more
-    than one only pays off on a GPU (see chat/worker.py)."""
+    than one only pays off on a GPU (see chat/worker.py). `max_batch_size`: replies decoded together
+in one forward per step; more wait for a free row. `prefill_chunk`: prompt tokens a newcomer
+prefills per step while others decode (what a long prompt can delay them by, per step)."""
 
     max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS
     context_limit: int | None = None
     shared_prefixes: int = DEFAULT_MAX_ENTRIES
     offload_sessions: bool = False
     compute_threads: int = 1
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
     def __post_init__(self) -> None:
         if self.max_checkpoints < 0:
@@ -32,3 +39,7 @@ class EngineConfig:
             raise ValueError("shared_prefixes must be >= 0")
         if self.compute_threads < 1:
             raise ValueError("compute_threads must be at least 1")
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        if self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be at least 1")

@@ -132,16 +132,15 @@ class Conversation:
         with self.exclusive():
             if plan.revision != self._revision:
                 raise StalePlanError("the conversation changed after this operation was planned")
-            self._runtime.worker.run(self._before_turn, plan)
+            turn = Turn(self._runtime, self.session, plan, self._stop, before=lambda: self._before_turn(plan))
             try:
-                turn = Turn(self._runtime, self.session, plan, self._stop)
+                yield from turn.deltas()
+            finally:
                 try:
-                    yield from turn.deltas()
-                finally:
                     if turn.generation is not None:
                         self._record(plan, *turn.finish())
-            finally:
-                self._runtime.worker.run(self._after_turn)
+                finally:
+                    self._runtime.worker.run(self._after_turn)
 
     def _record(self, plan: Plan, version: ReplyVersion, stats: TurnStats) -> None:
         if plan.kind == "continue":

@@ -13,6 +13,7 @@ from chat.config import EngineConfig
 from chat.conversation import Conversation
 from chat.loading import load_model_and_tokenizer
 from chat.runtime import Runtime
+from chat.scheduler import DecodeScheduler, SchedulerStats
 from chat.templates import ChatTemplate
 from chat.worker import ModelWorker
 
@@ -26,11 +27,14 @@ class ChatEngine:
         self.config = config
         self.model = model.eval()
         self.tokenizer = tokenizer
+        worker = worker or ModelWorker(config.compute_threads)
         self.runtime = Runtime(
             model=self.model,
             tokenizer=tokenizer,
             template=ChatTemplate(tokenizer),
-            worker=worker or ModelWorker(config.compute_threads),
+            worker=worker,
+            scheduler=DecodeScheduler(self.model, worker, max_batch_size=config.max_batch_size,
+                                      prefill_chunk=config.prefill_chunk),
             eos_token_ids=frozenset(_eos_token_ids(model, tokenizer)),
             prefix_store=PrefixStore(config.shared_prefixes) if config.shared_prefixes else None,
             config=config,
@@ -58,6 +62,14 @@ class ChatEngine:
     @property
     def worker(self) -> ModelWorker:
         return self.runtime.worker
+
+    @property
+    def scheduler(self) -> DecodeScheduler:
+        return self.runtime.scheduler
+
+    def batch_stats(self) -> SchedulerStats:
+        """The running batch: its size, prefills in progress, waits to join."""
+        return self.runtime.scheduler.stats()
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

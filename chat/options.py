@@ -22,6 +22,7 @@ class GenerationOptions:
     top_k: int | None = None
     repetition_penalty: float | None = None
     enable_thinking: bool | None = None
+    seed: int | None = None  # a sampled reply's own random generator: the same reply, batched or not
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -34,6 +35,8 @@ class GenerationOptions:
             raise InvalidOptionError("top_k must be >= 0")
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise InvalidOptionError("repetition_penalty must be > 0")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+            raise InvalidOptionError("seed must be a whole number >= 0")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "GenerationOptions":
@@ -43,7 +46,8 @@ class GenerationOptions:
         return cls(**kwargs)
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """The options `generate` takes; sampling knobs are left out of a greedy reply."""
+        """The options a `GenerationConfig` takes; sampling knobs are left out of a greedy reply."""
         greedy = self.do_sample is False
         return {name: value for name, value in asdict(self).items()
-                if value is not None and name != "enable_thinking" and not (greedy and name in SAMPLING_FIELDS)}
+                if value is not None and name not in ("enable_thinking", "seed")
+                and not (greedy and name in SAMPLING_FIELDS)}

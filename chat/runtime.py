@@ -9,6 +9,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cache_sessions.prefixes import PrefixStore
 from chat.config import EngineConfig
+from chat.scheduler import DecodeScheduler
 from chat.templates import ChatTemplate
 from chat.worker import ModelWorker
 
@@ -19,6 +20,7 @@ class Runtime:
     tokenizer: PreTrainedTokenizerBase
     template: ChatTemplate
     worker: ModelWorker
+    scheduler: DecodeScheduler  # on `worker`: every reply decodes there, batched with the others
     eos_token_ids: frozenset[int]
     prefix_store: PrefixStore | None
     config: EngineConfig

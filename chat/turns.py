@@ -1,8 +1,9 @@
 """One reply being made: prefill, generate, stream text deltas, then what to record.
 
-A `Turn` runs on behalf of its conversation, which holds the lock: it prepares the cache on the
-compute thread, streams `generate`'s tokens as reasoning/answer deltas, and at the end commits
-what the model fed to the cache and says what the reply and its statistics are.
+A `Turn` runs on behalf of its conversation, which holds the lock: it submits the prompt to the
+engine's decode scheduler (which rolls the cache back, prefills and decodes it, batched with
+the other conversations' replies), streams the tokens as reasoning/answer deltas, and at the
+end checks what the model fed to the cache and says what the reply and its statistics are.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from cache_sessions.session import CacheSession, PrefillResult
 from cache_sessions.rollback import RollbackHow
-from chat.generation import GenerationRun, IncrementalDecoder
+from chat.detokenizer import IncrementalDecoder
 from chat.history import ReplyVersion
 from chat.plans import Plan
 from chat.reasoning import Delta, ReasoningSplitter
 from chat.runtime import Runtime
+from chat.scheduler import GenerationRequest
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class TurnStats:
     stopped: bool = False
     shared_prefix_tokens: int = 0
     dropped_turns: int = 0
+    waited_s: float = 0.0  # from the request to its first decode step, prefill included
 
 
 class ReplyStream:
@@ -58,10 +61,12 @@ class ReplyStream:
 
 
 class Turn:
-    def __init__(self, runtime: Runtime, session: CacheSession, plan: Plan, stop: threading.Event):
-        self.runtime, self.session, self.plan, self.stop = runtime, session, plan, stop
-        self.generation: GenerationRun | None = None
-        self.prefill: PrefillResult | None = None
+    def __init__(self, runtime: Runtime, session: CacheSession, plan: Plan, stop: threading.Event,
+                 before: Callable[[], None] | None = None):
+        """`before`: the conversation's own cache work, run on the compute thread when the
+        scheduler takes the reply up."""
+        self.runtime, self.session, self.plan, self.stop, self.before = runtime, session, plan, stop, before
+        self.generation: GenerationRequest | None = None
         self._finished_stream = False
         self._started = 0.0
 
@@ -69,10 +74,10 @@ class Turn:
         runtime, plan = self.runtime, self.plan
         self._started = time.perf_counter()
         self.stop.clear()
-        self.prefill = runtime.worker.run(self.session.prepare, plan.prompt_ids, prefix_store=runtime.prefix_store,
-                                          shared_prefix_length=plan.shared_prefix_length)
-        self.generation = GenerationRun(runtime.model, self.session.cache, plan.prompt_ids, plan.options, self.stop,
-                                        runtime.worker)
+        self.generation = runtime.scheduler.submit(self.session, plan.prompt_ids, plan.options, self.stop,
+                                                   prefix_store=runtime.prefix_store,
+                                                   shared_prefix_length=plan.shared_prefix_length,
+                                                   before=self.before)
         decoder = IncrementalDecoder(runtime.tokenizer, runtime.eos_token_ids, context_ids=plan.earlier_ids)
         splitter = ReasoningSplitter(starts_in_reasoning=plan.opens_reasoning)
         splitter.feed(decoder.context_text)
@@ -83,12 +88,13 @@ class Turn:
         self._finished_stream = True
 
     def finish(self) -> tuple[ReplyVersion, TurnStats]:
-        """Stop the model if it still runs, commit what it fed, and describe the reply.
+        """Stop the model if it still runs, check what it fed, and describe the reply.
         Raises what generation raised (the cache is then released: it cannot be trusted)."""
-        assert self.generation is not None and self.prefill is not None
+        assert self.generation is not None
         try:
             sequence = self.generation.finish()
-            self.session.commit(sequence)
+            if self.generation.started:  # one stopped while it waited never touched the cache
+                self.session.commit(sequence)
         except BaseException:
             self.session.release()
             raise
@@ -107,8 +113,9 @@ class Turn:
         return ReplyVersion(content, reasoning, reply_ids, prompt_ids, plan.opens_reasoning, stopped)
 
     def _stats(self, sequence: list[int], stopped: bool) -> TurnStats:
-        run, prefill, plan = self.generation, self.prefill, self.plan
-        assert run is not None and prefill is not None
+        run, plan = self.generation, self.plan
+        assert run is not None
+        prefill = run.prefill or PrefillResult(0, 0, False, "none")
         now = time.perf_counter()
         first, last = run.first_token_at or now, run.last_token_at or now
         decode_rate = (run.token_count - 1) / (last - first) if run.token_count > 1 and last > first else 0.0
@@ -126,4 +133,5 @@ class Turn:
             stopped=stopped,
             shared_prefix_tokens=prefill.shared_prefix_tokens,
             dropped_turns=plan.dropped_turns,
+            waited_s=(run.joined_at or now) - run.submitted_at,
         )

@@ -112,10 +112,10 @@ def test_stale_plan_is_refused(conv):
 def test_model_failure_leaves_history_and_rebuilds(conv, monkeypatch):
     before_messages = conv.messages
 
-    def broken_generate(*args, **kwargs):
+    def broken_forward(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(conv.session.model, "generate", broken_generate)
+    monkeypatch.setattr(conv.session.model, "forward", broken_forward)
     with pytest.raises(RuntimeError, match="device lost"):
         list(conv.send("This one fails.", **OPTIONS))
     assert conv.messages == before_messages

@@ -47,13 +47,32 @@ def test_prepare_rolls_back_to_any_prefix_exactly(models, arch, cut):
     prompt = PROMPT[:cut] + [11, 12, 13]
     result = session.prepare(prompt)
     held = session.token_ids
-    assert held == prompt[: len(held)] and len(held) < len(prompt)  # generate feeds the rest
+    assert held == prompt[:-1]  # prefilled up to the generation start: the first decode step feeds the last
     assert exact(session)
     assert result.reused_tokens <= cut and result.prefilled_tokens == len(prompt) - result.reused_tokens
-    if arch == "full":  # crop is exact, and generate does the whole prefill in one forward
-        assert (result.rollback, result.reused_tokens, held) == ("crop", cut, PROMPT[:cut])
-    else:  # prefilled up to the generation start, to checkpoint it
-        assert held == prompt[:-1]
+    if arch == "full":  # crop is exact
+        assert (result.rollback, result.reused_tokens) == ("crop", cut)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_in_chunks_equals_one_prefill(models, arch):
+    """Chunked prefill (what runs between other conversations' decode steps) stays exact, and a
+    shared prefix met on the way is stored once."""
+    from cache_sessions.prefixes import PrefixStore
+
+    session, store = CacheSession(models[arch]), PrefixStore(4)
+    hold(session, PROMPT[:10])
+    prompt = PROMPT + [11, 12, 13]
+    session.prepare(prompt, prefill=False)
+    assert session.token_ids == PROMPT[:10]
+    steps = 0
+    while not session.prefill(prompt, budget=16, prefix_store=store, shared_prefix_length=30):
+        steps += 1
+        assert len(session.token_ids) <= 10 + 16 * steps and exact(session)
+    assert session.token_ids == prompt[:-1] and exact(session)
+    assert store.find(prompt[:-1]).token_ids == PROMPT[:30]
+    with pytest.raises(ValueError, match="prefix"):
+        session.prefill([1, 2, 3])
 
 
 def test_sliding_crop_only_inside_what_was_recorded(models):

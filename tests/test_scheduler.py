@@ -1,0 +1,363 @@
+"""Replies of several conversations decode together (issue #12), each exactly as it would alone.
+
+References are independent of the scheduler: greedy `generate` from scratch on the re-rendered
+prompt and a from-scratch forward over each ledger (`check_exact`), and for sampling a plain
+loop over from-scratch forwards with hand-built transformers warpers and a seeded generator.
+Timing is controlled, never slept on: a job on the compute thread holds the scheduler between
+steps, and a logits processor can hold it inside a chosen step of a chosen reply.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import chat.scheduler
+from chat import ChatEngine, ConversationBusyError, ConversationError
+from chat.sampling import TokenChooser
+from conftest import THINKING_TEMPLATE
+from reference import check_exact, render_ids
+from tiny_models import ARCHS
+
+MAX_NEW = 10
+GREEDY = dict(max_new_tokens=MAX_NEW, do_sample=False)
+FAILS_AT_THIRD_TOKEN = 9  # max_new_tokens values that mark a reply for a hook (see `hooks`)
+PAUSES_AT_THIRD_TOKEN = 23
+
+
+def wait_until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.001)
+
+
+class HeldScheduler:
+    """Occupy the compute thread, so requests queue up and start at the same step."""
+
+    def __init__(self, engine: ChatEngine):
+        self.engine, self.gate = engine, threading.Event()
+
+    def __enter__(self) -> "HeldScheduler":
+        started = threading.Event()
+        self.engine.worker.submit(lambda: (started.set(), self.gate.wait(60)))
+        started.wait(60)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.gate.set()
+
+
+class Consumer(threading.Thread):
+    """Drains one stream on its own thread, as a browser's request would."""
+
+    def __init__(self, conv, stream, stop_after: int | None = None):
+        super().__init__(daemon=True)
+        self.conv, self.stream, self.stop_after = conv, stream, stop_after
+        self.deltas: list = []
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            for delta in self.stream:
+                self.deltas.append(delta)
+                if self.stop_after is not None and len(self.deltas) >= self.stop_after:
+                    self.conv.stop()
+        except BaseException as error:
+            self.error = error
+
+
+class _Raises(LogitsProcessor):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("processor failed")
+        return scores
+
+
+class _Pauses(LogitsProcessor):
+    """At its reply's third token: say so, then hold the compute thread until released."""
+
+    def __init__(self, reached: threading.Event, release: threading.Event):
+        self.calls, self.reached, self.release = 0, reached, release
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == 3:
+            self.reached.set()
+            self.release.wait(60)
+        return scores
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    """Replies with a marked max_new_tokens get a failing or a pausing processor appended."""
+    pause = dict(reached=threading.Event(), release=threading.Event())
+
+    class HookedChooser(TokenChooser):
+        def __init__(self, model, options, prompt_length):
+            super().__init__(model, options, prompt_length)
+            if options.max_new_tokens == FAILS_AT_THIRD_TOKEN:
+                self.processors.append(_Raises())
+            elif options.max_new_tokens == PAUSES_AT_THIRD_TOKEN:
+                self.processors.append(_Pauses(**pause))
+
+    monkeypatch.setattr(chat.scheduler, "TokenChooser", HookedChooser)
+    yield pause
+    pause["release"].set()
+
+
+@pytest.fixture
+def batches(monkeypatch):
+    """Every batch composition the scheduler builds, as tuples of session ids."""
+    built: list[tuple[int, ...]] = []
+    original = chat.scheduler.decode_batch
+
+    def recording(model, sessions):
+        built.append(tuple(id(session) for session in sessions))
+        return original(model, sessions)
+
+    monkeypatch.setattr(chat.scheduler, "decode_batch", recording)
+    return built
+
+
+def conversations_with_histories(engine: ChatEngine, count: int) -> list:
+    """`count` conversations; the i-th has i earlier turns, so their prompts differ in length."""
+    convs = []
+    for index in range(count):
+        conv = engine.conversation("You are terse.")
+        for turn in range(index):
+            list(conv.send(f"Earlier question {turn} of chat {index}: what is {turn} plus {index}?", **GREEDY))
+        convs.append(conv)
+    return convs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_conversations_sending_at_once_decode_in_one_batch_each_as_alone(make_engine, models, tokenizers, arch,
+                                                                         batches):
+    engine = make_engine(arch)
+    convs = conversations_with_histories(engine, 4)
+    with HeldScheduler(engine):
+        consumers = [Consumer(conv, conv.send(f"Now, chat {i}: tell me about the cache.", **GREEDY))
+                     for i, conv in enumerate(convs)]
+        wait_until(lambda: engine.batch_stats().waiting == 4)
+    for consumer in consumers:
+        consumer.join(60)
+        assert consumer.error is None
+    assert engine.batch_stats().largest_batch == 4
+    assert tuple(id(conv.session) for conv in convs) in batches  # all four in one forward
+    for conv in convs:
+        check_exact(conv, models[arch], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
+        assert conv.stats.generated_tokens >= 1 and conv.stats.waited_s >= 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_arrival_stop_and_failure_leave_the_others_exact(make_engine, models, tokenizers, arch, hooks, batches):
+    """A and B decode; C is stopped after its first delta; D's logits processor raises at its third
+    token; E arrives while A is mid-reply. A, B and E equal their replies alone, C a prefix of its
+    own, D fails alone with its history untouched; every cache equals the scratch reference."""
+    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
+    engine = make_engine(arch)
+    a, b, c, d, e = conversations_with_histories(engine, 5)
+    d_messages = d.messages
+    with HeldScheduler(engine):
+        consumer_a = Consumer(a, a.send("A long answer, please.", max_new_tokens=PAUSES_AT_THIRD_TOKEN, do_sample=False))
+        consumer_b = Consumer(b, b.send("Hello from B.", **GREEDY))
+        consumer_c = Consumer(c, c.send("Hello from C.", **GREEDY), stop_after=1)
+        consumer_d = Consumer(d, d.send("Hello from D.", max_new_tokens=FAILS_AT_THIRD_TOKEN, do_sample=False))
+        wait_until(lambda: engine.batch_stats().waiting == 4)
+    assert hooks["reached"].wait(60)  # A is inside its third decode step: E arrives now
+    consumer_e = Consumer(e, e.send("E arrives late.", **GREEDY))
+    wait_until(lambda: engine.batch_stats().waiting == 1)
+    hooks["release"].set()
+    for consumer in (consumer_a, consumer_b, consumer_c, consumer_d, consumer_e):
+        consumer.join(60)
+    assert consumer_a.error is consumer_b.error is consumer_c.error is consumer_e.error is None
+    assert isinstance(consumer_d.error, RuntimeError) and "processor failed" in str(consumer_d.error)
+    assert d.messages == d_messages and not d.is_generating
+    assert any(id(a.session) in rows and id(e.session) in rows for rows in batches)  # E joined A's batch
+    check_exact(a, model, tokenizer, max_new_tokens=PAUSES_AT_THIRD_TOKEN)
+    for conv in (b, e):
+        check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW)
+    check_exact(c, model, tokenizer, max_new_tokens=MAX_NEW, stopped=True)
+    assert c.stats.stopped
+    check_exact(d, model, tokenizer, max_new_tokens=None, generated=False)
+    list(d.send("D again.", **GREEDY))  # D recovers: its cache was released and is rebuilt
+    check_exact(d, model, tokenizer, max_new_tokens=MAX_NEW)
+
+
+def sampled_reference(model, prompt_ids: list[int], eos: int, *, seed: int, max_new_tokens: int) -> list[int]:
+    """Sampling from scratch: full forwards, the warpers built by hand, a generator seeded alone."""
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.9),
+                                      TopKLogitsWarper(20), TopPLogitsWarper(0.9)])
+    generator = torch.Generator().manual_seed(seed)
+    ids, reply = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([ids])).logits[:, -1].float()
+            scores = processors(torch.tensor([ids]), logits)
+            token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+            if token == eos:
+                break
+            ids.append(token)
+            reply.append(token)
+    return reply
+
+
+@pytest.mark.parametrize("arch", ["full", "hybrid"])
+def test_seeded_sampling_is_the_same_batched_or_alone_and_follows_the_warpers(make_engine, models, tokenizers,
+                                                                              arch):
+    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
+    sampled = dict(max_new_tokens=12, do_sample=True, temperature=0.9, top_k=20, top_p=0.9,
+                   repetition_penalty=1.3, seed=7)
+    engine = make_engine(arch)
+    alone = engine.conversation("You are terse.")
+    list(alone.send("Pick some words at random.", **sampled))
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt = render_ids(tokenizer, alone.messages[:-1])
+    assert alone.reply_ids == sampled_reference(model, prompt, eos, seed=7, max_new_tokens=12)
+
+    batched, greedy_one, greedy_two = (engine.conversation("You are terse.") for _ in range(3))
+    with HeldScheduler(engine):
+        consumers = [Consumer(greedy_one, greedy_one.send("A greedy neighbour.", **GREEDY)),
+                     Consumer(batched, batched.send("Pick some words at random.", **sampled)),
+                     Consumer(greedy_two, greedy_two.send("Another greedy one, longer prompt here.", **GREEDY))]
+        wait_until(lambda: engine.batch_stats().waiting == 3)
+    for consumer in consumers:
+        consumer.join(60)
+        assert consumer.error is None
+    assert batched.reply_ids == alone.reply_ids
+    for conv in (greedy_one, greedy_two):
+        check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, models, tokenizers, hooks,
+                                                                   monkeypatch):
+    model = models["full"]
+    engine = make_engine("full", prefill_chunk=16)
+    runner, newcomer = engine.conversation("You are terse."), engine.conversation("You are terse.")
+    forwards: list[tuple[int, int]] = []  # (rows, tokens per row) of every forward pass
+    forward = model.forward
+
+    def logged(*args, **kwargs):
+        forwards.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", logged)
+    consumer = Consumer(runner, runner.send("Talk for a while.", max_new_tokens=PAUSES_AT_THIRD_TOKEN,
+                                            do_sample=False))
+    assert hooks["reached"].wait(60)
+    long_text = " ".join(f"word{i}" for i in range(60))
+    late = Consumer(newcomer, newcomer.send(long_text, **GREEDY))
+    wait_until(lambda: engine.batch_stats().waiting == 1)
+    arrived = len(forwards)
+    hooks["release"].set()
+    consumer.join(60), late.join(60)
+    assert consumer.error is None and late.error is None
+    after = forwards[arrived:]
+    prompt_length = newcomer.stats.prompt_tokens
+    chunks = [shape for shape in after if shape[1] > 1]
+    assert len(chunks) >= (prompt_length - 1) // 16 >= 4  # the prompt really needed several chunks
+    assert all(tokens <= 16 for _, tokens in after)
+    first_joint = next(i for i, shape in enumerate(after) if shape[0] == 2)
+    prefill_phase = after[:first_joint]
+    for earlier, later in zip(prefill_phase, prefill_phase[1:]):  # never two chunks in a row: the
+        assert earlier[1] == 1 or later[1] == 1  # runner decodes one step between any two chunks
+    check_exact(runner, model, tokenizers[THINKING_TEMPLATE], max_new_tokens=PAUSES_AT_THIRD_TOKEN)
+    check_exact(newcomer, model, tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
+
+
+def test_batch_size_is_bounded_and_the_rest_wait_their_turn(make_engine, models, tokenizers):
+    engine = make_engine("mixed", max_batch_size=2)
+    convs = [engine.conversation("Be brief.") for _ in range(3)]
+    with HeldScheduler(engine):
+        consumers = [Consumer(conv, conv.send(f"Question number {i}?", **GREEDY)) for i, conv in enumerate(convs)]
+        wait_until(lambda: engine.batch_stats().waiting == 3)
+    for consumer in consumers:
+        consumer.join(60)
+        assert consumer.error is None
+    stats = engine.batch_stats()
+    assert stats.largest_batch == 2 and stats.joined == 3 and stats.decoding == stats.waiting == 0
+    assert stats.batch_bytes == 0  # nothing batched is held once every reply ended
+    for conv in convs:
+        check_exact(conv, models["mixed"], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
+
+
+# ---- a property: any interleaving of several conversations' operations stays exact --------------
+PROPERTY_MAX_NEW = 6
+steps = st.lists(
+    st.tuples(st.integers(0, 2), st.sampled_from(["send", "regenerate", "advance", "stop", "drain", "undo"])),
+    min_size=1, max_size=14)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=steps)
+def test_interleaved_operations_of_several_conversations_stay_exact(models, tokenizers, arch, program):
+    """One thread drives three conversations' streams in any interleaving; the scheduler batches
+    whatever is open at each step. Afterwards every conversation is exact."""
+    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
+    engine = ChatEngine(model, tokenizer, max_batch_size=2)
+    convs = [engine.conversation("Be brief.") for _ in range(3)]
+    options = dict(max_new_tokens=PROPERTY_MAX_NEW, do_sample=False)
+    open_streams: dict[int, object] = {}
+    complete: dict[int, bool | None] = {0: None, 1: None, 2: None}  # last reply fresh and not stopped
+
+    def advance(index: int) -> None:
+        try:
+            next(open_streams[index])
+        except StopIteration:
+            del open_streams[index]
+            complete[index] = not convs[index].stats.stopped
+
+    for index, action in program:
+        conv = convs[index]
+        if action in ("send", "regenerate"):
+            try:
+                stream = conv.send("Hi there, cache?", **options) if action == "send" else conv.regenerate(**options)
+            except ConversationBusyError:
+                assert index in open_streams
+                continue
+            except ConversationError:
+                continue
+            open_streams[index] = stream
+            advance(index)  # submitted: it now holds the conversation
+        elif action == "advance" and index in open_streams:
+            advance(index)
+        elif action == "stop":
+            conv.stop()
+        elif action == "drain" and index in open_streams:
+            while index in open_streams:
+                advance(index)
+        elif action == "undo":
+            try:
+                conv.undo()
+                complete[index] = None
+            except ConversationBusyError:
+                assert index in open_streams
+            except ConversationError:
+                pass
+    for index in list(open_streams):
+        while index in open_streams:
+            advance(index)
+    for index, conv in enumerate(convs):
+        fresh = complete[index]
+        check_exact(conv, model, tokenizer, max_new_tokens=PROPERTY_MAX_NEW if fresh else None,
+                    stopped=not fresh, generated=bool(fresh) or fresh is False)
