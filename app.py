@@ -14,8 +14,7 @@ from typing import Any, Callable, Iterator
 
 import gradio as gr
 
-from chat import ChatEngine, ModelLoadError
-from chat import remote
+from chat import ChatEngine, ModelLoadError, remote
 from ui.config import AppConfig
 from ui.directory import ChatDirectory
 from ui.handlers import ChatHandlers, PageEvents
@@ -136,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         # shared prefixes (kept inside a worker) are off.
         engine = ChatEngine.load(config.model, device="cuda" if ON_ZERO_GPU else config.device, dtype=config.dtype,
                                  max_checkpoints=config.max_checkpoints, offload_sessions=ON_ZERO_GPU,
+                                 max_batch_size=config.max_batch, prefill_chunk=config.prefill_chunk,
                                  **(dict(shared_prefixes=0) if ON_ZERO_GPU else {}))
     except ModelLoadError as error:
         print(f"rewind-chat: {error}", file=sys.stderr)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     label = "`demo` (a tiny untrained model: random text)" if config.model == "demo" else f"`{config.model}`"
     demo = build(ChatHandlers(engine, directory, runner=runner), model_label=label,
                  max_new_tokens=config.max_new_tokens)
-    demo.queue(default_concurrency_limit=config.concurrency, max_size=256)
+    demo.queue(default_concurrency_limit=config.streams, max_size=256)
     demo.launch(server_name=config.host, server_port=config.port)
     return 0
 

@@ -14,22 +14,25 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
-import resource
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.generation.streamers import BaseStreamer
 
-from benchmarks.models import SHAPE, Words, build_bench_model, build_bench_tokenizer, parameter_count, \
-    script_think_block
+from benchmarks.models import (
+    SHAPE,
+    Words,
+    build_bench_model,
+    build_bench_tokenizer,
+    parameter_count,
+    script_think_block,
+)
+from benchmarks.report import TokenClock, decode_rate, peak_rss_bytes, publish, target_table
 from cache_sessions import common_prefix_length
 from chat import ChatEngine
 from chat.loading import load_model_and_tokenizer
@@ -45,30 +48,6 @@ class Timing:
     decode_tokens_per_s: float = 0.0
     generated_tokens: int = 0
     cache_bytes: int = 0
-
-
-class _Clock(BaseStreamer):
-    """Time of each token `generate` streams (the first `put` is the prompt)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self._prompt_seen:
-            self.times.append(time.perf_counter())
-        self._prompt_seen = True
-
-    def end(self) -> None:
-        pass
-
-
-def decode_rate(times: list[float]) -> float:
-    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def cache_bytes(cache: DynamicCache) -> int:
@@ -106,7 +85,7 @@ class Bench:
         started = time.perf_counter()
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        clock, cache = _Clock(), DynamicCache(config=self.model.config)
+        clock, cache = TokenClock(), DynamicCache(config=self.model.config)
         output = self.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                                      max_new_tokens=max_new_tokens or self.max_new_tokens, do_sample=False,
                                      streamer=clock)
@@ -213,7 +192,7 @@ class Bench:
         """Plain `generate` on a copy of the session's cache, prepared as the session would."""
         before = copy.deepcopy(conv.session, memo={id(self.model): self.model})
         before.prepare(prompt)  # the cache holds prompt[:-1]
-        clock = _Clock()
+        clock = TokenClock()
         ids = torch.tensor([prompt])
         self.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=before.cache,
                             max_new_tokens=new_tokens, do_sample=False, streamer=clock)
@@ -249,10 +228,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name.replace('_', ' + ')} | {op['session_ttft_s'] * 1000:.1f} ms | "
                      f"{op['naive_ttft_s'] * 1000:.1f} ms | {op['session_prefilled_tokens']} | "
                      f"{op['naive_prefilled_tokens']} |")
-    lines += ["", "| target | measured | met |", "|---|---|:---:|"]
-    for target, measured, met in result["targets"]:
-        lines.append(f"| {target} | {measured} | {'yes' if met else '**no**'} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + target_table(result["targets"]))
 
 
 def targets(result: dict) -> list[tuple[str, str, bool]]:
@@ -346,15 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     result.update(bench.operations(conv, words, args.message_words))
     result["decode"] = bench.decode(conv, args.decode_tokens, repeats=3)
-    result["peak_rss_bytes"] = peak_rss_bytes()
-    result["wall_s"] = time.perf_counter() - started
-    result["targets"] = targets(result)
-    print(markdown(result))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(result, indent=1))
-    if args.plot_path:
-        plot(result, args.plot_path)
-    return result
+    return publish(result, started, targets=targets, markdown=markdown, plot=plot, json_path=args.json_path,
+                   plot_path=args.plot_path)
 
 
 if __name__ == "__main__":

@@ -49,15 +49,18 @@ class ManagerStats:
 class SessionManager:
     def __init__(self, *, budget_bytes: int | None = None, max_sessions: int | None = None,
                  idle_timeout_s: float | None = None, prefix_store: PrefixStore | None = None,
-                 clock: Callable[[], float] = time.monotonic, on_close: Callable[[str], None] | None = None):
+                 clock: Callable[[], float] = time.monotonic, on_close: Callable[[str], None] | None = None,
+                 extra_bytes: Callable[[], int] | None = None):
         """`on_close(key)` is told of every key that stops being valid (closed, expired, made room
-        for), so whoever mapped something to it can forget it."""
+        for), so whoever mapped something to it can forget it. `extra_bytes()`: memory held for
+        the sessions elsewhere (a batched copy of the decoding caches), counted in the budget."""
         self.budget_bytes = budget_bytes
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self.prefix_store = prefix_store
         self._clock = clock
         self._on_close = on_close
+        self._extra_bytes = extra_bytes
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.RLock()
         self.evictions = 0
@@ -128,7 +131,8 @@ class SessionManager:
         with self._lock:
             owners = [slot.owner for slot in self._slots.values()]
         shared = self.prefix_store.nbytes() if self.prefix_store is not None else 0
-        return shared + sum(owner.session.nbytes() for owner in owners)
+        extra = self._extra_bytes() if self._extra_bytes is not None else 0
+        return shared + extra + sum(owner.session.nbytes() for owner in owners)
 
     def enforce_budget(self) -> list[str]:
         """Release idle sessions, least recently used first, then shared prefixes, until within budget."""

@@ -11,7 +11,14 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from cache_sessions.checkpoints import CheckpointStore
-from cache_sessions.rollback import LayerKind, RollbackResult, layer_kinds, needs_checkpoints, roll_back, take_checkpoint
+from cache_sessions.rollback import (
+    LayerKind,
+    RollbackResult,
+    layer_kinds,
+    needs_checkpoints,
+    roll_back,
+    take_checkpoint,
+)
 from cache_sessions.segments import SegmentStore
 from cache_sessions.tensors import storage_bytes
 

@@ -11,7 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from chat.errors import ConversationError, NothingToRegenerateError, NothingToUndoError, NotAUserMessageError
+from chat.errors import ConversationError, NotAUserMessageError, NothingToRegenerateError, NothingToUndoError
 
 Message = dict[str, Any]
 Role = Literal["system", "user", "assistant"]

@@ -51,7 +51,8 @@ def _plan_reply(entries: list[Entry], history: History, runtime: Runtime, option
     regenerates = history.regenerates(entries)
     dropped = 0
     while True:
-        prompt = runtime.template.render([entry.message() for entry in entries], enable_thinking=options.enable_thinking)
+        messages = [entry.message() for entry in entries]
+        prompt = runtime.template.render(messages, enable_thinking=options.enable_thinking)
         try:
             check_context(runtime, len(prompt.ids), options)
             break
@@ -92,7 +93,9 @@ def check_context(runtime: Runtime, prompt_tokens: int, options: GenerationOptio
 
 def _shared_prefix_length(runtime: Runtime, entries: list[Entry], prompt_ids: list[int]) -> int:
     """Tokens of the system prompt turn, when the template renders it as a prompt prefix."""
-    if runtime.prefix_store is None or not runtime.template.accepts_system or not entries or entries[0].role != "system":
+    if runtime.prefix_store is None or not runtime.template.accepts_system:
+        return 0
+    if not entries or entries[0].role != "system":
         return 0
     prefix = runtime.template.render_history([entries[0].message()])
     return len(prefix) if prompt_ids[: len(prefix)] == prefix else 0

@@ -2,9 +2,9 @@
 batched forward per step.
 
 One step: end requests stopped while they waited; admit waiting requests while rows are free;
-roll back and prefill one bounded chunk of the oldest newcomer (so a long pasted prompt delays
-the running replies by one chunk a step, not by its whole prefill); then one decode forward for
-every row. A request joins the batch once only its last prompt token is left to feed, and leaves
+roll back newcomers and prefill them within a budget of `prefill_chunk` tokens (so a long pasted
+prompt delays the running replies by one chunk a step, not by its whole prefill); then one
+decode forward for every row. A request joins the batch once only its last prompt token is left to feed, and leaves
 at an end token, its token limit, a stop, or an error: its own (a raising logits processor) ends
 it alone, a failed forward ends every row of that step. A step re-submits itself, so the
 engine's other compute jobs (a version switch, a new conversation) run between steps.
@@ -165,7 +165,7 @@ class DecodeScheduler:
     def _step(self) -> None:
         try:
             self._admit()
-            self._prefill_one_chunk()
+            self._prefill_chunks()
             self._decode_once()
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
             for request in self._drop_everyone():
@@ -184,33 +184,37 @@ class DecodeScheduler:
             while self._waiting and len(self._prefilling) + len(self._decoding) < self.max_batch_size:
                 self._prefilling.append(self._waiting.popleft())
 
-    def _prefill_one_chunk(self) -> None:
-        """Roll back the oldest newcomer and feed one chunk of its prompt; all of it when no
-        row is decoding (chunks would only slow it down)."""
-        if not self._prefilling:
-            return
-        request = self._prefilling[0]
+    def _prefill_chunks(self) -> None:
+        """Roll newcomers back and prefill them, oldest first, `prefill_chunk` tokens in all per
+        step while rows decode; all of it when none does (chunks would only slow them down)."""
         budget = self.prefill_chunk if self._decoding else None
-        try:
-            if request.prefill is None:
-                if request.before is not None:
-                    request.before()
-                request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
-                request.prefill = request.session.prepare(
-                    request.prompt_ids, prefix_store=request.prefix_store,
-                    shared_prefix_length=request.shared_prefix_length, prefill=False)
-            ready = request.stop.is_set() or request.session.prefill(
-                request.prompt_ids, budget=budget, prefix_store=request.prefix_store,
-                shared_prefix_length=request.shared_prefix_length)
-        except BaseException as error:
-            self._leave_prefill(request, error)
-            return
-        if request.stop.is_set():
-            self._leave_prefill(request)
-        elif ready:
-            with self._lock:
-                self._prefilling.remove(request)
-                self._decoding.append(request)
+        for request in list(self._prefilling):
+            if budget == 0:
+                return
+            held = len(request.session.token_ids)
+            try:
+                if request.prefill is None:
+                    if request.before is not None:
+                        request.before()
+                    request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
+                    request.prefill = request.session.prepare(
+                        request.prompt_ids, prefix_store=request.prefix_store,
+                        shared_prefix_length=request.shared_prefix_length, prefill=False)
+                    held = len(request.session.token_ids)
+                ready = request.stop.is_set() or request.session.prefill(
+                    request.prompt_ids, budget=budget, prefix_store=request.prefix_store,
+                    shared_prefix_length=request.shared_prefix_length)
+            except BaseException as error:
+                self._leave_prefill(request, error)
+                continue
+            if budget is not None:
+                budget = max(0, budget - (len(request.session.token_ids) - held))
+            if request.stop.is_set():
+                self._leave_prefill(request)
+            elif ready:
+                with self._lock:
+                    self._prefilling.remove(request)
+                    self._decoding.append(request)
 
     def _decode_once(self) -> None:
         for request in [r for r in self._decoding if r.stop.is_set()]:

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from cache_sessions.session import CacheSession, PrefillResult
 from cache_sessions.rollback import RollbackHow
+from cache_sessions.session import CacheSession, PrefillResult
 from chat.detokenizer import IncrementalDecoder
 from chat.history import ReplyVersion
 from chat.plans import Plan

@@ -168,3 +168,17 @@ def test_a_model_that_cannot_load_ends_with_one_clear_line(tmp_path):
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("rewind-chat: cannot load") and "missing-model" in last
+
+
+def test_browsers_sending_at_once_share_decode_steps_and_get_their_own_replies(app):
+    """Three browsers send the same message at once: one greedy reply each, the same text (each
+    row decodes as it would alone), and /status shows they shared batched steps."""
+    clients = [Client(app.url, verbose=False) for _ in range(3)]
+    jobs = [c.submit("Tell me everything you know.", *settings(max_new_tokens=48), api_name="/send")
+            for c in clients]
+    replies = [texts(job.result()[0])[-1] for job in jobs]
+    assert replies[0][0] == "assistant" and replies[0][1] and replies.count(replies[0]) == 3
+    batch = clients[0].predict(api_name="/status")["batch"]
+    assert batch["largest_batch"] >= 2 and batch["max_batch_size"] == 8
+    assert batch["decoding"] == batch["waiting"] == 0 and batch["batch_bytes"] == 0
+    assert batch["join_wait_max_s"] >= batch["join_wait_mean_s"] >= 0

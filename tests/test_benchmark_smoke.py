@@ -21,3 +21,19 @@ def test_multiturn_benchmark_writes_the_documented_fields(tmp_path):
     assert result["regenerate"]["session_prefilled_tokens"] == 1
     assert {"session_tokens_per_s", "bare_tokens_per_s"} <= set(result["decode"])
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_multiuser_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.multiuser import main as multiuser
+
+    out = tmp_path / "multiuser.json"
+    multiuser(["--history", "150", "--max-new-tokens", "5", "--counts", "1,2", "--stagger", "2",
+               "--json", str(out), "--plot", str(tmp_path / "multiuser.png")])
+    result = json.loads(out.read_text())
+    assert [row["scenario"] for row in result["scenarios"]] == ["1 at once", "2 at once", "staggered"]
+    for row in result["scenarios"]:
+        assert row["same_as_alone"]  # batched greedy replies equal the replies alone
+        assert len(row["ttft_s"]) == row["conversations"] and row["wall_s"] > 0
+    assert result["largest_batch"] == 2  # two rows really shared decode steps
+    assert {"alone_tokens_per_s", "bare_tokens_per_s"} <= set(result["decode"])
+    assert (tmp_path / "multiuser.png").stat().st_size > 0

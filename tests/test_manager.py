@@ -134,3 +134,19 @@ def test_offloaded_engine_round_trips_through_cuda(models, tokenizers):
         assert conv.stats.prefilled_tokens == 1
     finally:
         model.to("cpu")
+
+
+def test_the_batched_copy_counts_in_the_budget(make_engine):
+    """Bytes held outside the sessions (the decode batch's copy) push idle sessions out too."""
+    engine = make_engine("full")
+    held = {"bytes": 0}
+    manager = SessionManager(budget_bytes=10**9, extra_bytes=lambda: held["bytes"])
+    conv = engine.conversation()
+    key = manager.open(conv)
+    with manager.using(key):
+        list(conv.send("Hello?", **GREEDY))
+    manager.budget_bytes = conv.session.nbytes() + 10
+    assert manager.enforce_budget() == []
+    held["bytes"] = 11
+    assert manager.total_bytes() == conv.session.nbytes() + 11
+    assert manager.enforce_budget() == [key] and conv.session.nbytes() == 0

@@ -14,8 +14,11 @@ import time
 
 import pytest
 import torch
+from conftest import THINKING_TEMPLATE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference import check_exact, render_ids
+from tiny_models import ARCHS
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -28,9 +31,6 @@ from transformers import (
 import chat.scheduler
 from chat import ChatEngine, ConversationBusyError, ConversationError
 from chat.sampling import TokenChooser
-from conftest import THINKING_TEMPLATE
-from reference import check_exact, render_ids
-from tiny_models import ARCHS
 
 MAX_NEW = 10
 GREEDY = dict(max_new_tokens=MAX_NEW, do_sample=False)
@@ -163,9 +163,24 @@ def test_conversations_sending_at_once_decode_in_one_batch_each_as_alone(make_en
         assert consumer.error is None
     assert engine.batch_stats().largest_batch == 4
     assert tuple(id(conv.session) for conv in convs) in batches  # all four in one forward
+    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
     for conv in convs:
-        check_exact(conv, models[arch], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
+        check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW)
         assert conv.stats.generated_tokens >= 1 and conv.stats.waited_s >= 0
+    # and every operation works as before on a cache that was decoded in a batch
+    last = convs[3]
+    list(last.regenerate(**GREEDY))
+    check_exact(last, model, tokenizer, max_new_tokens=MAX_NEW)
+    assert last.stats.prefilled_tokens == 1
+    last.select_version(0)
+    check_exact(last, model, tokenizer, max_new_tokens=MAX_NEW)
+    list(last.send("One more, cut short.", max_new_tokens=3, do_sample=False))
+    assert last.stats.generated_tokens == len(last.reply_ids)  # cut by the limit, not ended: continue it
+    before = len(last.reply_ids)
+    list(last.continue_reply(**GREEDY))
+    check_exact(last, model, tokenizer, max_new_tokens=None, stopped=True, continued_from=before)
+    list(last.edit(1, "An edited first question.", **GREEDY))
+    check_exact(last, model, tokenizer, max_new_tokens=MAX_NEW)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -178,7 +193,8 @@ def test_arrival_stop_and_failure_leave_the_others_exact(make_engine, models, to
     a, b, c, d, e = conversations_with_histories(engine, 5)
     d_messages = d.messages
     with HeldScheduler(engine):
-        consumer_a = Consumer(a, a.send("A long answer, please.", max_new_tokens=PAUSES_AT_THIRD_TOKEN, do_sample=False))
+        long_reply = dict(max_new_tokens=PAUSES_AT_THIRD_TOKEN, do_sample=False)
+        consumer_a = Consumer(a, a.send("A long answer, please.", **long_reply))
         consumer_b = Consumer(b, b.send("Hello from B.", **GREEDY))
         consumer_c = Consumer(c, c.send("Hello from C.", **GREEDY), stop_after=1)
         consumer_d = Consumer(d, d.send("Hello from D.", max_new_tokens=FAILS_AT_THIRD_TOKEN, do_sample=False))

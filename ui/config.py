@@ -26,7 +26,12 @@ class AppConfig:
                                       "sessions are evicted")
     max_sessions: int = _setting(64, "MAX_SESSIONS")
     idle_timeout_min: float = _setting(30.0, "IDLE_TIMEOUT_MIN", "free a session idle this long")
-    concurrency: int = _setting(2, "CONCURRENCY", "generations running at once")
+    max_batch: int = _setting(EngineConfig.max_batch_size, "MAX_BATCH",
+                              "replies decoded together, one batched forward per step")
+    prefill_chunk: int = _setting(EngineConfig.prefill_chunk, "PREFILL_CHUNK",
+                                  "prompt tokens a newcomer prefills per step while others decode")
+    concurrency: int = _setting(0, "CONCURRENCY", "replies streaming at once (Gradio queue); 0: as many "
+                                "as --max-batch")
     max_new_tokens: int = _setting(512, "MAX_NEW_TOKENS", "the largest reply a user may ask for")
     max_checkpoints: int = _setting(EngineConfig.max_checkpoints, "MAX_CHECKPOINTS",
                                     "snapshots per conversation for layers that cannot be cropped")
@@ -45,3 +50,8 @@ class AppConfig:
                                 if default is not None else None,
                                 help=f"{setting.metadata['help']} [env {' or '.join(names)}]".strip())
         return cls(**vars(parser.parse_args(argv)))
+
+    @property
+    def streams(self) -> int:
+        """The Gradio queue's concurrency: by default every row of the batch can be streaming."""
+        return self.concurrency or self.max_batch

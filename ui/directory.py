@@ -31,7 +31,7 @@ class ChatDirectory:
         self.engine = engine
         self.manager = SessionManager(budget_bytes=budget_bytes, max_sessions=max_sessions,
                                       idle_timeout_s=idle_timeout_s, prefix_store=engine.prefix_store,
-                                      on_close=self._forget_pages_of)
+                                      on_close=self._forget_pages_of, extra_bytes=engine.scheduler.batch_bytes)
         self._key_of_page: dict[str, str] = {}
         self._lock = threading.Lock()
 

@@ -217,8 +217,13 @@ class PageEvents:
 
     def server_status(self) -> dict:
         """Aggregate numbers only (no session keys): what an operator of a shared Space needs."""
-        stats = self.directory.manager.stats()
+        stats, batch = self.directory.manager.stats(), self.directory.engine.batch_stats()
         return {"conversations": stats.sessions, "generating": stats.in_use,
+                "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,
+                          "max_batch_size": batch.max_batch_size, "largest_batch": batch.largest_batch,
+                          "decode_steps": batch.steps, "batch_bytes": batch.batch_bytes,
+                          "join_wait_mean_s": round(batch.join_wait_mean_s, 4),
+                          "join_wait_max_s": round(batch.join_wait_max_s, 4)},
                 "cache_bytes": stats.cache_bytes, "cache_budget_bytes": stats.budget_bytes,
                 "shared_prefix_bytes": stats.shared_prefix_bytes, "evictions": stats.evictions,
                 "expired": stats.expired, "closed_for_room": stats.closed_for_room}

@@ -1,0 +1,55 @@
+"""What the benchmarks share: timing a `generate` stream, peak memory, and writing the result."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+
+class TokenClock(BaseStreamer):
+    """Time of each token `generate` streams (the first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def decode_rate(times: list[float]) -> float:
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def target_table(targets: list[tuple[str, str, bool]]) -> list[str]:
+    lines = ["| target | measured | met |", "|---|---|:---:|"]
+    return lines + [f"| {target} | {measured} | {'yes' if met else '**no**'} |" for target, measured, met in targets]
+
+
+def publish(result: dict, started: float, *, targets: Callable[[dict], list], markdown: Callable[[dict], str],
+            plot: Callable[[dict, str], None], json_path: str | None, plot_path: str | None) -> dict:
+    """Close a run: memory, wall time and targets into `result`; the table to stdout; files."""
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    result["wall_s"] = time.perf_counter() - started
+    result["targets"] = targets(result)
+    print(markdown(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+    if plot_path:
+        plot(result, plot_path)
+    return result
