@@ -90,26 +90,43 @@ class ChatHandlers:
                 answer: str) -> Iterator[ChatOutputs]:
         """Show the reply as it streams: reasoning in a collapsible message, then the answer."""
         started, thinking_since, thought_for = time.perf_counter(), None, None
+        deltas = iter(stream)
         try:
             with self.directory.manager.using(key):
-                for delta in stream:
-                    if delta.kind == "reasoning":
-                        thinking_since = thinking_since or time.perf_counter()
-                        reasoning += delta.text
-                    else:
-                        if thinking_since and thought_for is None:
-                            thought_for = time.perf_counter() - thinking_since
-                        answer += delta.text
-                    yield self.view(key, chat, chat=base + views.reply_messages(reasoning, answer, thought_for),
-                                    stats=views.GENERATING)
+                try:
+                    for delta in deltas:
+                        if delta.kind == "reasoning":
+                            thinking_since = thinking_since or time.perf_counter()
+                            reasoning += delta.text
+                        else:
+                            if thinking_since and thought_for is None:
+                                thought_for = time.perf_counter() - thinking_since
+                            answer += delta.text
+                        yield self.view(key, chat, chat=base + views.reply_messages(reasoning, answer, thought_for),
+                                        stats=views.GENERATING)
+                except GeneratorExit:  # the client went away (closed tab, dropped connection, cancel)
+                    self._abandon(chat, deltas)
+                    raise
         except ChatError as error:
             gr.Warning(str(error))
         except Exception as error:  # the model failed: the conversation is intact, say so
             gr.Warning(f"Generation failed: {error}")
+        finally:
+            chat.running = None
         if reasoning.strip():
             last = len(chat.conversation.messages) - 1
             chat.thinking_seconds[last] = thought_for or (time.perf_counter() - (thinking_since or started))
         yield self.view(key, chat)
+
+    def _abandon(self, chat: BrowserChat, deltas: Iterator[Any]) -> None:
+        """Stop a reply nobody reads any more and let it end as Stop ends it: the partial reply
+        kept, the conversation free for the next message (within a decode step or two)."""
+        self.stop_running(chat)
+        try:
+            for _ in deltas:
+                pass
+        except Exception:  # noqa: S110  (it failed while ending: the conversation says so itself)
+            pass
 
     # ---- generating events ----------------------------------------------------------------------
     def send(self, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
@@ -153,9 +170,13 @@ class ChatHandlers:
     def stop(self, key: Any) -> None:
         chat = self.directory.find(key)
         if chat is not None:
-            if isinstance(chat.running, RemoteOperation):
-                chat.running.stop()
-            chat.conversation.stop()
+            self.stop_running(chat)
+
+    @staticmethod
+    def stop_running(chat: BrowserChat) -> None:
+        if isinstance(chat.running, RemoteOperation):
+            chat.running.stop()
+        chat.conversation.stop()
 
 
 class PageEvents:

@@ -1,0 +1,32 @@
+"""Faults from outside (issue #9): clients that go away, operations racing each other."""
+
+import pytest
+
+from ui.directory import ChatDirectory
+from ui.handlers import ChatHandlers
+from ui.outputs import Settings
+
+
+@pytest.fixture
+def endless(models, monkeypatch):
+    """The full tiny model with its end token off: a reply runs to its token limit."""
+    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
+    return models["full"]
+
+
+def test_a_client_that_drops_its_stream_stops_the_reply_and_frees_the_conversation(make_engine, endless):
+    engine = make_engine("full")
+    handlers = ChatHandlers(engine, ChatDirectory(engine))
+    settings = Settings(system_prompt="S.", max_new_tokens=400, temperature=0.0).values()
+    stream = handlers.send("Talk a lot.", None, *settings)
+    outputs = [next(stream) for _ in range(3)]  # the message shown, then two streamed updates
+    key = outputs[-1].key
+    stream.close()  # what Gradio does when the connection drops or the client cancels
+    chat = handlers.directory.find(key)
+    conv = chat.conversation
+    assert not conv.is_generating and chat.running is None
+    assert conv.stats.stopped and conv.stats.generated_tokens < 400  # stopped, its partial reply kept
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant"]
+    assert engine.batch_stats().decoding == 0 and handlers.directory.manager.stats().in_use == 0
+    *_, last = handlers.send("Next.", key, *Settings(system_prompt="S.", max_new_tokens=4, temperature=0.0).values())
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user", "assistant"]
