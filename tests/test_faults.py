@@ -18,9 +18,9 @@ def test_a_client_that_drops_its_stream_stops_the_reply_and_frees_the_conversati
     engine = make_engine("full")
     handlers = ChatHandlers(engine, ChatDirectory(engine))
     settings = Settings(system_prompt="S.", max_new_tokens=400, temperature=0.0).values()
-    stream = handlers.send("Talk a lot.", None, *settings)
+    stream = handlers.send(None, "Talk a lot.", None, *settings)
     outputs = [next(stream) for _ in range(3)]  # the message shown, then two streamed updates
-    key = outputs[-1].key
+    key = outputs[0].key  # the first update names the new conversation; streamed ones leave it
     stream.close()  # what Gradio does when the connection drops or the client cancels
     chat = handlers.directory.find(key)
     conv = chat.conversation
@@ -28,5 +28,6 @@ def test_a_client_that_drops_its_stream_stops_the_reply_and_frees_the_conversati
     assert conv.stats.stopped and conv.stats.generated_tokens < 400  # stopped, its partial reply kept
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant"]
     assert engine.batch_stats().decoding == 0 and handlers.directory.manager.stats().in_use == 0
-    *_, last = handlers.send("Next.", key, *Settings(system_prompt="S.", max_new_tokens=4, temperature=0.0).values())
+    short = Settings(system_prompt="S.", max_new_tokens=4, temperature=0.0).values()
+    *_, last = handlers.send(None, "Next.", key, *short)
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user", "assistant"]

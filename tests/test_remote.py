@@ -110,17 +110,17 @@ def test_the_app_runs_every_operation_through_the_worker_on_zerogpu(engine, monk
 
     handlers = ChatHandlers(engine, ChatDirectory(engine), runner=runner)
     settings = Settings(system_prompt="System.", max_new_tokens=8, temperature=0.0).values()
-    *_, last = handlers.send("Hello?", None, *settings)
+    *_, last = handlers.send(None, "Hello?", None, *settings)
     key = last.key
     assert [m["role"] for m in last.chat] == ["user", "assistant"]
-    *_, last = handlers.regenerate(key, *settings)
+    *_, last = handlers.regenerate(None, key, *settings)
     assert "prefilled **1**" in last.stats
     before = last.chat[-1]["content"]
-    *_, last = handlers.continue_reply(key, *settings)
+    *_, last = handlers.continue_reply(None, key, *settings)
     conv = handlers.directory.find(key).conversation
     assert conv.stats.prefilled_tokens == 1 and conv.versions == (1, 2)  # continued in place, in the worker
     assert last.chat[-1]["content"].strip().startswith(before.strip()) and len(last.chat) == 2
-    *_, last = handlers.edit(1, "Edited?", key, *settings)
+    *_, last = handlers.edit(None, 1, "Edited?", key, *settings)
     assert last.chat[0]["content"] == "Edited?"
     assert calls == ["reply", "reply", "continue", "reply"]
     assert {t.device.type for t in conv.session.tensors()} == {"cpu"}

@@ -1,5 +1,6 @@
 """The app's parts without a server: flags and environment, the browser directory, named I/O."""
 
+import gradio as gr
 import pytest
 
 from chat import EngineConfig, ServerBusyError
@@ -23,14 +24,13 @@ def test_settings_and_outputs_are_bound_by_name():
     options = settings.options()
     assert (options.do_sample, options.temperature, options.max_new_tokens) == (False, None, 9)
     assert ChatOutputs(key="k", stats="s").to_gradio()[ChatOutputs.names().index("stats")] == "s"
-    with pytest.raises(TypeError):
+    with pytest.raises(gr.Error, match="settings: expected 7 values"):
         Settings.from_values(("only one",))
 
 
 def test_a_page_is_forgotten_when_its_conversation_expires(make_engine):
     directory = ChatDirectory(make_engine("full"), idle_timeout_s=0.0)
-    key, chat, notice = directory.chat(None, "System.")
-    directory.page_opened("page-1", key)
+    key, chat, notice = directory.chat(None, "System.", page="page-1")
     assert directory.pages() == 1 and notice is None
     assert directory.find(key) is None  # idle longer than 0 s: expired on the next look-up
     assert directory.pages() == 0
@@ -38,10 +38,9 @@ def test_a_page_is_forgotten_when_its_conversation_expires(make_engine):
 
 def test_a_new_system_prompt_moves_the_page_to_the_new_conversation(make_engine):
     directory = ChatDirectory(make_engine("full"))
-    key, chat, _ = directory.chat(None, "First.")
-    directory.page_opened("page-1", key)
+    key, chat, _ = directory.chat(None, "First.", page="page-1")
     list(chat.conversation.send("hi", max_new_tokens=2, do_sample=False))
-    new_key, _, notice = directory.chat(key, "Second.")
+    new_key, _, notice = directory.chat(key, "Second.", page="page-1")
     assert new_key != key and "system prompt changed" in notice and key not in directory.manager
     directory.page_closed("page-1")  # frees the new conversation, not a stale key
     assert new_key not in directory.manager and directory.pages() == 0

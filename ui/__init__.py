@@ -2,8 +2,10 @@
 
 Module map:
   config.py     AppConfig: every flag, its default and its environment variable, read in one place
-  directory.py  which conversation each browser has (server-made keys), the system-prompt rule
+  directory.py  which conversation each browser has (server-made keys), per-client limits, tab close
   handlers.py   one method per UI event: run an operation, stream it as ChatOutputs
   outputs.py    ChatOutputs (what every handler returns, by name) and Settings (inputs, by name)
+  inputs.py     checking what a client sends, by field name, before anything runs; the size limits
+  security.py   the Content-Security-Policy and other headers on every response
   views.py      pure functions: history to Chatbot messages, the stats line
 """

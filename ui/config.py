@@ -15,6 +15,16 @@ def _setting(default: Any, env: str | tuple[str, ...], help: str = "") -> Any:
     return field(default=default, metadata={"env": names, "help": help})
 
 
+def _yes_no(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected yes or no, got {value!r}")
+
+
 @dataclass(frozen=True)
 class AppConfig:
     model: str = _setting("demo", "MODEL_ID", 'hub id, local folder, or "demo" (tiny model built offline)')
@@ -33,6 +43,12 @@ class AppConfig:
     concurrency: int = _setting(0, "CONCURRENCY", "replies streaming at once (Gradio queue); 0: as many "
                                 "as --max-batch")
     max_new_tokens: int = _setting(512, "MAX_NEW_TOKENS", "the largest reply a user may ask for")
+    max_message_chars: int = _setting(20_000, "MAX_MESSAGE_CHARS", "longer messages are refused before any work")
+    max_system_chars: int = _setting(4_000, "MAX_SYSTEM_CHARS", "longer system prompts are refused")
+    max_per_client: int = _setting(8, "MAX_PER_CLIENT", "conversations one address may hold (0: no limit); "
+                                   "at the limit its own oldest idle one is closed")
+    monitoring: bool = _setting(False, "MONITORING", "Gradio's /monitoring page (per-endpoint timings, "
+                                "visible to anyone)")
     max_checkpoints: int = _setting(EngineConfig.max_checkpoints, "MAX_CHECKPOINTS",
                                     "snapshots per conversation for layers that cannot be cropped")
 
@@ -45,7 +61,8 @@ class AppConfig:
         for setting in fields(cls):
             names = setting.metadata["env"]
             default = next((environ[name] for name in names if name in environ), setting.default)
-            kind = type(setting.default) if setting.default is not None else str
+            kind = _yes_no if isinstance(setting.default, bool) else type(setting.default) \
+                if setting.default is not None else str
             parser.add_argument("--" + setting.name.replace("_", "-"), type=kind, default=kind(default)
                                 if default is not None else None,
                                 help=f"{setting.metadata['help']} [env {' or '.join(names)}]".strip())

@@ -1,6 +1,11 @@
 """Which conversation each browser has. Keys are made here and kept in the page's `gr.State`;
-no key is ever taken from what a client says it is. A page's Gradio session hash finds its key
-only to free it when the tab closes."""
+no key is ever taken from what a client says it is. A page's Gradio session hash finds the keys
+this server handed to that page, only to free them when the tab closes; a client's address
+counts what it holds, so one client cannot push everyone else out.
+
+A conversation is created by the first message, never by a page load or a call that changes
+nothing, so idle pages and cheap calls hold no memory and no session slot.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_sessions.manager import SessionManager, TooManySessions
-from chat import ChatEngine, Conversation, ServerBusyError
+from chat import ChatEngine, Conversation, ConversationBusyError, ServerBusyError
 
 
 @dataclass
@@ -19,6 +24,7 @@ class BrowserChat:
     conversation: Conversation
     thinking_seconds: dict[int, float] = field(default_factory=dict)
     running: Any = None  # the operation streaming now, to stop it
+    client: str | None = None  # the address that opened it
 
     @property
     def session(self):  # what the session manager measures and releases
@@ -27,55 +33,94 @@ class BrowserChat:
 
 class ChatDirectory:
     def __init__(self, engine: ChatEngine, *, budget_bytes: int | None = None, max_sessions: int | None = None,
-                 idle_timeout_s: float | None = None):
+                 idle_timeout_s: float | None = None, max_per_client: int | None = None):
+        """`max_per_client`: conversations one address may hold; at the limit its own least
+        recently used idle one is closed to make room (never someone else's)."""
         self.engine = engine
+        self.max_per_client = max_per_client
         self.manager = SessionManager(budget_bytes=budget_bytes, max_sessions=max_sessions,
                                       idle_timeout_s=idle_timeout_s, prefix_store=engine.prefix_store,
-                                      on_close=self._forget_pages_of, extra_bytes=engine.scheduler.batch_bytes)
-        self._key_of_page: dict[str, str] = {}
+                                      on_close=self._forget, extra_bytes=engine.scheduler.batch_bytes)
+        self._keys_of_page: dict[str, set[str]] = {}
+        self._keys_of_client: dict[str, list[str]] = {}  # oldest first
         self._lock = threading.Lock()
 
     def find(self, key: Any) -> BrowserChat | None:
         return self.manager.get(key)
 
-    def chat(self, key: Any, system_prompt: str, *, fresh: bool = False) -> tuple[str, BrowserChat, str | None]:
-        """This browser's chat, and a notice for the user if it is a new one. A new conversation
-        starts when asked (`fresh`), when the system prompt changed, or when there is none."""
+    def chat(self, key: Any, system_prompt: str, *, page: str | None = None,
+             client: str | None = None) -> tuple[str, BrowserChat, str | None]:
+        """The browser's chat for a new message, and a notice for the user if it is a new one.
+        A new conversation starts when there is none or when the system prompt changed (refused
+        while the current one is still generating)."""
         system = system_prompt.strip()
         chat = self.manager.get(key)
-        if chat is not None and not fresh and (chat.conversation.system_prompt or "") == system:
+        if chat is not None and (chat.conversation.system_prompt or "") == system:
             return key, chat, None
         notice = None
-        if chat is not None and not fresh and any(m["role"] != "system" for m in chat.conversation.messages):
-            notice = "The system prompt changed: a new conversation was started."
-        elif chat is None and isinstance(key, str):  # a key this server gave out, since expired
+        if chat is not None:
+            if chat.conversation.is_generating:
+                raise ConversationBusyError("a reply is still being generated; stop it first")
+            if any(m["role"] != "system" for m in chat.conversation.messages):
+                notice = "The system prompt changed: a new conversation was started."
+            self.manager.close(key)
+        elif isinstance(key, str):  # a key this server gave out, since expired
             notice = "Your session had expired: a new conversation was started."
+        new_key, chat = self._open(BrowserChat(self.engine.conversation(system or None), client=client))
         with self._lock:
-            pages = [page for page, known in self._key_of_page.items() if known == key]
-        self.manager.close(key)
-        chat = BrowserChat(self.engine.conversation(system or None))
-        try:
-            new_key = self.manager.open(chat)
-        except TooManySessions as error:
-            raise ServerBusyError(str(error)) from error
-        with self._lock:  # closing the tab frees the new conversation
-            self._key_of_page.update({page: new_key for page in pages})
+            if page is not None:  # closing the tab frees it
+                self._keys_of_page.setdefault(page, set()).add(new_key)
         return new_key, chat, notice
 
-    def page_opened(self, page: str, key: str) -> None:
-        with self._lock:
-            self._key_of_page[page] = key
+    def close(self, key: Any) -> None:
+        """Free a conversation (New chat, a closed tab); a reply still running is stopped first."""
+        chat = self.manager.get(key)
+        if chat is not None:
+            chat.conversation.stop()
+        self.manager.close(key)
 
     def page_closed(self, page: str) -> None:
         with self._lock:
-            key = self._key_of_page.pop(page, None)
-        self.manager.close(key)
-
-    def _forget_pages_of(self, key: str) -> None:
-        with self._lock:
-            for page in [page for page, known in self._key_of_page.items() if known == key]:
-                del self._key_of_page[page]
+            keys = self._keys_of_page.pop(page, set())
+        for key in keys:
+            self.close(key)
 
     def pages(self) -> int:
         with self._lock:
-            return len(self._key_of_page)
+            return len(self._keys_of_page)
+
+    def _open(self, chat: BrowserChat) -> tuple[str, BrowserChat]:
+        if chat.client is not None and self.max_per_client is not None:
+            self._make_room_for(chat.client)
+        try:
+            key = self.manager.open(chat)
+        except TooManySessions as error:
+            raise ServerBusyError(str(error)) from error
+        if chat.client is not None:
+            with self._lock:
+                self._keys_of_client.setdefault(chat.client, []).append(key)
+        return key, chat
+
+    def _make_room_for(self, client: str) -> None:
+        assert self.max_per_client is not None
+        with self._lock:
+            held = list(self._keys_of_client.get(client, []))
+        if len(held) < self.max_per_client:
+            return
+        idle = [key for key in held if (chat := self.manager.get(key)) is not None
+                and not chat.conversation.is_generating]
+        if not idle:
+            raise ServerBusyError(f"you already have {len(held)} conversations generating; wait for one to end")
+        self.manager.close(idle[0])  # this client's own oldest
+
+    def _forget(self, key: str) -> None:
+        """A key stopped being valid (closed, expired, made room for): forget where it was held."""
+        with self._lock:
+            for keys in self._keys_of_page.values():
+                keys.discard(key)
+            self._keys_of_page = {page: keys for page, keys in self._keys_of_page.items() if keys}
+            for client, keys in list(self._keys_of_client.items()):
+                if key in keys:
+                    keys.remove(key)
+                if not keys:
+                    del self._keys_of_client[client]

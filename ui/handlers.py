@@ -3,6 +3,8 @@ returns (or streams) `ChatOutputs`. Refusals are `ChatError`s: shown as a warnin
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from typing import Any, Callable, Iterator
 
@@ -11,27 +13,42 @@ import gradio as gr
 from chat import ChatEngine, ChatError, Continue, Edit, Operation, Regenerate, Send
 from chat.remote import RemoteOperation, Runner
 from ui import views
+from ui import inputs
 from ui.directory import BrowserChat, ChatDirectory
+from ui.inputs import Limits
 from ui.outputs import ChatOutputs, Settings
 
 
 class ChatHandlers:
-    def __init__(self, engine: ChatEngine, directory: ChatDirectory, *, runner: Runner | None = None):
+    def __init__(self, engine: ChatEngine, directory: ChatDirectory, *, runner: Runner | None = None,
+                 limits: Limits = Limits()):
         """`runner`: on ZeroGPU, `spaces.GPU(chat.remote.run_plan)`; operations then run in its
-        worker process (see chat/remote.py). None: they run here."""
+        worker process (see chat/remote.py). None: they run here. `limits`: what a request may be."""
         self.engine = engine
         self.directory = directory
         self.runner = runner
+        self.limits = limits
+
+    def settings(self, values: tuple) -> Settings:
+        return Settings.from_values(values, self.limits)
 
     # ---- what every handler shares ------------------------------------------------------------
-    def chat(self, key: Any, settings: Settings, *, fresh: bool = False) -> tuple[str, BrowserChat]:
-        key, chat, notice = self.directory.chat(key, settings.system_prompt, fresh=fresh)
+    def chat(self, request: gr.Request | None, key: Any, settings: Settings) -> tuple[str, BrowserChat]:
+        """The conversation a new message goes to (made here if there is none)."""
+        key, chat, notice = self.directory.chat(key, settings.system_prompt, page=page_of(request),
+                                                client=client_of(request))
         if notice:
             gr.Info(notice)
         return key, chat
 
-    def view(self, key: str, browser: BrowserChat, **changes: Any) -> ChatOutputs:
-        """The whole chat as it stands; `changes` override fields (a streaming reply, the box)."""
+    def empty(self) -> ChatOutputs:
+        """What a page without a conversation shows."""
+        return ChatOutputs(chat=[], key=None, stats="", versions=gr.update(visible=False),
+                           previous_version=gr.update(visible=False), next_version=gr.update(visible=False))
+
+    def view(self, key: str, browser: BrowserChat, *, write_key: bool = True, **changes: Any) -> ChatOutputs:
+        """The whole chat as it stands; `changes` override fields (a streaming reply, the box).
+        `write_key=False` leaves the page's key alone (a stream must not undo a New chat)."""
         conversation = browser.conversation
         active, count = conversation.versions
         outputs = ChatOutputs(
@@ -40,21 +57,36 @@ class ChatHandlers:
             versions=gr.update(value=views.version_label(active, count), visible=count > 1),
             previous_version=gr.update(visible=count > 1, interactive=active > 0),
             next_version=gr.update(visible=count > 1, interactive=active < count - 1))
+        if not write_key:
+            outputs.key = gr.skip()
         for name, value in changes.items():
             setattr(outputs, name, value)
         return outputs
 
-    def _generate(self, key: Any, values: tuple, make: Callable[[BrowserChat], Operation]) -> Iterator[ChatOutputs]:
-        """Plan the operation (a refusal changes nothing), then stream the reply into the chat."""
-        settings = Settings.from_values(values)
+    def _generate(self, request: gr.Request | None, key: Any, values: tuple,
+                  make: Callable[[], Operation]) -> Iterator[ChatOutputs]:
+        """Plan the operation (a refusal changes nothing), then stream the reply into the chat.
+        Only a new message makes a conversation; the other operations need one already."""
+        settings = self.settings(values)
         try:
-            key, chat = self.chat(key, settings)
-        except ChatError as error:  # the server is full
+            operation = make()  # checked when made: an empty message is refused here
+        except ChatError as error:
+            gr.Warning(str(error))
+            chat = self.directory.find(key)
+            yield self.view(key, chat) if chat else ChatOutputs()
+            return
+        try:
+            if isinstance(operation, Send):
+                key, chat = self.chat(request, key, settings)
+            elif (chat := self.directory.find(key)) is None:
+                gr.Warning("There is no conversation yet: send a message first.")
+                yield self.empty()
+                return
+        except ChatError as error:  # the server is full, or busy
             gr.Warning(str(error))
             yield ChatOutputs()
             return
         try:
-            operation = make(chat)
             if self.runner is None:
                 stream = chat.conversation.start(operation, settings.options())
             else:
@@ -102,11 +134,17 @@ class ChatHandlers:
                             if thinking_since and thought_for is None:
                                 thought_for = time.perf_counter() - thinking_since
                             answer += delta.text
+                        if key not in self.directory.manager:  # New chat, or the tab closed: the page
+                            self._abandon(chat, deltas)  # has moved on; write nothing over it
+                            return
                         yield self.view(key, chat, chat=base + views.reply_messages(reasoning, answer, thought_for),
-                                        stats=views.GENERATING)
+                                        stats=views.GENERATING, write_key=False)
                 except GeneratorExit:  # the client went away (closed tab, dropped connection, cancel)
                     self._abandon(chat, deltas)
                     raise
+        except KeyError:  # closed before its first token: nothing to show
+            self._abandon(chat, deltas)
+            return
         except ChatError as error:
             gr.Warning(str(error))
         except Exception as error:  # the model failed: the conversation is intact, say so
@@ -116,7 +154,8 @@ class ChatHandlers:
         if reasoning.strip():
             last = len(chat.conversation.messages) - 1
             chat.thinking_seconds[last] = thought_for or (time.perf_counter() - (thinking_since or started))
-        yield self.view(key, chat)
+        if key in self.directory.manager:  # unless the page moved on meanwhile
+            yield self.view(key, chat, write_key=False)
 
     def _abandon(self, chat: BrowserChat, deltas: Iterator[Any]) -> None:
         """Stop a reply nobody reads any more and let it end as Stop ends it: the partial reply
@@ -129,22 +168,28 @@ class ChatHandlers:
             pass
 
     # ---- generating events ----------------------------------------------------------------------
-    def send(self, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        yield from self._generate(key, values, lambda chat: Send(text, fit_context=True))
+    # `request` is Gradio's (injected by its type), or None: it says which page and address call.
+    def send(self, request: gr.Request, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        text = inputs.text(text, "message", self.limits.max_message_chars)  # before any tokenizing
+        yield from self._generate(request, key, values, lambda: Send(text, fit_context=True))
 
-    def regenerate(self, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        yield from self._generate(key, values, lambda chat: Regenerate())
+    def regenerate(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        yield from self._generate(request, key, values, Regenerate)
 
-    def continue_reply(self, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        yield from self._generate(key, values, lambda chat: Continue())
+    def continue_reply(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        yield from self._generate(request, key, values, Continue)
 
-    def edit(self, index: Any, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        whole = int(index) if isinstance(index, (int, float)) and float(index).is_integer() else index
-        yield from self._generate(key, values, lambda chat: Edit(whole, text))
+    def edit(self, request: gr.Request, index: Any, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        whole = inputs.whole_number(index, "index", 0, 1_000_000)
+        text = inputs.text(text, "message", self.limits.max_message_chars)
+        yield from self._generate(request, key, values, lambda: Edit(whole, text))
 
     # ---- instant events -------------------------------------------------------------------------
     def undo(self, key: Any, *values: Any) -> ChatOutputs:
-        key, chat = self.chat(key, Settings.from_values(values))
+        self.settings(values)
+        if (chat := self.directory.find(key)) is None:
+            gr.Warning("There is nothing to undo.")
+            return self.empty()
         users = [m["content"] for m in chat.conversation.messages if m["role"] == "user"]
         try:
             chat.conversation.undo()
@@ -154,7 +199,10 @@ class ChatHandlers:
         return self.view(key, chat, textbox=users[-1])  # the undone message goes back in the box
 
     def select_version(self, step: int, key: Any, *values: Any) -> ChatOutputs:
-        key, chat = self.chat(key, Settings.from_values(values))
+        self.settings(values)
+        if (chat := self.directory.find(key)) is None:
+            gr.Warning("There is no reply to switch.")
+            return self.empty()
         active, count = chat.conversation.versions
         try:
             restored = chat.conversation.select_version(active + step)
@@ -164,8 +212,10 @@ class ChatHandlers:
         return self.view(key, chat, stats=views.version_note(active + step, count, restored))
 
     def clear(self, key: Any, *values: Any) -> ChatOutputs:
-        key, chat = self.chat(key, Settings.from_values(values), fresh=True)
-        return self.view(key, chat, textbox="")
+        """New chat: the old conversation (its reply stopped) is freed; the next message starts one."""
+        self.settings(values)
+        self.directory.close(key)
+        return dataclasses.replace(self.empty(), textbox="")
 
     def stop(self, key: Any) -> None:
         chat = self.directory.find(key)
@@ -187,33 +237,33 @@ class PageEvents:
         self.handlers = handlers
         self.directory = handlers.directory
 
-    def on_retry(self, retry: gr.RetryData, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+    def on_retry(self, retry: gr.RetryData, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         """Retry on the last turn regenerates; on an earlier user message it edits it unchanged."""
         chat = self.directory.find(key)
         index = self._conversation_index(chat, retry.index)
         if chat is None or index is None:
-            yield from self.handlers.regenerate(key, *values)
+            yield from self.handlers.regenerate(request, key, *values)
             return
         messages = chat.conversation.messages
         if index >= max(i for i, m in enumerate(messages) if m["role"] == "user"):
-            yield from self.handlers.regenerate(key, *values)
+            yield from self.handlers.regenerate(request, key, *values)
         else:
-            yield from self.handlers.edit(index, messages[index]["content"], key, *values)
+            yield from self.handlers.edit(request, index, messages[index]["content"], key, *values)
 
     def on_undo(self, undo: gr.UndoData, key: Any, *values: Any) -> ChatOutputs:
         return self.handlers.undo(key, *values)
 
-    def on_edit(self, edited: gr.EditData, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+    def on_edit(self, edited: gr.EditData, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         chat = self.directory.find(key)
         index = self._conversation_index(chat, edited.index)
         if chat is None or index is None:
             gr.Warning("That message cannot be edited.")
             yield self.handlers.view(key, chat) if chat else ChatOutputs()
             return
-        yield from self.handlers.edit(index, edited.value, key, *values)
+        yield from self.handlers.edit(request, index, edited.value, key, *values)
 
-    def on_example(self, selected: gr.SelectData, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        yield from self.handlers.send(selected.value["text"], key, *values)
+    def on_example(self, selected: gr.SelectData, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        yield from self.handlers.send(request, selected.value["text"], key, *values)
 
     def _conversation_index(self, chat: BrowserChat | None, shown_index: Any) -> int | None:
         if chat is None:
@@ -222,13 +272,6 @@ class PageEvents:
             shown_index = shown_index[0]
         index_of = views.chatbot_messages(chat.conversation.messages, chat.thinking_seconds)[1]
         return index_of[shown_index] if isinstance(shown_index, int) and 0 <= shown_index < len(index_of) else None
-
-    def on_load(self, request: gr.Request, key: Any, *values: Any) -> str:
-        """A page opened: its conversation starts now, so that closing the tab can free it."""
-        key, _ = self.handlers.chat(key, Settings.from_values(values))
-        if request is not None and request.session_hash:
-            self.directory.page_opened(request.session_hash, key)
-        return key
 
     def on_unload(self, request: gr.Request) -> None:
         """The tab closed (Gradio's heartbeat stopped): free its conversation now, not in an hour.
@@ -248,3 +291,21 @@ class PageEvents:
                 "cache_bytes": stats.cache_bytes, "cache_budget_bytes": stats.budget_bytes,
                 "shared_prefix_bytes": stats.shared_prefix_bytes, "evictions": stats.evictions,
                 "expired": stats.expired, "closed_for_room": stats.closed_for_room}
+
+
+def page_of(request: gr.Request | None) -> str | None:
+    """Gradio's session hash: it only finds keys this server handed to that page (to free them)."""
+    return getattr(request, "session_hash", None) or None
+
+
+def client_of(request: gr.Request | None) -> str | None:
+    """The caller's address, to count what it holds. On a Hugging Face Space the proxy puts the
+    browser's address first in X-Forwarded-For; elsewhere that header is the client's own word."""
+    if request is None:
+        return None
+    if os.environ.get("SPACE_ID"):
+        forwarded = (request.headers.get("x-forwarded-for") or "").split(",")[0].strip()
+        if forwarded:
+            return forwarded
+    client = getattr(request, "client", None)
+    return getattr(client, "host", None)

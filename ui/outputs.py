@@ -9,6 +9,8 @@ from typing import Any
 import gradio as gr
 
 from chat import GenerationOptions
+from ui import inputs
+from ui.inputs import Limits
 
 
 @dataclass
@@ -28,10 +30,23 @@ class Settings:
         return [setting.name for setting in fields(cls)]
 
     @classmethod
-    def from_values(cls, values: tuple) -> "Settings":
+    def from_values(cls, values: tuple, limits: Limits = Limits()) -> "Settings":
+        """Checked one by one: a bad value is refused with its name (see ui/inputs.py)."""
         if len(values) != len(fields(cls)):
-            raise TypeError(f"expected {len(fields(cls))} settings, got {len(values)}")
-        return cls(*values)
+            raise inputs.refuse("settings", f"expected {len(fields(cls))} values ({', '.join(cls.names())}), "
+                                f"got {len(values)}")
+        raw = dict(zip(cls.names(), values))
+        settings = cls(
+            system_prompt=inputs.text(raw["system_prompt"], "system_prompt", limits.max_system_chars),
+            thinking=inputs.flag(raw["thinking"], "thinking"),
+            max_new_tokens=inputs.whole_number(raw["max_new_tokens"], "max_new_tokens", 1, limits.max_new_tokens),
+            temperature=inputs.number(raw["temperature"], "temperature", 0, 2),
+            top_p=inputs.number(raw["top_p"], "top_p", 0, 1),
+            top_k=inputs.whole_number(raw["top_k"], "top_k", 0, 10_000),
+            repetition_penalty=inputs.number(raw["repetition_penalty"], "repetition_penalty", 0, 10))
+        if settings.top_p <= 0 or settings.repetition_penalty <= 0:
+            raise inputs.refuse("top_p" if settings.top_p <= 0 else "repetition_penalty", "must be above 0")
+        return settings
 
     def values(self) -> list[Any]:
         return list(astuple(self))

@@ -1,0 +1,234 @@
+"""Faults and abuse through the real interface (issue #9): `gradio_client` and raw HTTP against a
+launched app. The model is a tiny random one with its end token off, so a reply runs as long as
+it is allowed: a cancelled stream is really cut, not ended by chance."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+from hypothesis import HealthCheck, given, settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from app_server import AppServer
+from ui.outputs import Settings
+
+LONG = 1500
+
+
+def settings(max_new_tokens: int = 6, system_prompt: str = "S.") -> list:
+    return Settings(system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=0.0).values()
+
+
+@pytest.fixture(scope="module")
+def endless_model(tmp_path_factory, base_tokenizer):
+    from tiny_models import build_model
+
+    folder = tmp_path_factory.mktemp("endless-model")
+    model = build_model("full", len(base_tokenizer), base_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    base_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def app(endless_model, tmp_path_factory):
+    # SPACE_ID: behind Hugging Face's proxy the caller's address is the first X-Forwarded-For entry;
+    # here each test client says which address it is.
+    server = AppServer("--model", str(endless_model), "--max-per-client", "3", "--max-sessions", "12",
+                       "--max-message-chars", "5000", "--max-new-tokens", str(LONG),
+                       cache_dir=tmp_path_factory.mktemp("cache"), log_path=tmp_path_factory.mktemp("log") / "app.log",
+                       env={"SPACE_ID": "tests/faults"})
+    yield server
+    server.close()
+
+
+def client(app, address: str = "10.0.0.1") -> Client:
+    return Client(app.url, verbose=False, headers={"X-Forwarded-For": address})
+
+
+def status(app) -> dict:
+    return client(app, "10.9.9.9").predict(api_name="/status")
+
+
+def settled(app) -> int:
+    """Conversations once earlier tests' clients are gone (their pages unload) and the count holds."""
+    last = -1
+    while (now := status(app)["conversations"]) != last:
+        last = now
+        time.sleep(1.5)
+    return now
+
+
+def wait_for(condition, timeout_s: float) -> float:
+    """Seconds until `condition()` held; fails after `timeout_s`."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, "timed out"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def texts(chat) -> list[tuple[str, str]]:
+    return [(m["role"], "".join(p["text"] for p in m["content"] if p.get("type") == "text")) for m in chat]
+
+
+def test_a_cancelled_client_stops_its_reply_and_its_next_message_is_answered(app):
+    user = client(app, "10.0.1.1")
+    before = settled(app)
+    job = user.submit("Talk for a long time.", *settings(LONG), api_name="/send")
+    wait_for(lambda: len(job.outputs()) >= 3, 60)
+    job.cancel()
+    waited = wait_for(lambda: status(app)["generating"] == 0 and status(app)["batch"]["decoding"] == 0, 5)
+    assert waited < 2.0
+    reply = user.predict("And now?", *settings(), api_name="/send")
+    shown = texts(reply[0])
+    assert [role for role, _ in shown] == ["user", "assistant", "user", "assistant"]  # the same conversation
+    assert shown[0][1] == "Talk for a long time." and shown[1][1]  # the partial reply was kept
+    assert status(app)["conversations"] == before + 1  # nothing left behind
+
+
+def test_new_chat_during_a_reply_leaves_one_conversation(app):
+    user = client(app, "10.0.2.1")
+    before = settled(app)
+    job = user.submit("Talk for a long time.", *settings(LONG), api_name="/send")
+    wait_for(lambda: len(job.outputs()) >= 3, 60)
+    cleared = user.predict(*settings(), api_name="/clear")
+    assert cleared[0] == []
+    job.result(timeout=30)  # the old stream ends, writing nothing over the new chat
+    wait_for(lambda: status(app)["generating"] == 0, 5)
+    assert status(app)["conversations"] == before  # the old one is freed; the new one starts with a message
+    reply = user.predict("Fresh start?", *settings(), api_name="/send")
+    assert [role for role, _ in texts(reply[0])] == ["user", "assistant"]
+    assert status(app)["conversations"] == before + 1
+
+
+def test_a_system_prompt_change_during_a_reply_is_refused_not_forked(app):
+    user = client(app, "10.0.3.1")
+    job = user.submit("Talk for a long time.", *settings(LONG), api_name="/send")
+    wait_for(lambda: len(job.outputs()) >= 3, 60)
+    before = settled(app)
+    user.predict("Another prompt?", *settings(system_prompt="Different."), api_name="/send")
+    assert status(app)["conversations"] == before  # no second conversation for this tab
+    user.predict(api_name="/stop")
+    job.result(timeout=30)
+
+
+def test_calls_that_change_nothing_create_no_conversation(app):
+    before = settled(app)
+    caller = client(app, "10.0.4.1")
+    for endpoint in ("/next_version", "/previous_version", "/undo", "/clear"):
+        caller.predict(*settings(), api_name=endpoint)
+    caller.predict(*settings(), api_name="/regenerate")
+    caller.predict(*settings(), api_name="/continue")
+    assert status(app)["conversations"] == before
+
+
+def test_one_address_cannot_push_out_another_clients_conversation(app):
+    victim = client(app, "10.0.5.1")
+    first = victim.predict("Remember: the word is cache.", *settings(), api_name="/send")
+    attacker = client(app, "10.0.5.2")
+    for index in range(200):  # fresh sessions, each one call; most change nothing
+        attacker.session_hash = f"attacker-{index}"
+        endpoint = "/send" if index % 10 == 0 else "/next_version"
+        if endpoint == "/send":
+            attacker.predict("Push.", *settings(1), api_name="/send")
+        else:
+            attacker.predict(*settings(), api_name=endpoint)
+    again = victim.predict("Which word?", *settings(), api_name="/send")
+    assert texts(again[0])[:2] == texts(first[0])  # the victim's history is all there
+    assert status(app)["conversations"] <= 12
+
+
+def test_a_huge_message_is_refused_at_once_and_changes_nothing(app):
+    user = client(app, "10.0.6.1")
+    shown = user.predict("A first message.", *settings(), api_name="/send")
+    for turn in range(29):  # a long conversation: the refusal must not depend on it
+        user.predict(f"Turn {turn}.", *settings(1), api_name="/send")
+    for turn in range(29):
+        user.predict(*settings(), api_name="/undo")
+    started = time.monotonic()
+    with pytest.raises(AppError, match="message: 1,000,000 characters is more than the 5,000 allowed"):
+        user.predict("x" * 1_000_000, *settings(), api_name="/send")
+    assert time.monotonic() - started < 1.0
+    again = user.predict(*settings(), api_name="/undo")  # the conversation is as it was
+    assert texts(again[0]) == [] and again[1] == "A first message."
+    assert texts(shown[0])[0] == ("user", "A first message.")
+
+
+def test_gradio_monitoring_is_off(app):
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(app.url + "monitoring/summary", timeout=5)
+    assert error.value.code in (401, 403, 404)
+
+
+def test_every_page_carries_a_content_security_policy(app):
+    with urllib.request.urlopen(app.url, timeout=5) as response:
+        policy = response.headers["content-security-policy"]
+    assert "img-src 'self' data: blob:" in policy and "form-action 'self'" in policy and "connect-src 'self'" in policy
+
+
+def raw_call(app, api_name: str, data: list) -> tuple[str, str]:
+    """Gradio's REST API by hand, JSON written with escapes (a lone surrogate cannot be UTF-8):
+    returns the last server-sent event and its data."""
+    body = json.dumps({"data": data}, ensure_ascii=True).encode()
+    request = urllib.request.Request(f"{app.url}gradio_api/call/{api_name}", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        event_id = json.loads(response.read())["event_id"]
+    with urllib.request.urlopen(f"{app.url}gradio_api/call/{api_name}/{event_id}", timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    events = [line.split(": ", 1)[1] for line in lines if line.startswith("event: ")]
+    payloads = [line.split(": ", 1)[1] for line in lines if line.startswith("data: ")]
+    return events[-1], payloads[-1]
+
+
+def test_lone_surrogates_are_refused_by_name(app):
+    event, data = raw_call(app, "send", ["bad \ud800 text", None, *settings()])
+    assert event == "error" and "message: contains characters that are not valid Unicode" in data
+    values = settings()
+    values[0] = "\ud800"
+    event, data = raw_call(app, "send", ["fine", None, *values])
+    assert event == "error" and "system_prompt: contains characters" in data
+
+
+FIELDS = Settings.names()
+anything = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+                     st.text(max_size=20, alphabet=st.characters(exclude_categories=["Cs"])),
+                     st.lists(st.integers(), max_size=2))
+
+
+@hypothesis_settings(max_examples=40, deadline=None, derandomize=True,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(FIELDS + ["message", "index", "too few"]), value=anything)
+def test_fuzzed_inputs_either_work_or_name_the_problem(app, field, value):
+    """One input replaced by anything: the call works, or fails with a message naming the field,
+    and the conversation is as it was."""
+    user = client(app, "10.0.7.1")
+    base = user.predict("Fuzz base.", *settings(), api_name="/send")
+    values = settings()
+    try:
+        if field == "too few":
+            user.predict("hi", *values[:3], api_name="/send")
+        elif field == "message":
+            user.predict(value, *values, api_name="/send")
+        elif field == "index":
+            user.predict(value, "edited", *values, api_name="/edit")
+        else:
+            values[FIELDS.index(field)] = value
+            user.predict("hi", *values, api_name="/send")
+    except AppError as error:
+        named = "settings" if field == "too few" else field
+        # ours name the field; Gradio's own check of a slider's value names the input by position
+        position = {"message": 0, "index": 0}.get(field, 2 + FIELDS.index(field) if field in FIELDS else -1)
+        assert str(error).startswith(f"{named}:") or f"index {position}" in str(error) or \
+            "minimum value" in str(error) or "maximum value" in str(error), str(error)
+        shown = user.predict(*settings(), api_name="/undo")  # unchanged: undo gives back the base message
+        assert shown[1] == "Fuzz base."
+    assert texts(base[0])[0] == ("user", "Fuzz base.")

@@ -1,0 +1,59 @@
+"""What a client may send, checked before anything runs. The browser never sends bad values, but
+the API takes anything: every refusal is a `gr.Error` that names the field, and changes nothing."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import gradio as gr
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The sizes a request may have (flags of the app)."""
+
+    max_new_tokens: int = 512
+    max_message_chars: int = 20_000
+    max_system_chars: int = 4_000
+
+
+def refuse(field: str, problem: str) -> gr.Error:
+    return gr.Error(f"{field}: {problem}", title="Not accepted")
+
+
+def text(value: Any, field: str, max_chars: int) -> str:
+    if not isinstance(value, str):
+        raise refuse(field, f"must be text, not {type(value).__name__}")
+    if len(value) > max_chars:
+        raise refuse(field, f"{len(value):,} characters is more than the {max_chars:,} allowed")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise refuse(field, "contains characters that are not valid Unicode (lone surrogates)") from None
+    return value
+
+
+def flag(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise refuse(field, f"must be true or false, not {value!r}"[:200])
+    return value
+
+
+def number(value: Any, field: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise refuse(field, f"must be a number, not {value!r}"[:200])
+    if not low <= value <= high:
+        raise refuse(field, f"must be between {low:g} and {high:g}, not {value:g}")
+    return float(value)
+
+
+def whole_number(value: Any, field: str, low: int, high: int) -> int:
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise refuse(field, f"must be a whole number, not {value!r}"[:200])
+    if not low <= value <= high:
+        raise refuse(field, f"must be between {low} and {high}, not {value}")
+    return value
