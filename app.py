@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import sys
 from typing import Any, Callable, Iterator
 
@@ -20,6 +21,7 @@ from ui.config import AppConfig
 from ui.directory import ChatDirectory
 from ui.handlers import ChatHandlers, PageEvents
 from ui.inputs import Limits
+from ui.operator import Metrics, routes
 from ui.security import SecurityHeaders
 from ui.outputs import ChatOutputs, Settings
 
@@ -30,9 +32,9 @@ except ImportError:
 ON_ZERO_GPU = spaces is not None and bool(os.environ.get("SPACES_ZERO_GPU"))
 
 EXAMPLES = [
-    "Explain what a KV cache is in two sentences.",
-    "Write a haiku about rolling back time.",
-    "What is 17 * 23? Think it through.",
+    "What is 47 + 38?",
+    "What is 7 * 46?",
+    "What does regenerate do?",
 ]
 
 
@@ -53,17 +55,28 @@ def instant(handler: Callable[..., ChatOutputs]) -> Callable[..., tuple]:
     return run
 
 
-def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int) -> gr.Blocks:
+ESCAPE_STOPS = """() => document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape") document.querySelector("#stop")?.click();
+})"""
+LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "\\[", "right": "\\]", "display": True},
+         {"left": "$", "right": "$", "display": False}, {"left": "\\(", "right": "\\)", "display": False}]
+DEMO_PLACEHOLDER = ("The `demo` model is a toy trained here in under an hour: it does two-digit arithmetic with "
+                    "its steps in a thinking block, follow-ups (\"and plus 7?\", \"double it\") and a few phrases. "
+                    "Nothing else.")
+
+
+def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
+          placeholder: str = "Ask anything.") -> gr.Blocks:
     events = PageEvents(handlers)
     defaults = Settings()
-    with gr.Blocks(title="rewind-chat", fill_height=True) as demo:
+    with gr.Blocks(title="rewind-chat", fill_height=True, js=ESCAPE_STOPS) as demo:
         gr.Markdown(f"## rewind-chat · {model_label}\n"
                     "One KV cache per conversation, rolled back instead of recomputed: "
                     "regenerate, undo, edit, stop and versions reuse everything before the change.")
         key = gr.State(None, delete_callback=handlers.directory.close)
         chatbot = gr.Chatbot(label="Chat", editable="user", height=520, examples=[{"text": t} for t in EXAMPLES],
-                             placeholder="Ask anything. The `demo` model is tiny and untrained: its replies are "
-                                         "random text.", sanitize_html=True, elem_id="chatbot")
+                             placeholder=placeholder, sanitize_html=True, elem_id="chatbot",
+                             latex_delimiters=LATEX)
         with gr.Row(equal_height=True):
             versions = gr.Markdown("", visible=False, elem_id="versions")
             previous_version = gr.Button("◀", size="sm", visible=False, elem_id="previous-version", scale=0)
@@ -76,6 +89,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int) -> g
         with gr.Row():
             continue_button = gr.Button("Continue", size="sm", elem_id="continue")
             new_chat = gr.Button("New chat", size="sm", elem_id="new-chat")
+            dark = gr.Button("Light / dark", size="sm", elem_id="dark-mode")
         stats = gr.Markdown("", elem_id="stats")
         with gr.Accordion("Settings", open=False):
             panel = dict(
@@ -116,6 +130,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int) -> g
         next_version.click(instant(lambda k, *s: handlers.select_version(1, k, *s)), with_settings, outputs,
                            api_name="next_version")
         new_chat.click(instant(handlers.clear), with_settings, outputs, api_name="clear")
+        dark.click(None, js="() => document.body.classList.toggle('dark')", api_name=False)
         stop.click(handlers.stop, [key], None, api_name="stop", queue=False)
         # API twins of the chatbot's own events (which need browser event data)
         gr.Button(visible=False).click(streamed(handlers.regenerate), with_settings, outputs,
@@ -130,8 +145,21 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int) -> g
     return demo
 
 
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     config = AppConfig.from_args(argv)
+    if not port_is_free(config.host, config.port):
+        print(f"rewind-chat: port {config.port} on {config.host} is in use; choose another with --port (or PORT)",
+              file=sys.stderr)
+        return 1
     try:
         # On ZeroGPU each call runs in a worker process: caches live on the CPU between calls, and
         # shared prefixes (kept inside a worker) are off.
@@ -142,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as error:
         print(f"rewind-chat: {error}", file=sys.stderr)
         return 1
+    model = engine.model
+    print(f"rewind-chat: model {config.model} ({type(model).__name__}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) on {model.device}, "
+          f"{str(model.dtype).replace('torch.', '')}", flush=True)
     directory = ChatDirectory(engine, budget_bytes=int(config.cache_budget_mb * 2**20),
                               max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_min * 60,
                               max_per_client=config.max_per_client or None)
@@ -149,15 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     if ON_ZERO_GPU:
         remote.ENGINE = engine
         runner = spaces.GPU(duration=120)(remote.run_plan)
-    label = "`demo` (a tiny untrained model: random text)" if config.model == "demo" else f"`{config.model}`"
+    is_demo = config.model == "demo"
+    label = "`demo` (a toy model trained here: arithmetic and a few phrases)" if is_demo else f"`{config.model}`"
     limits = Limits(max_new_tokens=config.max_new_tokens, max_message_chars=config.max_message_chars,
                     max_system_chars=config.max_system_chars)
-    demo = build(ChatHandlers(engine, directory, runner=runner, limits=limits), model_label=label,
-                 max_new_tokens=config.max_new_tokens)
+    metrics = Metrics(directory)
+    demo = build(ChatHandlers(engine, directory, runner=runner, limits=limits, metrics=metrics), model_label=label,
+                 max_new_tokens=config.max_new_tokens, **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
     demo.queue(default_concurrency_limit=config.streams, max_size=256)
     # show_error: a refused API input says why (Gradio's own checks of a component's value included)
     demo.launch(server_name=config.host, server_port=config.port, enable_monitoring=config.monitoring, show_error=True,
-                app_kwargs={"middleware": [Middleware(SecurityHeaders)]})
+                footer_links=["api"], run_history=False, quiet=True, prevent_thread_lock=True,
+                app_kwargs={"middleware": [Middleware(SecurityHeaders)], "routes": routes(directory, metrics)})
+    print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",
+          flush=True)
+    demo.block_thread()
     return 0
 
 

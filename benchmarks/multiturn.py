@@ -211,6 +211,25 @@ class Bench:
                 "bare_runs": bare_rates}
 
 
+def arithmetic_questions(turns: int, seed: int = 3) -> list[str]:
+    """A sum, then follow-ups on its result ("and plus 7?", "double it", ...), as a user of the
+    demo would ask them."""
+    import random
+
+    from demo_model.corpus import first_problem, follow_up, question_text
+
+    rng = random.Random(seed)
+    first = first_problem(rng, evaluation=True)
+    questions, value = [question_text(rng, first)], first.result
+    while len(questions) < turns:
+        turn = follow_up(rng, first, value)
+        if turn.value is not None and turn.value > 5000:
+            continue  # keep the numbers to what the demo learned
+        questions.append(turn.user)
+        value = turn.value if turn.value is not None else value
+    return questions
+
+
 def markdown(result: dict) -> str:
     lines = ["| turn | history tokens | TTFT session | TTFT naive | TTFT floor | prefilled session | "
              "prefilled floor | prefilled naive | decode tok/s session | decode tok/s naive | same reply |",
@@ -281,6 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--arch", choices=("full", "sliding", "hybrid"), default="full")
     parser.add_argument("--model", default=None, help="a hub id or local folder instead of the built-in model")
     parser.add_argument("--thinking", action="store_true", help="replies open with a <think> block")
+    parser.add_argument("--arithmetic", action="store_true",
+                        help="questions from the demo's corpus (a sum, then follow-ups): with --model demo, "
+                             "replies that really think")
     parser.add_argument("--turns", type=int, default=18)
     parser.add_argument("--message-words", type=int, default=70, help="about 100-150 tokens a message")
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -304,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine = ChatEngine(model, tokenizer, shared_prefixes=0, worker=worker)
     bench = Bench(engine, args.max_new_tokens)
     words = Words(seed=1)
-    questions = [words.sentence(args.message_words) for _ in range(args.turns)]
+    questions = arithmetic_questions(args.turns) if args.arithmetic else \
+        [words.sentence(args.message_words) for _ in range(args.turns)]
     conv = engine.conversation(SYSTEM_PROMPT)
     bench.naive([{"role": "user", "content": "warm up"}], max_new_tokens=4)  # untimed: lazy initialisation
 
@@ -314,7 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
             "arch": arch, "parameters": parameter_count(model), "shape": SHAPE if not args.model else None,
             "vocab_size": len(tokenizer), "dtype": str(model.dtype).replace("torch.", ""), "device": str(model.device),
             "turns": args.turns, "message_words": args.message_words, "max_new_tokens": args.max_new_tokens,
-            "thinking": args.thinking, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "thinking": args.thinking, "arithmetic": args.arithmetic, "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
             "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
             "command": "python -m benchmarks.multiturn " + " ".join(argv if argv is not None else sys.argv[1:]),
         },

@@ -18,7 +18,7 @@ Module map:
   worker.py        the compute thread every forward pass runs on
   remote.py        running a planned operation in another process (Hugging Face ZeroGPU)
   loading.py       from_pretrained with automatic device and dtype; the "demo" model
-  demo.py          the offline demo model (random weights, tokenizer trained in code)
+  demo.py          where the trained demo model lies; the tests' tokenizer, trained in code
   models.py        the table of model shapes built in code (demo, tests, benchmarks)
   errors.py        errors a UI can show, one family (ChatError)
 """

@@ -10,7 +10,7 @@ from chat import ChatEngine, ChatError, GenerationOptions, ModelLoadError
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="demo", help='hub id, local folder, or "demo" (tiny, random, offline)')
+    parser.add_argument("--model", default="demo", help='hub id, local folder, or "demo" (a toy trained here: arithmetic)')
     parser.add_argument("--system", default=None, help="system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=GenerationOptions.max_new_tokens)
     args = parser.parse_args()

@@ -1,22 +1,20 @@
-"""The offline `demo` model: a tiny Qwen3 with random weights and a tokenizer trained in code.
+"""The offline `demo` model, and the tokenizer the tests and benchmarks train in code.
 
-It exists so that the app, the tests and the benchmarks run with no network. Its replies are
-random text: it has never been trained. Everything here is deterministic (fixed corpus, fixed
-seed), so two builds give the same tokenizer and the same weights.
+`demo` is a 3.2 M-parameter Qwen3 trained here on synthetic dialogues (`demo_model/`): it does
+arithmetic with its steps in `<think>`, follow-ups and a few phrases, and nothing else. Its
+weights are committed under chat/assets/demo, so it loads at once with no network.
+`build_tokenizer` makes the byte-level BPE the tests' random models use (fixed corpus: the same
+tokenizer every time).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from chat.models import build_model
-
-DEMO_VERSION = "v1"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added (not special) tokens, as in Qwen3: they decode as text so reasoning can be split.
 ADDED_TOKENS = ["<think>", "</think>"]
@@ -77,29 +75,11 @@ def build_tokenizer(vocab_size: int = 2048, corpus: list[str] | None = None) -> 
     return wrapped
 
 
-def build_demo(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    tokenizer = build_tokenizer()
-    model = build_model("demo", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"), seed=seed)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    # Sample by default, as real chat models ship: regenerate then gives a new reply.
-    model.generation_config.do_sample = True
-    model.generation_config.temperature = 0.8
-    model.generation_config.top_k = 50
-    return model, tokenizer
+DEMO_FOLDER = ASSETS / "demo"
 
 
 def demo_folder() -> Path:
-    root = os.environ.get("REWIND_CHAT_CACHE") or Path.home() / ".cache" / "rewind-chat"
-    return Path(root) / f"demo-{DEMO_VERSION}"
-
-
-def ensure_demo_saved() -> Path:
-    """Build the demo once and save it, so later loads take the ordinary `from_pretrained` path."""
-    folder = demo_folder()
-    if not (folder / "config.json").exists():
-        model, tokenizer = build_demo()
-        staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        staging.rename(folder) if not folder.exists() else None
-    return folder
+    """The trained demo model, committed with the code (rebuilt by `python -m demo_model.train`)."""
+    if not (DEMO_FOLDER / "config.json").exists():
+        raise FileNotFoundError(f"the demo model is missing from {DEMO_FOLDER}; run `python -m demo_model.train`")
+    return DEMO_FOLDER

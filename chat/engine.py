@@ -44,7 +44,7 @@ class ChatEngine:
     @classmethod
     def load(cls, name_or_path: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,
              config: EngineConfig | None = None, **settings: Any) -> "ChatEngine":
-        """`name_or_path`: a hub id, a local folder, or "demo" (tiny model built offline)."""
+        """`name_or_path`: a hub id, a local folder, or "demo" (the toy model trained here, committed)."""
         config = replace(config or EngineConfig(), **settings)
         worker = ModelWorker(config.compute_threads)
         # Loaded on the compute thread: torch's CPU pool then lives on the thread that uses it.

@@ -1,4 +1,4 @@
-"""One table of the model shapes this project builds in code: the offline demo, the tiny
+"""One table of the model shapes this project builds in code: the offline demo (trained), the tiny
 adversarial test models (one per attention-layer mix) and the benchmark models.
 
 `build_model(name, vocab_size, eos_token_id)` makes one with seeded random weights;
@@ -53,10 +53,11 @@ _BENCH_LINEAR = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_ke
                      shared_expert_intermediate_size=512)
 
 MODELS: dict[str, ModelSpec] = {
-    # The offline demo: wide random weights and untied embeddings (the default init repeats one token).
+    # The offline demo: trained by demo_model/train.py (weights in chat/assets/demo).
     "demo": ModelSpec(Qwen3Config, Qwen3ForCausalLM, dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, max_position_embeddings=4096, initializer_range=0.15, tie_word_embeddings=False)),
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=10000.0,
+        initializer_range=0.02)),
     # Tiny test models: a large init range spreads the logits, so a stale or missing cached state
     # changes greedy tokens instead of hiding below a near-tie. Linear attention gets less: its
     # chunked prefill and step-by-step recurrence drift apart (fp32) as the weights grow.

@@ -45,12 +45,12 @@ def test_send_streams_and_every_button_works(client):
     assert len(outputs) > 3  # streamed: several updates, not one
     chat = texts(final[0])
     assert chat[0] == ("user", "Hello there!") and chat[1][0] == "assistant" and chat[1][1]
-    assert "reused" in final[2] and outputs[0][1] == ""  # stats line shown, message box cleared at once
+    assert "from the cache" in final[2] and outputs[0][1] == ""  # stats line shown, message box cleared at once
     first_reply = chat[1][1]
 
     regenerated = client.predict(*settings(temperature=1.5), api_name="/regenerate")
     assert "2 / 2" in regenerated[3]["value"]
-    assert "prefilled **1**" in regenerated[2]  # regenerate prefills one token
+    assert "**1 computed**" in regenerated[2]  # regenerate prefills one token
     back = client.predict(*settings(), api_name="/previous_version")
     assert texts(back[0])[-1][1] == first_reply and "without running the model" in back[2]
     forward = client.predict(*settings(), api_name="/next_version")
@@ -58,7 +58,7 @@ def test_send_streams_and_every_button_works(client):
 
     continued = client.predict(*settings(), api_name="/continue")
     assert texts(continued[0])[-1][1].startswith(texts(forward[0])[-1][1])
-    assert "prefilled **1**" in continued[2]
+    assert "**1 computed**" in continued[2]
 
     client.predict("Second question?", *settings(), api_name="/send")
     undone = client.predict(*settings(), api_name="/undo")
@@ -182,3 +182,39 @@ def test_browsers_sending_at_once_share_decode_steps_and_get_their_own_replies(a
     assert batch["largest_batch"] >= 2 and batch["max_batch_size"] == 8
     assert batch["decoding"] == batch["waiting"] == 0 and batch["batch_bytes"] == 0
     assert batch["join_wait_max_s"] >= batch["join_wait_mean_s"] >= 0
+
+
+def test_operators_read_plain_http_health_status_and_metrics(app, client):
+    import json
+    import urllib.request
+
+    client.predict("Count me in the metrics.", *settings(), api_name="/send")
+    with urllib.request.urlopen(app.url + "healthz", timeout=5) as response:
+        assert json.loads(response.read()) == {"ok": True}
+    with urllib.request.urlopen(app.url + "status", timeout=5) as response:
+        status = json.loads(response.read())
+    assert status["conversations"] >= 1 and "batch" in status and "cache_budget_bytes" in status
+    assert not any(isinstance(value, str) and len(value) > 16 for value in status.values())  # no keys
+    with urllib.request.urlopen(app.url + "metrics", timeout=5) as response:
+        assert response.headers["content-type"].startswith("text/plain")
+        text = response.read().decode()
+    done = [line for line in text.splitlines() if line.startswith('rewind_replies_total{operation="send"')]
+    assert done and float(done[0].split()[-1]) >= 1
+    for name in ("rewind_time_to_first_token_seconds_bucket", "rewind_prompt_tokens_total", "rewind_cache_bytes",
+                 "rewind_batch_size", "rewind_evictions_total"):
+        assert name in text
+
+
+def test_a_busy_port_ends_with_one_clear_line_at_once(app):
+    import subprocess
+    import sys
+    import time
+
+    from app_server import ROOT
+
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(ROOT / "app.py"), "--port", str(app.port)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and time.monotonic() - started < 15
+    assert result.stderr.strip().splitlines()[-1].startswith(f"rewind-chat: port {app.port}")
+    assert "--port" in result.stderr and "Traceback" not in result.stderr

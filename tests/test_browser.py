@@ -58,8 +58,8 @@ def wait_reply(page: Page, previous_stats: str, timeout_ms: int = 60_000) -> Non
     """Until the stats line describes a reply newer than `previous_stats` (not one streaming)."""
     stats = page.locator("#stats")
     expect(stats).not_to_have_text(previous_stats, timeout=timeout_ms)
-    # the final line starts with "reused"; while busy, Gradio's own timer text comes first
-    expect(stats).to_have_text(re.compile(r"^\s*reused"), timeout=timeout_ms)
+    # the final line starts with "Prompt:"; while busy, Gradio's own timer text comes first
+    expect(stats).to_have_text(re.compile(r"^\s*Prompt:"), timeout=timeout_ms)
 
 
 def stats_text(page: Page) -> str:
@@ -84,7 +84,7 @@ def test_a_person_chats_retries_undoes_edits_and_stops(browser, demo_app):
     page.click("#chatbot button[aria-label='Retry']")
     wait_reply(page, before)
     expect(page.locator("#versions")).to_contain_text("2 / 2")
-    expect(page.locator("#stats")).to_contain_text("prefilled 1")
+    expect(page.locator("#stats")).to_contain_text("1 computed")
     page.click("#previous-version")
     expect(page.locator("#versions")).to_contain_text("1 / 2")
 
@@ -101,25 +101,75 @@ def test_a_person_chats_retries_undoes_edits_and_stops(browser, demo_app):
     expect(page.locator("#chatbot")).to_contain_text("The edited question.")
     expect(page.locator("#chatbot")).not_to_contain_text("A question to edit.")
 
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def endless_app(tmp_path_factory, base_tokenizer):
+    """A tiny random model with its end token off: a reply runs until it is stopped."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import build_model
+
+    folder = tmp_path_factory.mktemp("endless-model")
+    model = build_model("full", len(base_tokenizer), base_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    base_tokenizer.save_pretrained(folder)
+    server = AppServer("--model", str(folder), "--max-new-tokens", "2000", cache_dir=tmp_path_factory.mktemp("c"),
+                       log_path=tmp_path_factory.mktemp("l") / "app.log")
+    yield server
+    server.close()
+
+
+def test_stop_and_escape_end_a_long_reply(browser, endless_app):
+    page = open_chat(browser, endless_app.url)
+    page.get_by_text("Settings", exact=True).click()  # open the accordion
+    page.locator("#max-new-tokens input[type='number']").fill("2000")
+    page.locator("#max-new-tokens input[type='number']").press("Enter")
     before = send(page, "Now a long answer, which I will stop.")
     expect(page.locator("#stats")).to_contain_text("generating")
     page.click("#stop")
     wait_reply(page, before)
     expect(page.locator("#stats")).to_contain_text("stopped")
     expect(page.locator("#chatbot")).to_contain_text("Now a long answer, which I will stop.")
+    before = send(page, "Another long one, stopped with Escape.")
+    expect(page.locator("#stats")).to_contain_text("generating")
+    page.keyboard.press("Escape")
+    wait_reply(page, before)
+    expect(page.locator("#stats")).to_contain_text("stopped")
+    page.close()
 
+
+def test_the_demo_thinks_answers_and_regenerates(browser, demo_app):
+    """The trained demo in a real browser: a sum answered after a thinking block, then a
+    regenerated version (sampled at the app's default temperature). Saves the README screenshot."""
+    page = open_chat(browser, demo_app.url)
+    wait_reply(page, send(page, "What is 47 + 38?"))
+    expect(page.locator("#chatbot")).to_contain_text("Thinking")  # the reasoning, collapsible
+    expect(page.locator("#chatbot")).to_contain_text("85")
+    before = stats_text(page)
+    page.click("#chatbot button[aria-label='Retry']")
+    wait_reply(page, before)
+    expect(page.locator("#versions")).to_contain_text("2 / 2")
+    expect(messages(page, "bot").last).to_contain_text(re.compile(r"\d"))  # a well-formed answer again
+    page.locator("#chatbot").get_by_text("Thinking").first.click()  # open the first reply's thinking
+    page.wait_for_timeout(500)
     ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)
+    page.screenshot(path=str(ARTIFACTS / "readme.png"), full_page=True)
     page.close()
 
 
 def test_an_example_starts_a_conversation(browser, demo_app):
     page = open_chat(browser, demo_app.url)
     before = stats_text(page)
-    page.get_by_text("Write a haiku about rolling back time.").click()
+    page.get_by_text("What is 7 * 46?").click()
     wait_reply(page, before)
     expect(messages(page, "user")).to_have_count(1)
-    expect(page.locator("#chatbot")).to_contain_text("Write a haiku about rolling back time.")
+    expect(page.locator("#chatbot")).to_contain_text("What is 7 * 46?")
     page.close()
 
 

@@ -5,35 +5,33 @@ import torch
 
 from chat import ChatEngine, ModelLoadError
 from chat import loading
-from chat.demo import build_demo
 
 
-@pytest.fixture
-def demo_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("REWIND_CHAT_CACHE", str(tmp_path))
-    return tmp_path
+def test_the_demo_loads_through_from_pretrained_and_does_arithmetic():
+    """The committed demo model (chat/assets/demo): a real Qwen3 folder, the Qwen3 template with
+    thinking, and held-out sums it never saw in training, answered greedily from the weights."""
+    import random
 
+    from demo_model.corpus import first_problem, question_text
 
-def test_demo_is_built_once_saved_and_loaded_with_from_pretrained(demo_home):
     engine = ChatEngine.load("demo", device="cpu")
-    folder = demo_home / "demo-v1"
-    assert (folder / "config.json").exists() and (folder / "tokenizer.json").exists()
-    assert engine.model.dtype == torch.float32
-    conv = engine.conversation("You are a demo.")
-    deltas = list(conv.send("Hello!", max_new_tokens=8, do_sample=False))
-    assert deltas and 1 <= conv.stats.generated_tokens <= 8
-    assert engine.template.reads_reasoning_content  # the Qwen3 template with thinking
-
-    reference, _ = build_demo()  # deterministic: a fresh build has the very same weights
-    loaded = engine.model.state_dict()
-    for name, tensor in reference.state_dict().items():
-        assert torch.equal(tensor, loaded[name]), name
+    assert engine.model.dtype == torch.float32  # stored in half precision, computed in fp32 on the CPU
+    assert engine.template.reads_reasoning_content
+    rng, right = random.Random(7), 0
+    problems = [first_problem(rng, evaluation=True) for _ in range(12)]
+    for problem in problems:
+        conv = engine.conversation("You are a helpful assistant.")
+        list(conv.send(question_text(rng, problem), max_new_tokens=200, do_sample=False))
+        reply = conv.messages[-1]
+        assert "</think>" not in reply["content"] and reply["reasoning_content"]  # thought, then answered
+        right += str(problem.result) in reply["content"]
+    assert right >= 9, f"{right} of {len(problems)} held-out questions right"
 
 
 def test_missing_folder_is_one_clear_line(tmp_path):
     with pytest.raises(ModelLoadError) as error:
         ChatEngine.load(str(tmp_path / "no-such-model"), device="cpu")
-    assert "\n" not in str(error.value) and "no-such-model" in str(error.value)
+    assert "\n" not in str(error.value) and "no-such-model" in str(error.value) and "no such folder" in str(error.value)
 
 
 def test_not_a_causal_lm_is_refused(tmp_path, base_tokenizer):
@@ -62,3 +60,14 @@ def test_automatic_dtype_per_device(monkeypatch):
     assert loading.pick_dtype("cuda") == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert loading.pick_device() in ("cpu", "mps")
+
+
+def test_a_hub_id_that_cannot_be_fetched_fails_in_one_line_at_once(monkeypatch):
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.monotonic()
+    with pytest.raises(ModelLoadError) as error:
+        ChatEngine.load("nobody-here/no-such-model-xyz", device="cpu")
+    assert time.monotonic() - started < 5
+    assert "\n" not in str(error.value) and "HF_HUB_OFFLINE" in str(error.value)

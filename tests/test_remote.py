@@ -114,7 +114,7 @@ def test_the_app_runs_every_operation_through_the_worker_on_zerogpu(engine, monk
     key = last.key
     assert [m["role"] for m in last.chat] == ["user", "assistant"]
     *_, last = handlers.regenerate(None, key, *settings)
-    assert "prefilled **1**" in last.stats
+    assert "**1 computed**" in last.stats
     before = last.chat[-1]["content"]
     *_, last = handlers.continue_reply(None, key, *settings)
     conv = handlers.directory.find(key).conversation

@@ -52,3 +52,19 @@ def test_a_full_server_says_so_in_the_one_error_family(make_engine):
     with directory.manager.using(key):
         with pytest.raises(ServerBusyError):
             directory.chat(None, "")
+
+
+def test_the_stats_line_speaks_plainly_and_keeps_details_a_click_away():
+    from chat import TurnStats
+    from ui import views
+
+    stats = TurnStats(reused_tokens=601, prefilled_tokens=11, generated_tokens=64, rebuilt=False, ttft_s=0.027,
+                      decode_tokens_per_s=20.4, cache_tokens=857, cache_bytes=int(1.6 * 2**20), prompt_tokens=612,
+                      rollback="crop", waited_s=0.0)
+    line = views.stats_line(stats)
+    visible, details = line.split("<details>")
+    assert "601 of 612 tokens from the cache" in visible and "**11 computed**" in visible
+    assert "first token after **27 ms**" in visible and "**20 tokens/s**" in visible and "waiting" not in visible
+    assert "857 tokens" in details and "crop" in details
+    waited = views.stats_line(TurnStats(**{**stats.__dict__, "ttft_s": 1.9, "waited_s": 1.85}))
+    assert "first token after **1900 ms** (1850 ms of it waiting for other replies)" in waited

@@ -27,7 +27,7 @@ def _yes_no(value: str | bool) -> bool:
 
 @dataclass(frozen=True)
 class AppConfig:
-    model: str = _setting("demo", "MODEL_ID", 'hub id, local folder, or "demo" (tiny model built offline)')
+    model: str = _setting("demo", "MODEL_ID", 'hub id, local folder, or "demo" (a toy model trained here)')
     host: str = _setting("127.0.0.1", ("HOST", "GRADIO_SERVER_NAME"))
     port: int = _setting(7860, ("PORT", "GRADIO_SERVER_PORT"))
     device: str | None = _setting(None, "DEVICE", "cuda, mps or cpu; automatic by default")

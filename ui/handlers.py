@@ -16,18 +16,20 @@ from ui import views
 from ui import inputs
 from ui.directory import BrowserChat, ChatDirectory
 from ui.inputs import Limits
+from ui.operator import Metrics, server_status
 from ui.outputs import ChatOutputs, Settings
 
 
 class ChatHandlers:
     def __init__(self, engine: ChatEngine, directory: ChatDirectory, *, runner: Runner | None = None,
-                 limits: Limits = Limits()):
+                 limits: Limits = Limits(), metrics: Metrics | None = None):
         """`runner`: on ZeroGPU, `spaces.GPU(chat.remote.run_plan)`; operations then run in its
         worker process (see chat/remote.py). None: they run here. `limits`: what a request may be."""
         self.engine = engine
         self.directory = directory
         self.runner = runner
         self.limits = limits
+        self.metrics = metrics  # fed after every reply (ui/operator.py)
 
     def settings(self, values: tuple) -> Settings:
         return Settings.from_values(values, self.limits)
@@ -103,7 +105,7 @@ class ChatHandlers:
         if isinstance(operation, (Send, Edit)):  # show the user's message at once
             yield self.view(key, chat, chat=base, stats=views.GENERATING,
                             textbox="" if isinstance(operation, Send) else gr.skip())
-        yield from self._stream(key, chat, stream, base, reasoning, answer)
+        yield from self._stream(key, chat, stream, base, reasoning, answer, type(operation).__name__.lower())
 
     def _before_reply(self, chat: BrowserChat, operation: Operation) -> tuple[list[dict], str, str]:
         """What stays on screen above the streaming reply, and the reply text it starts from."""
@@ -119,9 +121,9 @@ class ChatHandlers:
         return shown(len(messages) - (messages[-1]["role"] == "assistant")), "", ""
 
     def _stream(self, key: str, chat: BrowserChat, stream: Any, base: list[dict], reasoning: str,
-                answer: str) -> Iterator[ChatOutputs]:
+                answer: str, operation: str) -> Iterator[ChatOutputs]:
         """Show the reply as it streams: reasoning in a collapsible message, then the answer."""
-        started, thinking_since, thought_for = time.perf_counter(), None, None
+        started, thinking_since, thought_for, failed = time.perf_counter(), None, None, False
         deltas = iter(stream)
         try:
             with self.directory.manager.using(key):
@@ -146,11 +148,15 @@ class ChatHandlers:
             self._abandon(chat, deltas)
             return
         except ChatError as error:
+            failed = True
             gr.Warning(str(error))
         except Exception as error:  # the model failed: the conversation is intact, say so
+            failed = True
             gr.Warning(f"Generation failed: {error}")
         finally:
             chat.running = None
+            if self.metrics is not None:
+                self.metrics.reply_done(operation, chat.conversation.stats, failed)
         if reasoning.strip():
             last = len(chat.conversation.messages) - 1
             chat.thinking_seconds[last] = thought_for or (time.perf_counter() - (thinking_since or started))
@@ -196,7 +202,7 @@ class ChatHandlers:
         except ChatError as error:
             gr.Warning(str(error))
             return self.view(key, chat)
-        return self.view(key, chat, textbox=users[-1])  # the undone message goes back in the box
+        return self.view(key, chat, textbox=users[-1], stats=views.UNDONE)  # the message goes back in the box
 
     def select_version(self, step: int, key: Any, *values: Any) -> ChatOutputs:
         self.settings(values)
@@ -281,16 +287,7 @@ class PageEvents:
 
     def server_status(self) -> dict:
         """Aggregate numbers only (no session keys): what an operator of a shared Space needs."""
-        stats, batch = self.directory.manager.stats(), self.directory.engine.batch_stats()
-        return {"conversations": stats.sessions, "generating": stats.in_use,
-                "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,
-                          "max_batch_size": batch.max_batch_size, "largest_batch": batch.largest_batch,
-                          "decode_steps": batch.steps, "batch_bytes": batch.batch_bytes,
-                          "join_wait_mean_s": round(batch.join_wait_mean_s, 4),
-                          "join_wait_max_s": round(batch.join_wait_max_s, 4)},
-                "cache_bytes": stats.cache_bytes, "cache_budget_bytes": stats.budget_bytes,
-                "shared_prefix_bytes": stats.shared_prefix_bytes, "evictions": stats.evictions,
-                "expired": stats.expired, "closed_for_room": stats.closed_for_room}
+        return server_status(self.directory)
 
 
 def page_of(request: gr.Request | None) -> str | None:

@@ -43,22 +43,34 @@ def reply_messages(reasoning: str, answer: str, thought_for: float | None) -> li
 
 
 def stats_line(stats: TurnStats | None) -> str:
+    """What the last reply cost, in plain words; the cache details one click away."""
     if stats is None:
         return ""
+    first = f"first token after **{stats.ttft_s * 1000:.0f} ms**"
+    if stats.waited_s >= 0.05 and stats.waited_s > stats.ttft_s / 3:
+        first += f" ({stats.waited_s * 1000:.0f} ms of it waiting for other replies)"
     parts = [
-        f"reused **{stats.reused_tokens}** tokens",
-        f"prefilled **{stats.prefilled_tokens}**",
-        f"time to first token **{stats.ttft_s * 1000:.0f} ms**",
-        f"**{stats.decode_tokens_per_s:.1f}** tokens/s",
-        f"cache {stats.cache_tokens} tokens, {stats.cache_bytes / 2**20:.2f} MiB",
+        f"**Prompt:** {stats.reused_tokens} of {stats.prompt_tokens} tokens from the cache, "
+        f"**{stats.prefilled_tokens} computed**",
+        first,
+        f"**{stats.decode_tokens_per_s:.0f} tokens/s**",
+        f"{stats.generated_tokens} tokens written",
     ]
-    if stats.shared_prefix_tokens:
-        parts.append(f"{stats.shared_prefix_tokens} from the shared system prompt")
-    if stats.rebuilt:
-        parts.append("**rebuilt**: this conversation's cache had been freed")
     if stats.stopped:
-        parts.append("stopped")
-    return " · ".join(parts)
+        parts.append("**stopped** (Continue goes on from there)")
+    if stats.rebuilt:
+        parts.append("**rebuilt**: this conversation's cache had been freed, so its history was computed again")
+    details = [f"the cache holds {stats.cache_tokens} tokens ({stats.cache_bytes / 2**20:.2f} MiB)",
+               f"rolled back by {stats.rollback}" if stats.rollback != "none" else "nothing rolled back"]
+    if stats.shared_prefix_tokens:
+        details.append(f"{stats.shared_prefix_tokens} tokens copied from the shared system prompt")
+    if stats.dropped_turns:
+        details.append(f"{stats.dropped_turns} oldest turn(s) dropped to fit the context")
+    return " · ".join(parts) + f"<details><summary>details</summary>{'; '.join(details)}.</details>"
+
+
+UNDONE = ("Undone: the message and its reply are gone. Nothing is recomputed now; the next message rolls the "
+          "cache back to here.")
 
 
 def version_label(active: int, count: int) -> str:

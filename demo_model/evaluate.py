@@ -1,0 +1,158 @@
+"""How well the demo model answers questions it never saw in training.
+
+    python -m demo_model.evaluate                 # the committed model (chat/assets/demo)
+    python -m demo_model.evaluate --model /tmp/demo --json result.json
+
+Every question's number pair is held out of the training corpus (`corpus.held_out`). Each runs
+as a real conversation through `ChatEngine` (greedy, the app's default system prompt or none):
+addition, subtraction and multiplication, thinking on and off; follow-ups ("and plus 7?",
+"double it", "what was the first number?") in live two- and three-turn conversations, judged
+against the true chain of results; and sampled regenerations (the model's own temperature),
+which must stay well formed. Well formed: the thinking closed, an answer after it, and the end
+token within the token limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from chat import ChatEngine
+from demo_model.corpus import Problem, arithmetic_dialogue, first_problem, question_text
+
+MAX_NEW_TOKENS = 200
+TARGETS = {"addition and subtraction": 0.90, "multiplication": 0.75, "follow-ups": 0.80, "well formed": 0.98}
+
+
+@dataclass
+class Reply:
+    answer: str
+    reasoning: str
+    closed: bool  # thinking off, or `</think>` written
+    ended: bool  # the end token came within the limit
+
+    @property
+    def well_formed(self) -> bool:
+        return self.closed and self.ended and bool(self.answer.strip())
+
+    @property
+    def number(self) -> int | None:
+        numbers = re.findall(r"-?\d+", self.answer)
+        return int(numbers[-1]) if numbers else None
+
+
+def reply_of(conv, thinking: bool) -> Reply:
+    last = conv.history.entries[-1].reply
+    raw = conv._runtime.tokenizer.decode(last.reply_ids, skip_special_tokens=False)
+    ended = conv.stats.generated_tokens == len(last.reply_ids) + 1  # the end token is not kept
+    return Reply(last.content, last.reasoning_content, "</think>" in raw or not thinking, ended)
+
+
+def ask(engine: ChatEngine, turns: list[str], system: str | None, thinking: bool, **options) -> list[Reply]:
+    conv = engine.conversation(system)
+    replies = []
+    for text in turns:
+        list(conv.send(text, max_new_tokens=MAX_NEW_TOKENS, enable_thinking=thinking, **options))
+        replies.append(reply_of(conv, thinking))
+    return replies
+
+
+def run(engine: ChatEngine, questions: int, seed: int, workers: int) -> dict:
+    rng = random.Random(seed)
+    jobs: list[tuple[str, list[str], list[int | None], str | None, bool]] = []
+    by_op: dict[str, list[Problem]] = {"+": [], "-": [], "*": []}
+    while min(len(problems) for problems in by_op.values()) < questions:
+        problem = first_problem(rng, evaluation=True)
+        if len(by_op[problem.op]) < questions:
+            by_op[problem.op].append(problem)
+    for problems in by_op.values():
+        for problem in problems:
+            for thinking in (True, False):
+                category = "multiplication" if problem.op == "*" else "addition and subtraction"
+                jobs.append((category, [question_text(rng, problem)], [problem.result],
+                             rng.choice((None, "You are a helpful assistant.")), thinking))
+    for index in range(questions * 2):
+        dialogue = arithmetic_dialogue(rng, turns=2 + index % 2, evaluation=True)
+        jobs.append(("follow-ups", [turn.user for turn in dialogue.turns], [turn.value for turn in dialogue.turns],
+                     dialogue.system, index % 4 != 3))
+
+    def one(job):
+        category, turns, values, system, thinking = job
+        return job, ask(engine, turns, system, thinking, do_sample=False)
+
+    with ThreadPoolExecutor(workers) as pool:  # conversations at once: they decode in one batch
+        results = list(pool.map(one, jobs))
+    table: dict[str, dict[str, list[bool]]] = {}
+    failures = []
+    for (category, turns, values, system, thinking), replies in results:
+        mode = "thinking" if thinking else "no thinking"
+        right = replies[-1].number == values[-1]
+        table.setdefault(category, {}).setdefault(mode, []).append(right)
+        table.setdefault("well formed", {}).setdefault(mode, []).extend(r.well_formed for r in replies)
+        if not right and len(failures) < 12:
+            failures.append({"turns": turns, "expected": values[-1], "answer": replies[-1].answer,
+                             "reasoning": replies[-1].reasoning[-200:], "thinking": thinking})
+    # sampled regenerations: different, still well formed
+    sampled_rng = random.Random(seed + 1)
+    samples = [question_text(sampled_rng, first_problem(sampled_rng, evaluation=True)) for _ in range(questions)]
+
+    def sampled(text):
+        return ask(engine, [text, text], None, True)  # the same question twice, sampled
+
+    with ThreadPoolExecutor(workers) as pool:
+        sampled_results = list(pool.map(sampled, samples))
+    sampled_replies = [reply for pair in sampled_results for reply in pair]
+    table.setdefault("well formed", {})["sampled"] = [r.well_formed for r in sampled_replies]
+    distinct = sum(1 for a, b in sampled_results if (a.reasoning, a.answer) != (b.reasoning, b.answer))
+    return {"table": {category: {mode: {"right": sum(v), "of": len(v)} for mode, v in modes.items()}
+                      for category, modes in table.items()},
+            "sampled_pairs_that_differ": {"differ": distinct, "of": len(sampled_results)},
+            "failures": failures}
+
+
+def share(cell: dict) -> float:
+    return cell["right"] / cell["of"] if cell["of"] else 0.0
+
+
+def markdown(result: dict) -> str:
+    lines = ["| held-out questions | thinking | no thinking | target (thinking) |", "|---|---:|---:|---:|"]
+    for category, target in TARGETS.items():
+        modes = result["table"][category]
+        cells = [f"{share(modes[m]) * 100:.1f} % ({modes[m]['right']}/{modes[m]['of']})" if m in modes else "–"
+                 for m in ("thinking", "no thinking")]
+        lines.append(f"| {category} | {cells[0]} | {cells[1]} | {target * 100:.0f} % |")
+    sampled = result["table"]["well formed"]["sampled"]
+    pairs = result["sampled_pairs_that_differ"]
+    lines.append(f"\nSampled (the model's own temperature): {share(sampled) * 100:.1f} % well formed "
+                 f"({sampled['right']}/{sampled['of']}); the same question asked twice gave different replies in "
+                 f"{pairs['differ']} of {pairs['of']} pairs.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="demo", help='"demo" (the committed model) or a folder')
+    parser.add_argument("--questions", type=int, default=60, help="per operation; follow-ups get twice as many")
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args(argv)
+    engine = ChatEngine.load(args.model, device="cpu", dtype="float32", max_batch_size=args.workers)
+    result = run(engine, args.questions, args.seed, args.workers)
+    result["targets_met"] = {category: share(result["table"][category]["thinking"]) >= target
+                             for category, target in TARGETS.items()}
+    result["command"] = "python -m demo_model.evaluate " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(markdown(result))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
