@@ -1,0 +1,69 @@
+"""The terminal chat (`python -m chat`): commands, and Ctrl+C stops a reply without exiting."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from app_server import ROOT
+
+
+def run_chat(folder, lines: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "chat", "--model", str(folder), "--temperature", "0",
+                           "--max-new-tokens", "8"], input=lines, capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def saved_model(tmp_path, base_tokenizer, eos: bool = True):
+    from tiny_models import build_model
+
+    model = build_model("full", len(base_tokenizer), base_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    if not eos:
+        model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path)
+    base_tokenizer.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_commands_work_and_help_is_not_sent_to_the_model(tmp_path, base_tokenizer):
+    folder = saved_model(tmp_path, base_tokenizer)
+    result = run_chat(folder, "/help\nHello there\n/regen\n/version 1\n/history\n/edit 0 Edited\n/continue\n"
+                              "/undo\n/bogus\n/edit x\n/new\n/quit\n")
+    out = result.stdout
+    assert result.returncode == 0 and "Traceback" not in result.stderr
+    assert "/regen" in out and "/edit N text" in out  # the help list, printed locally
+    assert "0 user: Hello there" in out and "(version 1 of 2)" in out
+    assert "from the cache" in out and "(undone)" in out and "(a new conversation)" in out
+    assert "unknown command /bogus" in out and "/edit takes a message number" in out
+
+
+def test_ctrl_c_stops_the_reply_and_a_second_one_exits(tmp_path, base_tokenizer):
+    import threading
+
+    folder = saved_model(tmp_path, base_tokenizer, eos=False)
+    process = subprocess.Popen([sys.executable, "-m", "chat", "--model", str(folder), "--temperature", "0",
+                                "--max-new-tokens", "1900"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(iter(lambda: process.stdout.read(1), "")), daemon=True).start()
+
+    def wait_for(condition, timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while not condition("".join(out)):
+            assert time.monotonic() < deadline, "".join(out)[-500:]
+            time.sleep(0.05)
+
+    wait_for(lambda text: "you> " in text)
+    process.stdin.write("Talk forever.\n")
+    process.stdin.flush()
+    wait_for(lambda text: len(text.split("you> ", 1)[1]) > 200)  # the reply is streaming
+    process.send_signal(signal.SIGINT)
+    wait_for(lambda text: "[prompt:" in text)  # stopped: its stats line, then the prompt again
+    process.stdin.write("/history\n")
+    process.stdin.flush()
+    wait_for(lambda text: "1 assistant:" in text)
+    process.send_signal(signal.SIGINT)  # at the prompt: exit
+    process.wait(timeout=60)
+    assert process.returncode == 0, process.stderr.read()
+    assert "stopped" in "".join(out) and "Traceback" not in process.stderr.read()
