@@ -23,6 +23,7 @@ from ui.handlers import ChatHandlers, PageEvents
 from ui.inputs import Limits
 from ui.operator import Metrics, routes
 from ui.security import SecurityHeaders
+from ui import views
 from ui.outputs import ChatOutputs, Settings
 
 try:  # Hugging Face ZeroGPU: generation must run inside `spaces.GPU`
@@ -58,6 +59,18 @@ def instant(handler: Callable[..., ChatOutputs]) -> Callable[..., tuple]:
 ESCAPE_STOPS = """() => document.addEventListener("keydown", (event) => {
     if (event.key === "Escape") document.querySelector("#stop")?.click();
 })"""
+CSS = """
+#versions-row { flex-wrap: nowrap; align-items: center; }
+@media (max-width: 640px) {  /* a phone: the chat fills the screen, the input and its button stay in view */
+  #header p { display: none; }
+  #header h2 { font-size: 1.05rem; margin: 0; }
+  #chatbot { height: calc(100dvh - 260px) !important; min-height: 160px; }
+  #input-row { position: sticky; bottom: 0; z-index: 10; flex-wrap: nowrap !important;
+               background: var(--body-background-fill); padding-bottom: 4px; }
+  #input-row > * { min-width: 0 !important; }
+  #send, #stop { flex: 0 0 72px !important; }
+}
+"""
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "\\[", "right": "\\]", "display": True},
          {"left": "$", "right": "$", "display": False}, {"left": "\\(", "right": "\\)", "display": False}]
 DEMO_PLACEHOLDER = ("The `demo` model is a toy trained here in under an hour: it does two-digit arithmetic with "
@@ -69,23 +82,24 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
           placeholder: str = "Ask anything.") -> gr.Blocks:
     events = PageEvents(handlers)
     defaults = Settings()
-    with gr.Blocks(title="rewind-chat", fill_height=True, js=ESCAPE_STOPS) as demo:
+    with gr.Blocks(title="rewind-chat", fill_height=True, js=ESCAPE_STOPS, css=CSS) as demo:
         gr.Markdown(f"## rewind-chat · {model_label}\n"
                     "One KV cache per conversation, rolled back instead of recomputed: "
-                    "regenerate, undo, edit, stop and versions reuse everything before the change.")
+                    "regenerate, undo, edit, stop and versions reuse everything before the change.",
+                    elem_id="header")
         key = gr.State(None, delete_callback=handlers.directory.close)
         chatbot = gr.Chatbot(label="Chat", editable="user", height=520, examples=[{"text": t} for t in EXAMPLES],
                              placeholder=placeholder, sanitize_html=True, elem_id="chatbot",
-                             latex_delimiters=LATEX)
-        with gr.Row(equal_height=True):
+                             latex_delimiters=LATEX, buttons=["copy"], feedback_options=None)
+        with gr.Row(equal_height=True, elem_id="versions-row"):
             versions = gr.Markdown("", visible=False, elem_id="versions")
             previous_version = gr.Button("◀", size="sm", visible=False, elem_id="previous-version", scale=0)
             next_version = gr.Button("▶", size="sm", visible=False, elem_id="next-version", scale=0)
-        with gr.Row():
-            textbox = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=6, elem_id="message",
+        with gr.Row(elem_id="input-row", equal_height=True):  # Send turns into Stop while a reply streams
+            textbox = gr.Textbox(placeholder=views.READY, show_label=False, scale=6, elem_id="message",
                                  autofocus=True)
-            send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
-            stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
+            send = gr.Button("Send", variant="primary", scale=1, min_width=72, elem_id="send")
+            stop = gr.Button("Stop", variant="stop", scale=1, min_width=72, elem_id="stop", visible=False)
         with gr.Row():
             continue_button = gr.Button("Continue", size="sm", elem_id="continue")
             new_chat = gr.Button("New chat", size="sm", elem_id="new-chat")
@@ -107,7 +121,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
             )
         settings = [panel[name] for name in Settings.names()]
         components = dict(chat=chatbot, textbox=textbox, key=key, stats=stats, versions=versions,
-                          previous_version=previous_version, next_version=next_version)
+                          previous_version=previous_version, next_version=next_version, send=send, stop=stop)
         outputs = [components[name] for name in ChatOutputs.names()]
         with_settings = [key, *settings]
 
@@ -122,7 +136,6 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
                      **generating)
         chatbot.example_select(streamed(events.on_example), with_settings, outputs, api_name="chatbot_example",
                                **private, **generating)
-        chatbot.clear(instant(handlers.clear), with_settings, outputs, api_name="chatbot_clear", **private)
         continue_button.click(streamed(handlers.continue_reply), with_settings, outputs, api_name="continue",
                               **generating)
         previous_version.click(instant(lambda k, *s: handlers.select_version(-1, k, *s)), with_settings, outputs,

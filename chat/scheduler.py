@@ -49,6 +49,7 @@ class GenerationRequest:
         self.chooser: TokenChooser | None = None
         self.error: BaseException | None = None
         self.submitted_at = time.perf_counter()
+        self.started_at: float | None = None  # its rollback and prefill began (it waited until then)
         self.joined_at: float | None = None  # its first decode step
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -194,6 +195,7 @@ class DecodeScheduler:
             held = len(request.session.token_ids)
             try:
                 if request.prefill is None:
+                    request.started_at = time.perf_counter()
                     if request.before is not None:
                         request.before()
                     request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))

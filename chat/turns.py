@@ -40,7 +40,7 @@ class TurnStats:
     stopped: bool = False
     shared_prefix_tokens: int = 0
     dropped_turns: int = 0
-    waited_s: float = 0.0  # from the request to its first decode step, prefill included
+    waited_s: float = 0.0  # from the request until its prefill began: waiting for other replies
 
 
 class ReplyStream:
@@ -133,5 +133,5 @@ class Turn:
             stopped=stopped,
             shared_prefix_tokens=prefill.shared_prefix_tokens,
             dropped_turns=plan.dropped_turns,
-            waited_s=(run.joined_at or now) - run.submitted_at,
+            waited_s=(run.started_at or now) - run.submitted_at,
         )

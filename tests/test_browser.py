@@ -130,12 +130,18 @@ def test_stop_and_escape_end_a_long_reply(browser, endless_app):
     page.get_by_text("Settings", exact=True).click()  # open the accordion
     page.locator("#max-new-tokens input[type='number']").fill("2000")
     page.locator("#max-new-tokens input[type='number']").press("Enter")
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator("#stop")).to_be_hidden()
     before = send(page, "Now a long answer, which I will stop.")
     expect(page.locator("#stats")).to_contain_text("generating")
+    expect(page.locator("#send")).to_be_hidden()  # one button: Send became Stop
+    expect(page.locator("#message textarea")).to_have_attribute("placeholder", re.compile("Stop"))
     page.click("#stop")
     wait_reply(page, before)
     expect(page.locator("#stats")).to_contain_text("stopped")
     expect(page.locator("#chatbot")).to_contain_text("Now a long answer, which I will stop.")
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator("#stop")).to_be_hidden()
     before = send(page, "Another long one, stopped with Escape.")
     expect(page.locator("#stats")).to_contain_text("generating")
     page.keyboard.press("Escape")
@@ -286,3 +292,31 @@ def test_rendered_messages_reach_no_other_origin(browser, demo_app):
         page.close()
     finally:
         elsewhere.shutdown()
+
+
+def test_on_a_phone_the_input_and_its_button_stay_in_view(browser, endless_app):
+    width, height = 390, 844
+    page = browser.new_page(viewport={"width": width, "height": height}, has_touch=True)
+    page.goto(endless_app.url)
+    page.wait_for_selector("#message textarea")
+    page.get_by_text("Settings", exact=True).click()
+    page.locator("#max-new-tokens input[type='number']").fill("2000")
+    page.locator("#max-new-tokens input[type='number']").press("Enter")
+    page.evaluate("window.scrollTo(0, 0)")
+
+    def in_view(selector: str) -> bool:
+        box = page.locator(selector).bounding_box()
+        return box is not None and box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= width \
+            and box["y"] + box["height"] <= height
+
+    assert in_view("#message textarea") and in_view("#send")
+    before = send(page, "A long reply on a small screen.")
+    expect(page.locator("#stop")).to_be_visible()
+    page.wait_for_timeout(1500)  # the chat has grown and scrolled
+    assert in_view("#message textarea") and in_view("#stop")
+    page.click("#stop")
+    wait_reply(page, before)
+    assert in_view("#message textarea") and in_view("#send")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "phone.png"))
+    page.close()

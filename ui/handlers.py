@@ -46,7 +46,8 @@ class ChatHandlers:
     def empty(self) -> ChatOutputs:
         """What a page without a conversation shows."""
         return ChatOutputs(chat=[], key=None, stats="", versions=gr.update(visible=False),
-                           previous_version=gr.update(visible=False), next_version=gr.update(visible=False))
+                           previous_version=gr.update(visible=False), next_version=gr.update(visible=False),
+                           send=gr.update(visible=True), stop=gr.update(visible=False))
 
     def view(self, key: str, browser: BrowserChat, *, write_key: bool = True, **changes: Any) -> ChatOutputs:
         """The whole chat as it stands; `changes` override fields (a streaming reply, the box).
@@ -61,6 +62,7 @@ class ChatHandlers:
             next_version=gr.update(visible=count > 1, interactive=active < count - 1))
         if not write_key:
             outputs.key = gr.skip()
+        outputs.send, outputs.stop = gr.update(visible=True), gr.update(visible=False)
         for name, value in changes.items():
             setattr(outputs, name, value)
         return outputs
@@ -103,8 +105,9 @@ class ChatHandlers:
                        "oldest turn(s) were dropped (the system prompt is kept).")
         base, reasoning, answer = self._before_reply(chat, operation)
         if isinstance(operation, (Send, Edit)):  # show the user's message at once
-            yield self.view(key, chat, chat=base, stats=views.GENERATING,
-                            textbox="" if isinstance(operation, Send) else gr.skip())
+            yield self.view(key, chat, chat=base, stats=views.GENERATING, **_BUSY,
+                            textbox=gr.update(value="", placeholder=views.BUSY) if isinstance(operation, Send)
+                            else gr.update(placeholder=views.BUSY))
         yield from self._stream(key, chat, stream, base, reasoning, answer, type(operation).__name__.lower())
 
     def _before_reply(self, chat: BrowserChat, operation: Operation) -> tuple[list[dict], str, str]:
@@ -140,7 +143,7 @@ class ChatHandlers:
                             self._abandon(chat, deltas)  # has moved on; write nothing over it
                             return
                         yield self.view(key, chat, chat=base + views.reply_messages(reasoning, answer, thought_for),
-                                        stats=views.GENERATING, write_key=False)
+                                        stats=views.GENERATING, write_key=False, **_BUSY)
                 except GeneratorExit:  # the client went away (closed tab, dropped connection, cancel)
                     self._abandon(chat, deltas)
                     raise
@@ -161,7 +164,7 @@ class ChatHandlers:
             last = len(chat.conversation.messages) - 1
             chat.thinking_seconds[last] = thought_for or (time.perf_counter() - (thinking_since or started))
         if key in self.directory.manager:  # unless the page moved on meanwhile
-            yield self.view(key, chat, write_key=False)
+            yield self.view(key, chat, write_key=False, textbox=gr.update(placeholder=views.READY))
 
     def _abandon(self, chat: BrowserChat, deltas: Iterator[Any]) -> None:
         """Stop a reply nobody reads any more and let it end as Stop ends it: the partial reply
@@ -221,7 +224,7 @@ class ChatHandlers:
         """New chat: the old conversation (its reply stopped) is freed; the next message starts one."""
         self.settings(values)
         self.directory.close(key)
-        return dataclasses.replace(self.empty(), textbox="")
+        return dataclasses.replace(self.empty(), textbox=gr.update(value="", placeholder=views.READY))
 
     def stop(self, key: Any) -> None:
         chat = self.directory.find(key)
@@ -288,6 +291,9 @@ class PageEvents:
     def server_status(self) -> dict:
         """Aggregate numbers only (no session keys): what an operator of a shared Space needs."""
         return server_status(self.directory)
+
+
+_BUSY = dict(send=gr.update(visible=False), stop=gr.update(visible=True))
 
 
 def page_of(request: gr.Request | None) -> str | None:

@@ -72,6 +72,8 @@ class ChatOutputs:
     versions: Any = field(default_factory=gr.skip)
     previous_version: Any = field(default_factory=gr.skip)
     next_version: Any = field(default_factory=gr.skip)
+    send: Any = field(default_factory=gr.skip)  # one of Send and Stop shows: Stop while a reply streams
+    stop: Any = field(default_factory=gr.skip)
 
     @classmethod
     def names(cls) -> list[str]:

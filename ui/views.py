@@ -7,7 +7,9 @@ from typing import Any
 from chat import TurnStats
 
 THINKING_TITLE = "Thinking"
-GENERATING = "generating… (Stop ends it and keeps what was written)"
+GENERATING = "generating… (Stop or Esc ends it and keeps what was written)"
+READY = "Message (Enter to send)"
+BUSY = "A reply is being written: Stop (or Esc) first, or wait for it to end"
 
 
 def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float]) -> tuple[list[dict], list[int]]:
