@@ -1,5 +1,6 @@
 """End to end through `gradio_client` against a launched app on the demo model."""
 
+import re
 import threading
 
 import pytest
@@ -17,8 +18,10 @@ def settings(max_new_tokens=12, temperature=0.0, thinking=True, system_prompt=SY
                     temperature=temperature).values()
 
 
-def texts(chat):
-    return [(m["role"], "".join(part["text"] for part in m["content"] if part.get("type") == "text")) for m in chat]
+def texts(chat) -> list[tuple[str, str]]:
+    """(role, text) of each shown message, without the note under a reply (version, stopped)."""
+    return [(m["role"], re.sub(r"\n*<sub>[^<]*</sub>$", "", "".join(p["text"] for p in m["content"]
+                                                               if p.get("type") == "text"))) for m in chat]
 
 
 @pytest.fixture(scope="module")

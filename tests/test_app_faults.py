@@ -5,6 +5,7 @@ it is allowed: a cancelled stream is really cut, not ended by chance."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -76,7 +77,9 @@ def wait_for(condition, timeout_s: float) -> float:
 
 
 def texts(chat) -> list[tuple[str, str]]:
-    return [(m["role"], "".join(p["text"] for p in m["content"] if p.get("type") == "text")) for m in chat]
+    """(role, text) of each shown message, without the note under a reply (version, stopped)."""
+    return [(m["role"], re.sub(r"\n*<sub>[^<]*</sub>$", "", "".join(p["text"] for p in m["content"]
+                                                               if p.get("type") == "text"))) for m in chat]
 
 
 def test_a_cancelled_client_stops_its_reply_and_its_next_message_is_answered(app):

@@ -68,3 +68,17 @@ def test_the_stats_line_speaks_plainly_and_keeps_details_a_click_away():
     assert "857 tokens" in details and "crop" in details
     waited = views.stats_line(TurnStats(**{**stats.__dict__, "ttft_s": 1.9, "waited_s": 1.85}))
     assert "first token after **1900 ms** (1850 ms of it waiting for other replies)" in waited
+
+
+def test_a_reply_says_which_version_it_is_and_whether_it_was_stopped():
+    from chat.history import Entry, ReplyVersion
+    from ui import views
+
+    def version(text, stopped=False):
+        return ReplyVersion(text, "", [1], [2], False, stopped)
+
+    entries = [Entry("user", "Q1"), Entry("assistant", versions=[version("A"), version("B", stopped=True)], active=1),
+               Entry("user", "Q2"), Entry("assistant", versions=[version("C")])]
+    shown, _ = views.chatbot_messages([e.message() for e in entries], {}, views.reply_marks(entries))
+    assert shown[1]["content"] == "B\n\n<sub>version 2 of 2 · stopped</sub>"
+    assert shown[3]["content"] == "C"  # one version, not stopped: no note

@@ -55,7 +55,8 @@ class ChatHandlers:
         conversation = browser.conversation
         active, count = conversation.versions
         outputs = ChatOutputs(
-            chat=views.chatbot_messages(conversation.messages, browser.thinking_seconds)[0], key=key,
+            chat=views.chatbot_messages(conversation.messages, browser.thinking_seconds,
+                                        views.reply_marks(conversation.history.entries))[0], key=key,
             stats=views.stats_line(conversation.stats),
             versions=gr.update(value=views.version_label(active, count), visible=count > 1),
             previous_version=gr.update(visible=count > 1, interactive=active > 0),
@@ -127,6 +128,7 @@ class ChatHandlers:
                 answer: str, operation: str) -> Iterator[ChatOutputs]:
         """Show the reply as it streams: reasoning in a collapsible message, then the answer."""
         started, thinking_since, thought_for, failed = time.perf_counter(), None, None, False
+        shown_at = 0.0  # when the last update went out: at most one per UPDATE_INTERVAL_S
         deltas = iter(stream)
         try:
             with self.directory.manager.using(key):
@@ -142,6 +144,9 @@ class ChatHandlers:
                         if key not in self.directory.manager:  # New chat, or the tab closed: the page
                             self._abandon(chat, deltas)  # has moved on; write nothing over it
                             return
+                        if time.perf_counter() - shown_at < UPDATE_INTERVAL_S:
+                            continue  # each update resends the chat: coalesce fast tokens
+                        shown_at = time.perf_counter()
                         yield self.view(key, chat, chat=base + views.reply_messages(reasoning, answer, thought_for),
                                         stats=views.GENERATING, write_key=False, **_BUSY)
                 except GeneratorExit:  # the client went away (closed tab, dropped connection, cancel)
@@ -293,6 +298,7 @@ class PageEvents:
         return server_status(self.directory)
 
 
+UPDATE_INTERVAL_S = 0.04  # the chat's streamed updates: at most 25 a second (the final one always goes)
 _BUSY = dict(send=gr.update(visible=False), stop=gr.update(visible=True))
 
 

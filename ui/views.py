@@ -12,8 +12,11 @@ READY = "Message (Enter to send)"
 BUSY = "A reply is being written: Stop (or Esc) first, or wait for it to end"
 
 
-def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float]) -> tuple[list[dict], list[int]]:
-    """Chatbot messages for the history, and for each of them its index in `messages`."""
+def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float],
+                     marks: dict[int, str] | None = None) -> tuple[list[dict], list[int]]:
+    """Chatbot messages for the history, and for each of them its index in `messages`. `marks`
+    (message index -> a note such as "version 2 of 3 · stopped") is shown under that reply."""
+    marks = marks or {}
     shown: list[dict] = []
     index_of: list[int] = []
     for index, message in enumerate(messages):
@@ -28,7 +31,25 @@ def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float]) -
         if message["role"] == "user" or message["content"] or not message.get("reasoning_content"):
             shown.append({"role": message["role"], "content": message["content"]})
             index_of.append(index)
+        if index in marks and shown:
+            shown[-1] = {**shown[-1], "content": f"{shown[-1]['content']}{MARK_OPEN}{marks[index]}{MARK_CLOSE}"}
     return shown, index_of
+
+
+MARK_OPEN, MARK_CLOSE = "\n\n<sub>", "</sub>"
+
+
+def reply_marks(entries: list[Any]) -> dict[int, str]:
+    """Which version each reply shows, and whether it was stopped, by message index."""
+    marks = {}
+    for index, entry in enumerate(entries):
+        if entry.role == "assistant" and entry.versions:
+            notes = [f"version {entry.active + 1} of {len(entry.versions)}"] if len(entry.versions) > 1 else []
+            if entry.reply.stopped:
+                notes.append("stopped")
+            if notes:
+                marks[index] = " · ".join(notes)
+    return marks
 
 
 def reply_messages(reasoning: str, answer: str, thought_for: float | None) -> list[dict]:

@@ -1,0 +1,103 @@
+"""Decode speed through the library and through the app, on the same model, in one run.
+
+The library: `conv.send` on an engine in this process. The app: `app.py` in a subprocess on the
+same weights, a `gradio_client` stream of `/send`. Each streamed update resends the chat, which
+costs CPU next to the decoding; updates are coalesced to at most one per 40 ms
+(`ui/handlers.py`). Reported: decode tokens/s as the server measured it in both paths, and as
+the web client saw it arrive (tokens over the time between the first and the last update).
+`python -m benchmarks.web_stream --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.models import build_bench_model, build_bench_tokenizer
+from chat import ChatEngine
+from chat.worker import ModelWorker
+
+
+def library_rates(folder: str, tokens: int, repeats: int) -> list[float]:
+    engine = ChatEngine.load(folder, device="cpu", dtype="float32")
+    conv = engine.conversation("You are a helpful assistant.")
+    list(conv.send("warm up", max_new_tokens=8, do_sample=False))
+    rates = []
+    for index in range(repeats):
+        list(conv.send(f"Tell me a long story, part {index}.", max_new_tokens=tokens, do_sample=False))
+        rates.append(conv.stats.decode_tokens_per_s)
+    return rates
+
+
+def web_rates(folder: str, tokens: int, repeats: int) -> tuple[list[float], list[float], list[int]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from app_server import AppServer
+    from gradio_client import Client
+
+    from ui.outputs import Settings
+
+    with tempfile.TemporaryDirectory() as scratch:
+        server = AppServer("--model", folder, "--max-new-tokens", str(tokens), cache_dir=Path(scratch),
+                           log_path=Path(scratch) / "app.log")
+        try:
+            client = Client(server.url, verbose=False)
+            values = Settings(system_prompt="You are a helpful assistant.", max_new_tokens=tokens,
+                              temperature=0.0).values()
+            client.predict("warm up", *Settings(max_new_tokens=8, temperature=0.0).values(), api_name="/send")
+            server_rates, client_rates, updates = [], [], []
+            for index in range(repeats):
+                job = client.submit(f"Tell me a long story, part {index}.", *values, api_name="/send")
+                arrivals = []
+                for _ in job:
+                    arrivals.append(time.perf_counter())
+                final = job.result()
+                stats = final[2]
+                generated = int(re.search(r"(\d+) tokens written", stats).group(1))
+                server_rates.append(float(re.search(r"\*\*(\d+) tokens/s\*\*", stats).group(1)))
+                streaming = arrivals[1:]  # the first update shows the message, before any token
+                if len(streaming) > 1 and streaming[-1] > streaming[0]:
+                    client_rates.append((generated - 1) / (streaming[-1] - streaming[0]))
+                updates.append(len(arrivals))
+        finally:
+            server.close()
+    return server_rates, client_rates, updates
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = build_bench_tokenizer()
+        model = ModelWorker().run(build_bench_model, "full", len(tokenizer), tokenizer.eos_token_id)
+        model.generation_config.eos_token_id = None  # every reply is --tokens long
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        library = library_rates(folder, args.tokens, args.repeats)
+        server, client, updates = web_rates(folder, args.tokens, args.repeats)
+    result = {"tokens": args.tokens, "repeats": args.repeats, "library_tokens_per_s": library,
+              "web_server_tokens_per_s": server, "web_client_tokens_per_s": client, "web_updates": updates,
+              "command": "python -m benchmarks.web_stream " + " ".join(argv if argv is not None else sys.argv[1:])}
+    ratio = statistics.median(server) / statistics.median(library)
+    seen = statistics.median(client) / statistics.median(library) if client else float("nan")
+    result["web_vs_library"] = ratio
+    result["client_vs_library"] = seen
+    print(f"decode tokens/s (median of {args.repeats}, {args.tokens} tokens): library "
+          f"{statistics.median(library):.1f}; web, measured by the server {statistics.median(server):.1f} "
+          f"({ratio:.2f}x); as the client saw it arrive {statistics.median(client):.1f} ({seen:.2f}x); "
+          f"{statistics.median(updates):.0f} updates a reply")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
