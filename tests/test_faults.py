@@ -31,3 +31,20 @@ def test_a_client_that_drops_its_stream_stops_the_reply_and_frees_the_conversati
     short = Settings(system_prompt="S.", max_new_tokens=4, temperature=0.0).values()
     *_, last = handlers.send(None, "Next.", key, *short)
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user", "assistant"]
+
+
+def test_a_refused_first_message_or_prompt_change_keeps_everything(make_engine):
+    engine = make_engine("full", context_limit=64)
+    handlers = ChatHandlers(engine, ChatDirectory(engine))
+    short = Settings(system_prompt="S.", max_new_tokens=4, temperature=0.0).values()
+    *_, last = handlers.send(None, "word " * 80, None, *short)  # cannot fit: refused, nothing created
+    assert len(handlers.directory.manager) == 0
+    key = list(handlers.send(None, "Hello.", None, *short))[0].key
+    for _ in handlers.send(None, "Hi again.", key, *short):
+        pass
+    conv = handlers.directory.find(key).conversation
+    messages = conv.messages
+    long_prompt = Settings(system_prompt="word " * 80, max_new_tokens=4, temperature=0.0).values()
+    *_, last = handlers.send(None, "With a new system prompt.", key, *long_prompt)
+    assert handlers.directory.find(key) is not None and conv.messages == messages  # the old one is kept
+    assert len(handlers.directory.manager) == 1

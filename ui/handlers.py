@@ -82,6 +82,11 @@ class ChatHandlers:
             return
         try:
             if isinstance(operation, Send):
+                current = self.directory.find(key)
+                if current is None or (current.conversation.system_prompt or "") != settings.system_prompt.strip():
+                    # a new conversation: planned on a scratch one first, so a refusal keeps the old one
+                    self.engine.conversation(settings.system_prompt.strip() or None).plan(operation,
+                                                                                          settings.options())
                 key, chat = self.chat(request, key, settings)
             elif (chat := self.directory.find(key)) is None:
                 gr.Warning("There is no conversation yet: send a message first.")
