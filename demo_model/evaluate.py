@@ -7,8 +7,8 @@ Every question's number pair is held out of the training corpus (`corpus.held_ou
 as a real conversation through `ChatEngine` (greedy, the app's default system prompt or none):
 addition, subtraction and multiplication, thinking on and off; follow-ups ("and plus 7?",
 "double it", "what was the first number?") in live two- and three-turn conversations, judged
-against the true chain of results; and sampled regenerations (the model's own temperature),
-which must stay well formed. Well formed: the thinking closed, an answer after it, and the end
+against the true chain of results; and sampled replies with a regeneration each (the model's own
+sampling settings), which must stay well formed. Well formed: the thinking closed, an answer after it, and the end
 token within the token limit.
 """
 
@@ -100,15 +100,23 @@ def run(engine: ChatEngine, questions: int, seed: int, workers: int) -> dict:
                              "reasoning": replies[-1].reasoning[-200:], "thinking": thinking})
     # sampled regenerations: different, still well formed
     sampled_rng = random.Random(seed + 1)
-    samples = [question_text(sampled_rng, first_problem(sampled_rng, evaluation=True)) for _ in range(questions)]
+    problems = [first_problem(sampled_rng, evaluation=True) for _ in range(questions)]
+    samples = [question_text(sampled_rng, problem) for problem in problems]
 
-    def sampled(text):
-        return ask(engine, [text, text], None, True)  # the same question twice, sampled
+    def sampled(text):  # a sampled reply, then Regenerate: two versions of the same reply
+        conv = engine.conversation(None)
+        list(conv.send(text, max_new_tokens=MAX_NEW_TOKENS))
+        first = reply_of(conv, True)
+        list(conv.regenerate(max_new_tokens=MAX_NEW_TOKENS))
+        return first, reply_of(conv, True)
 
     with ThreadPoolExecutor(workers) as pool:
         sampled_results = list(pool.map(sampled, samples))
     sampled_replies = [reply for pair in sampled_results for reply in pair]
     table.setdefault("well formed", {})["sampled"] = [r.well_formed for r in sampled_replies]
+    table["sampled answers right"] = {"sampled": [reply.number == problem.result
+                                                  for pair, problem in zip(sampled_results, problems)
+                                                  for reply in pair]}
     distinct = sum(1 for a, b in sampled_results if (a.reasoning, a.answer) != (b.reasoning, b.answer))
     return {"table": {category: {mode: {"right": sum(v), "of": len(v)} for mode, v in modes.items()}
                       for category, modes in table.items()},
@@ -128,9 +136,11 @@ def markdown(result: dict) -> str:
                  for m in ("thinking", "no thinking")]
         lines.append(f"| {category} | {cells[0]} | {cells[1]} | {target * 100:.0f} % |")
     sampled = result["table"]["well formed"]["sampled"]
+    right = result["table"]["sampled answers right"]["sampled"]
     pairs = result["sampled_pairs_that_differ"]
-    lines.append(f"\nSampled (the model's own temperature): {share(sampled) * 100:.1f} % well formed "
-                 f"({sampled['right']}/{sampled['of']}); the same question asked twice gave different replies in "
+    lines.append(f"\nSampled ({result['sampling']}, thinking on): {share(sampled) * 100:.1f} % "
+                 f"well formed ({sampled['right']}/{sampled['of']}), {share(right) * 100:.1f} % right "
+                 f"({right['right']}/{right['of']}); Regenerate gave a different reply in "
                  f"{pairs['differ']} of {pairs['of']} pairs.")
     return "\n".join(lines)
 
@@ -145,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     engine = ChatEngine.load(args.model, device="cpu", dtype="float32", max_batch_size=args.workers)
     result = run(engine, args.questions, args.seed, args.workers)
+    config = engine.model.generation_config
+    result["sampling"] = f"the model's own: temperature {config.temperature}, top-k {config.top_k}"
     result["targets_met"] = {category: share(result["table"][category]["thinking"]) >= target
                              for category, target in TARGETS.items()}
     result["command"] = "python -m demo_model.evaluate " + " ".join(argv if argv is not None else sys.argv[1:])
