@@ -1,8 +1,9 @@
 """Decode speed through the library and through the app, on the same model, in one run.
 
 The library: `conv.send` on an engine in this process. The app: `app.py` in a subprocess on the
-same weights, a `gradio_client` stream of `/send`. Each streamed update resends the chat, which
-costs CPU next to the decoding; updates are coalesced to at most one per 40 ms
+same weights, its `/send` endpoint streamed over HTTP (server-sent events, read as they arrive).
+Each streamed update resends the chat, which costs CPU next to the decoding; updates are
+coalesced to at most one per 40 ms
 (`ui/handlers.py`). Reported: decode tokens/s as the server measured it in both paths, and as
 the web client saw it arrive (tokens over the time between the first and the last update).
 `python -m benchmarks.web_stream --help`.
@@ -17,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from benchmarks.models import build_bench_model, build_bench_tokenizer
@@ -35,29 +37,43 @@ def library_rates(folder: str, tokens: int, repeats: int) -> list[float]:
     return rates
 
 
-def web_rates(folder: str, tokens: int, repeats: int) -> tuple[list[float], list[float], list[int]]:
+def web_rates(folder: str, tokens: int, repeats: int,
+              env: dict | None = None) -> tuple[list[float], list[float], list[int]]:
+    """Through the app's REST API (POST, then its server-sent events read as they arrive): the
+    client blocks on the socket, so it takes no CPU from the server it measures."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from app_server import AppServer
-    from gradio_client import Client
 
     from ui.outputs import Settings
 
+    def stream(url: str, message: str, values: list) -> tuple[list[float], str]:
+        body = json.dumps({"data": [message, None, *values]}).encode()
+        request = urllib.request.Request(f"{url}gradio_api/call/send", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            event_id = json.loads(response.read())["event_id"]
+        arrivals, last, event = [], "", ""
+        with urllib.request.urlopen(f"{url}gradio_api/call/send/{event_id}", timeout=600) as response:
+            for raw in response:
+                line = raw.decode()
+                if line.startswith("event: "):
+                    event = line[7:].strip()
+                elif line.startswith("data: ") and event in ("generating", "complete"):
+                    arrivals.append(time.perf_counter())
+                    last = line[6:]
+        return arrivals, last
+
     with tempfile.TemporaryDirectory() as scratch:
         server = AppServer("--model", folder, "--max-new-tokens", str(tokens), cache_dir=Path(scratch),
-                           log_path=Path(scratch) / "app.log")
+                           log_path=Path(scratch) / "app.log", env=env)
         try:
-            client = Client(server.url, verbose=False)
             values = Settings(system_prompt="You are a helpful assistant.", max_new_tokens=tokens,
                               temperature=0.0).values()
-            client.predict("warm up", *Settings(max_new_tokens=8, temperature=0.0).values(), api_name="/send")
+            stream(server.url, "warm up", Settings(max_new_tokens=8, temperature=0.0).values())
             server_rates, client_rates, updates = [], [], []
             for index in range(repeats):
-                job = client.submit(f"Tell me a long story, part {index}.", *values, api_name="/send")
-                arrivals = []
-                for _ in job:
-                    arrivals.append(time.perf_counter())
-                final = job.result()
-                stats = final[2]
+                arrivals, final = stream(server.url, f"Tell me a long story, part {index}.", values)
+                stats = next(o for o in json.loads(final) if isinstance(o, str) and "tokens written" in o)
                 generated = int(re.search(r"(\d+) tokens written", stats).group(1))
                 server_rates.append(float(re.search(r"\*\*(\d+) tokens/s\*\*", stats).group(1)))
                 streaming = arrivals[1:]  # the first update shows the message, before any token
@@ -74,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--one-thread-too", action="store_true", help="also the app on one torch thread")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = build_bench_tokenizer()
@@ -83,8 +100,13 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer.save_pretrained(folder)
         library = library_rates(folder, args.tokens, args.repeats)
         server, client, updates = web_rates(folder, args.tokens, args.repeats)
+        if args.one_thread_too:  # the app with one torch thread, leaving a core to the web server
+            result_one = web_rates(folder, args.tokens, args.repeats, env={"OMP_NUM_THREADS": "1"})
+        else:
+            result_one = None
     result = {"tokens": args.tokens, "repeats": args.repeats, "library_tokens_per_s": library,
               "web_server_tokens_per_s": server, "web_client_tokens_per_s": client, "web_updates": updates,
+              "web_one_thread_server_tokens_per_s": result_one[0] if result_one else None,
               "command": "python -m benchmarks.web_stream " + " ".join(argv if argv is not None else sys.argv[1:])}
     ratio = statistics.median(server) / statistics.median(library)
     seen = statistics.median(client) / statistics.median(library) if client else float("nan")
