@@ -82,7 +82,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
           placeholder: str = "Ask anything.") -> gr.Blocks:
     events = PageEvents(handlers)
     defaults = Settings()
-    with gr.Blocks(title="rewind-chat", fill_height=True, js=ESCAPE_STOPS, css=CSS) as demo:
+    with gr.Blocks(title="rewind-chat", fill_height=True) as demo:
         gr.Markdown(f"## rewind-chat · {model_label}\n"
                     "One KV cache per conversation, rolled back instead of recomputed: "
                     "regenerate, undo, edit, stop and versions reuse everything before the change.",
@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     # show_error: a refused API input says why (Gradio's own checks of a component's value included)
     demo.launch(server_name=config.host, server_port=config.port, enable_monitoring=config.monitoring, show_error=True,
                 footer_links=["api"], run_history=False, quiet=True, prevent_thread_lock=True,
+                css=CSS, js=ESCAPE_STOPS,
                 app_kwargs={"middleware": [Middleware(SecurityHeaders)], "routes": routes(directory, metrics)})
     print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",
           flush=True)
