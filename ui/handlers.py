@@ -134,6 +134,7 @@ class ChatHandlers:
         """Show the reply as it streams: reasoning in a collapsible message, then the answer."""
         started, thinking_since, thought_for, failed = time.perf_counter(), None, None, False
         shown_at = 0.0  # when the last update went out: at most one per UPDATE_INTERVAL_S
+        busy_shown = False  # Stop shown and Send hidden by this stream's first update
         deltas = iter(stream)
         try:
             with self.directory.manager.using(key):
@@ -152,8 +153,11 @@ class ChatHandlers:
                         if time.perf_counter() - shown_at < UPDATE_INTERVAL_S:
                             continue  # each update resends the chat: coalesce fast tokens
                         shown_at = time.perf_counter()
-                        yield self.view(key, chat, chat=base + views.reply_messages(reasoning, answer, thought_for),
-                                        stats=views.GENERATING, write_key=False, **_BUSY)
+                        # only the chat changes while streaming: every other component is left as it is
+                        # (each gr.update makes Gradio rebuild that component's config: CPU the model needs)
+                        first, busy_shown = not busy_shown, True
+                        yield ChatOutputs(chat=base + views.reply_messages(reasoning, answer, thought_for),
+                                          **({"stats": views.GENERATING, **_BUSY} if first else {}))
                 except GeneratorExit:  # the client went away (closed tab, dropped connection, cancel)
                     self._abandon(chat, deltas)
                     raise
