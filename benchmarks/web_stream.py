@@ -64,8 +64,8 @@ def web_rates(folder: str, tokens: int, repeats: int,
         return arrivals, last
 
     with tempfile.TemporaryDirectory() as scratch:
-        server = AppServer("--model", folder, "--max-new-tokens", str(tokens), cache_dir=Path(scratch),
-                           log_path=Path(scratch) / "app.log", env=env)
+        server = AppServer("--model", folder, "--max-new-tokens", str(tokens), log_path=Path(scratch) / "app.log",
+                           env=env)
         try:
             values = Settings(system_prompt="You are a helpful assistant.", max_new_tokens=tokens,
                               temperature=0.0).values()

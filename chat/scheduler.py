@@ -4,9 +4,9 @@ batched forward per step.
 One step: end requests stopped while they waited; admit waiting requests while rows are free;
 roll back newcomers and prefill them within a budget of `prefill_chunk` tokens (so a long pasted
 prompt delays the running replies by one chunk a step, not by its whole prefill); then one
-decode forward for every row. A request joins the batch once only its last prompt token is left to feed, and leaves
-at an end token, its token limit, a stop, or an error: its own (a raising logits processor) ends
-it alone, a failed forward ends every row of that step. A step re-submits itself, so the
+decode forward for every row. A request joins the batch once only its last prompt token is left
+to feed, and leaves at an end token, its token limit, a stop, or an error: its own (a raising
+logits processor) ends it alone, a failed forward ends every row of that step. A step re-submits itself, so the
 engine's other compute jobs (a version switch, a new conversation) run between steps.
 """
 

@@ -20,10 +20,10 @@ def free_port() -> int:
 
 
 class AppServer:
-    def __init__(self, *args: str, cache_dir: Path, log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
-        env = dict(os.environ, REWIND_CHAT_CACHE=str(cache_dir), GRADIO_ANALYTICS_ENABLED="False",
+        env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False",
                    HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", GRADIO_HEARTBEAT_INTERVAL="1", **(env or {}))
         self.log = open(log_path, "w")
         self.process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(self.port), *args],

@@ -32,13 +32,8 @@ def texts(chat) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def demo_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("demo-cache")
-
-
-@pytest.fixture(scope="module")
-def app(demo_cache, tmp_path_factory):
-    server = AppServer(cache_dir=demo_cache, log_path=tmp_path_factory.mktemp("logs") / "app.log")
+def app(tmp_path_factory):
+    server = AppServer(log_path=tmp_path_factory.mktemp("logs") / "app.log")
     yield server
     server.close()
 
@@ -135,10 +130,10 @@ def test_two_clients_see_only_their_own_conversations(app):
     assert [t for r, t in texts(again[0]) if r == "user"] == ["I am alice.", "Still me?"]
 
 
-def test_tiny_budget_evicts_and_the_evicted_conversation_answers_exactly(demo_cache, tmp_path):
+def test_tiny_budget_evicts_and_the_evicted_conversation_answers_exactly(tmp_path):
     from chat import ChatEngine
 
-    server = AppServer("--cache-budget-mb", "0.01", cache_dir=demo_cache, log_path=tmp_path / "app.log")
+    server = AppServer("--cache-budget-mb", "0.01", log_path=tmp_path / "app.log")
     try:
         alice, bob = Client(server.url, verbose=False), Client(server.url, verbose=False)
         alice.predict("Remember the word cache.", *settings(64), api_name="/send")

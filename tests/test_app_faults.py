@@ -44,7 +44,7 @@ def app(endless_model, tmp_path_factory):
     # here each test client says which address it is.
     server = AppServer("--model", str(endless_model), "--max-per-client", "3", "--max-sessions", "12",
                        "--max-message-chars", "5000", "--max-new-tokens", str(LONG),
-                       cache_dir=tmp_path_factory.mktemp("cache"), log_path=tmp_path_factory.mktemp("log") / "app.log",
+                       log_path=tmp_path_factory.mktemp("log") / "app.log",
                        env={"SPACE_ID": "tests/faults"})
     yield server
     server.close()

@@ -34,7 +34,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def demo_app(tmp_path_factory):
-    server = AppServer(cache_dir=tmp_path_factory.mktemp("cache"), log_path=tmp_path_factory.mktemp("log") / "app.log")
+    server = AppServer(log_path=tmp_path_factory.mktemp("log") / "app.log")
     yield server
     server.close()
 
@@ -119,7 +119,7 @@ def endless_app(tmp_path_factory, base_tokenizer):
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder)
     base_tokenizer.save_pretrained(folder)
-    server = AppServer("--model", str(folder), "--max-new-tokens", "2000", cache_dir=tmp_path_factory.mktemp("c"),
+    server = AppServer("--model", str(folder), "--max-new-tokens", "2000",
                        log_path=tmp_path_factory.mktemp("l") / "app.log")
     yield server
     server.close()
@@ -235,8 +235,7 @@ def test_model_output_markup_does_not_run(browser, tmp_path_factory, base_tokeni
     tokenizer = base_tokenizer
     scripted_reply_model(tokenizer, XSS_REPLY).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    server = AppServer("--model", str(folder), cache_dir=tmp_path_factory.mktemp("c"),
-                       log_path=tmp_path_factory.mktemp("l") / "app.log")
+    server = AppServer("--model", str(folder), log_path=tmp_path_factory.mktemp("l") / "app.log")
     try:
         page = open_chat(browser, server.url)
         dialogs = []

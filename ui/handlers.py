@@ -134,7 +134,6 @@ class ChatHandlers:
         """Show the reply as it streams: reasoning in a collapsible message, then the answer."""
         started, thinking_since, thought_for, failed = time.perf_counter(), None, None, False
         shown_at = 0.0  # when the last update went out: at most one per UPDATE_INTERVAL_S
-        busy_shown = False  # Stop shown and Send hidden by this stream's first update
         deltas = iter(stream)
         try:
             with self.directory.manager.using(key):
@@ -152,10 +151,8 @@ class ChatHandlers:
                             return
                         if time.perf_counter() - shown_at < UPDATE_INTERVAL_S:
                             continue  # each update resends the chat: coalesce fast tokens
-                        shown_at = time.perf_counter()
-                        # only the chat changes while streaming: every other component is left as it is
-                        # (each gr.update makes Gradio rebuild that component's config: CPU the model needs)
-                        first, busy_shown = not busy_shown, True
+                        first, shown_at = shown_at == 0.0, time.perf_counter()
+                        # the first update shows Stop and the busy line; later ones carry only the chat
                         yield ChatOutputs(chat=base + views.reply_messages(reasoning, answer, thought_for),
                                           **({"stats": views.GENERATING, **_BUSY} if first else {}))
                 except GeneratorExit:  # the client went away (closed tab, dropped connection, cancel)
