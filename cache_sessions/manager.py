@@ -1,9 +1,10 @@
 """Many cache sessions on one model: a global byte budget, a session count, idle expiry.
 
 Sessions are found by keys this class makes (never by an id a client sends). When the caches
-together exceed the budget, the least recently used *idle* session is released: its owner keeps
-everything else (a conversation keeps its messages) and its next turn rebuilds. A session in
-use (a generation running) is never released.
+together exceed the budget, the segments idle sessions keep for branches not shown go first,
+oldest first (switching to such a branch then prefills it); then the least recently used *idle*
+session is released: its owner keeps everything else (a conversation keeps its messages) and
+its next turn rebuilds. A session in use (a generation running) is never touched.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class ManagerStats:
     expired: int
     closed_for_room: int = 0
     budget_bytes: int | None = None
+    segments_freed: int = 0
 
 
 class SessionManager:
@@ -66,6 +68,7 @@ class SessionManager:
         self.evictions = 0
         self.expired = 0
         self.closed_for_room = 0
+        self.segments_freed = 0
 
     def open(self, owner: HasCacheSession) -> str:
         """Register `owner` and return the new key that finds it."""
@@ -135,12 +138,19 @@ class SessionManager:
         return shared + extra + sum(owner.session.nbytes() for owner in owners)
 
     def enforce_budget(self) -> list[str]:
-        """Release idle sessions, least recently used first, then shared prefixes, until within budget."""
+        """Free kept branch segments of idle sessions (oldest first), then release idle sessions
+        (least recently used first), then shared prefixes, until within budget."""
         if self.budget_bytes is None:
             return []
         released: list[str] = []
         with self._lock:
             while self.total_bytes() > self.budget_bytes:
+                keeping = [slot.owner.session for slot in self._slots.values()
+                           if not slot.in_use and slot.owner.session.segment_count()]
+                if keeping:
+                    min(keeping, key=lambda session: session.oldest_segment_age()).drop_oldest_segment()
+                    self.segments_freed += 1
+                    continue
                 idle = [key for key, slot in self._slots.items()
                         if not slot.in_use and slot.owner.session.nbytes() > 0 and key not in released]
                 if idle:
@@ -169,4 +179,5 @@ class SessionManager:
                 expired=self.expired,
                 closed_for_room=self.closed_for_room,
                 budget_bytes=self.budget_bytes,
+                segments_freed=self.segments_freed,
             )

@@ -282,6 +282,14 @@ class RollbackResult:
     how: RollbackHow
 
 
+def reachable(kinds: list[LayerKind], checkpoints: CheckpointStore, current: int, target: int) -> int:
+    """Where `roll_back(..., target)` would land, without moving anything."""
+    if target >= current or all(kind.can_crop(current, target) for kind in kinds):
+        return min(target, current)
+    checkpoint = checkpoints.latest_at_or_before(target)
+    return checkpoint.position if checkpoint is not None else 0
+
+
 def roll_back(kinds: list[LayerKind], checkpoints: CheckpointStore, current: int, target: int) -> RollbackResult:
     """Move the cache from `current` back to `target` (or to the closest exact point before it).
 

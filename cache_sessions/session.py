@@ -60,6 +60,7 @@ class CacheSession(CacheStates):
         target = min(common_prefix_length(self.token_ids, prompt_ids), len(prompt_ids) - 1)
         result = self.rollback_to(target)
         self._checkpoint_here()  # a turn boundary: where this prompt starts to differ
+        self._fork = target if result.position < target else None
         self._check_invariant()
         if prefill:
             self.prefill(prompt_ids, prefix_store=prefix_store, shared_prefix_length=shared_prefix_length)
@@ -77,25 +78,27 @@ class CacheSession(CacheStates):
         cache holds, which must be a prefix of it. True once only the last token is left.
 
         Chunks let a long prompt be prefilled between other conversations' decode steps. The
-        shared prefix, once reached, is added to `prefix_store` for new conversations."""
+        shared prefix, once reached, is added to `prefix_store` for new conversations. Where the
+        rollback had to land before the point this prompt parts from the last one (a checkpoint),
+        that fork gets a checkpoint on the way: the next branch there starts at it."""
         prompt_ids = list(prompt_ids)
         start, end = len(self.token_ids), len(prompt_ids) - 1
         if end < start or prompt_ids[:start] != self.token_ids:
             raise ValueError("the cache does not hold a prefix of this prompt; prepare it first")
-        shares = prefix_store is not None and start < shared_prefix_length < len(prompt_ids)
-        if shares:
-            end = shared_prefix_length  # stop there once, to store it
         if budget is not None:
             end = min(end, start + budget)
+        shares = prefix_store is not None and start < shared_prefix_length < len(prompt_ids)
+        stops = sorted({end} | {p for p in (self._fork, shared_prefix_length if shares else None)
+                                if p is not None and start < p < end})
         try:
-            self.extend(prompt_ids[start:end])
-            if shares and len(self.token_ids) == shared_prefix_length:
-                assert prefix_store is not None
-                if not prefix_store.has(self.token_ids):
-                    prefix_store.add(self.cut_segment(0))
-                self._checkpoint_here()
-                if budget is None or end - start < budget:
-                    return self.prefill(prompt_ids, budget=None if budget is None else budget - (end - start))
+            for stop in stops:
+                self.extend(prompt_ids[len(self.token_ids):stop])
+                if shares and stop == shared_prefix_length:
+                    assert prefix_store is not None
+                    if not prefix_store.has(self.token_ids):
+                        prefix_store.add(self.cut_segment(0))
+                if stop in (shared_prefix_length, self._fork):
+                    self._checkpoint_here()
         except BaseException:
             self.release()  # a failure mid-update: the states cannot be trusted
             raise
@@ -138,29 +141,36 @@ class CacheSession(CacheStates):
         self._check_invariant()
 
     # ---- segments: cut a span of states out, put it back later without a forward pass -------
-    def stash_segment(self, key: Hashable, start: int, expected_ids: Sequence[int]) -> bool:
-        """Keep the states from `start` to the end under `key`, if the ledger is a prefix of
-        `expected_ids` that reaches past `start + 1` (the span the caller means to come back to)."""
-        held = self.token_ids
-        if key in self._segments or len(held) <= start + 1 or list(expected_ids[: len(held)]) != held:
+    def stash_segment(self, key: Hashable, start: int) -> bool:
+        """Keep the states from `start` to the end under `key` (replacing what it held), to come
+        back to them later; False when the cache holds nothing past `start`."""
+        if not 0 <= start < len(self.token_ids):
             return False
         self._segments.put(key, self.cut_segment(start))
         return True
 
     def restore_segment(self, key: Hashable) -> bool:
-        """Put back the segment kept under `key`; False when there is none or it cannot be reached."""
-        segment = self._segments.get(key)
+        """Put back the segment kept under `key`, which is then no longer kept apart (it is in the
+        cache). False when there is none or the cache cannot reach its start (it is dropped)."""
+        segment = self._segments.pop(key)
         return segment is not None and self.append_segment(segment)
 
-    def has_segment(self, key: Hashable) -> bool:
-        return key in self._segments
-
-    def keep_segments(self, keys: set[Hashable]) -> None:
-        """Forget every kept segment whose key is not in `keys`."""
-        self._segments.keep_only(keys)
+    def segment_start(self, key: Hashable) -> int | None:
+        segment = self._segments.get(key)
+        return segment.start if segment is not None else None
 
     def drop_segment(self, key: Hashable) -> None:
-        self._segments.drop(key)
+        self._segments.pop(key)
+
+    def drop_oldest_segment(self) -> bool:
+        """Free the segment kept longest (memory pressure); False when none is kept."""
+        return self._segments.drop_oldest()
+
+    def segment_count(self) -> int:
+        return len(self._segments)
+
+    def oldest_segment_age(self) -> int | None:
+        return self._segments.oldest_age()
 
     def cut_segment(self, start: int) -> Segment:
         """The states for positions [start, now), as a copy that later changes do not touch."""

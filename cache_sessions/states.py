@@ -16,6 +16,7 @@ from cache_sessions.rollback import (
     RollbackResult,
     layer_kinds,
     needs_checkpoints,
+    reachable,
     roll_back,
     take_checkpoint,
 )
@@ -32,6 +33,7 @@ class CacheStates:
         self.token_ids: list[int] = []
         self._segments = SegmentStore()
         self._states_lost = False
+        self._fork: int | None = None  # where the last prompt parted from the cache, if not reached yet
         self._reset_cache()
 
     def _reset_cache(self) -> None:
@@ -62,6 +64,10 @@ class CacheStates:
             self._reset_cache()
         self.token_ids = self.token_ids[: result.position]
         return result
+
+    def reachable(self, target: int) -> int:
+        """Where `rollback_to(target)` would land (a checkpoint before it, where crops cannot go)."""
+        return reachable(self._kinds, self.checkpoints, len(self.token_ids), target)
 
     # ---- internals -----------------------------------------------------------------------------
     def _checkpoint_here(self) -> None:

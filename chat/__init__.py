@@ -7,7 +7,8 @@ Module map:
   conversation.py  Conversation: plans and runs operations over one cache session
   operations.py    Send / Regenerate / Edit / Continue: operations as checked values
   options.py       GenerationOptions: what a user sets per reply
-  history.py       the canonical messages and the versions of the last reply
+  history.py       the canonical messages as a tree of branches; one path is shown
+  saved.py         a conversation as JSON-safe data, and the checked way back (restore)
   plans.py         planning an operation: history, prompt ids, context check (no changes)
   turns.py         one reply being made: submit, stream deltas, then reply and stats
   scheduler.py     continuous batching: chunked prefill and one batched decode step for all replies
@@ -44,6 +45,7 @@ from chat.errors import (
 from chat.operations import Continue, Edit, Operation, Regenerate, Send
 from chat.options import GenerationOptions
 from chat.reasoning import Delta
+from chat.saved import SavedConversationError
 from chat.turns import ReplyStream, TurnStats
 
 __all__ = [
@@ -68,6 +70,7 @@ __all__ = [
     "Regenerate",
     "ReplyStream",
     "Send",
+    "SavedConversationError",
     "ServerBusyError",
     "StalePlanError",
     "TurnStats",

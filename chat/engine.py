@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cache_sessions.prefixes import PrefixStore
+from chat import saved
 from chat.config import EngineConfig
 from chat.conversation import Conversation
 from chat.loading import load_model_and_tokenizer
@@ -53,6 +54,11 @@ class ChatEngine:
 
     def conversation(self, system_prompt: str | None = None) -> Conversation:
         return Conversation(self.runtime, system_prompt)
+
+    def restore(self, data: Any) -> Conversation:
+        """A conversation from `Conversation.to_dict()` output, which may come from anywhere (a
+        browser, a file): checked whole first; a `ConversationError` names what is wrong."""
+        return Conversation(self.runtime, history=saved.from_dict(data))
 
     # what callers read of an engine
     @property

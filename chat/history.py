@@ -1,8 +1,11 @@
-"""The canonical history: messages, and the versions of the last reply.
+"""The canonical history as a tree: every message keeps its siblings, and one path is shown.
 
-This is what the chat template renders; the cache follows it. Operations build a new list of
-entries (the history a reply answers) and `record_*` installs it once the reply exists, so a
-refused or failed operation leaves the history as it was.
+An edit, a regeneration, a hand-edited reply or a new system prompt adds a sibling instead of
+replacing anything, so nothing a user wrote or read is lost; `entries` is the path shown (what
+the chat template renders and the cache follows). Operations build the path a reply answers
+(`with_*`, `for_regeneration`) out of existing nodes plus new, unattached ones, and
+`record_reply` attaches it once the reply exists, so a refused or failed operation leaves the
+tree as it was.
 """
 
 from __future__ import annotations
@@ -15,121 +18,233 @@ from chat.errors import ConversationError, NotAUserMessageError, NothingToRegene
 
 Message = dict[str, Any]
 Role = Literal["system", "user", "assistant"]
-MAX_VERSIONS = 8
-_version_ids = itertools.count()
+MAX_SIBLINGS = 32  # branches at one message
+MAX_NODES = 2000  # messages in the whole tree, every branch counted
+_node_ids = itertools.count()
 
 
 @dataclass
 class ReplyVersion:
-    """One reply to a user message: its text, its tokens and the prompt they continued."""
+    """One reply: its text, and the tokens it was made of with the prompt they continued.
+    Token ids are None for a reply written by hand or restored from saved text; they are
+    rendered from the text when needed (`plans.reply_tokens`)."""
 
     content: str
     reasoning_content: str
-    reply_ids: list[int]
-    prompt_ids: list[int]
+    reply_ids: list[int] | None
+    prompt_ids: list[int] | None
     opens_reasoning: bool
     stopped: bool
-    uid: int = field(default_factory=lambda: next(_version_ids))
+    edited: bool = False
 
 
-@dataclass
-class Entry:
-    """A history entry; an assistant entry holds its reply versions and which one is shown."""
+@dataclass(eq=False)
+class Node:
+    """A message in the tree. `active` is the child shown (None: the shown path ends here)."""
 
-    role: Role
-    content: str = ""
-    versions: list[ReplyVersion] = field(default_factory=list)
-    active: int = 0
-
-    @property
-    def reply(self) -> ReplyVersion:
-        return self.versions[self.active]
+    role: Literal["root", "system", "user", "assistant"]
+    content: str = ""  # system and user messages
+    reply: ReplyVersion | None = None  # assistant messages
+    parent: Node | None = field(default=None, repr=False)
+    children: list[Node] = field(default_factory=list, repr=False)
+    active: int | None = None
+    uid: int = field(default_factory=lambda: next(_node_ids))
 
     def message(self) -> Message:
         if self.role != "assistant":
             return {"role": self.role, "content": self.content}
+        assert self.reply is not None
         return {"role": "assistant", "content": self.reply.content, "reasoning_content": self.reply.reasoning_content}
+
+    @property
+    def shown_child(self) -> Node | None:
+        return self.children[self.active] if self.active is not None else None
+
+    def add_child(self, child: Node) -> Node:
+        """Attach `child` as the last sibling and show it."""
+        if len(self.children) >= MAX_SIBLINGS:
+            raise ConversationError(f"this message already has {MAX_SIBLINGS} versions; switch to one of them")
+        child.parent = self
+        self.children.append(child)
+        self.active = len(self.children) - 1
+        return child
+
+    def show(self, child: Node) -> None:
+        self.active = next(i for i, c in enumerate(self.children) if c is child)
+
+
+def detached_copy(node: Node) -> Node:
+    return Node(node.role, node.content, node.reply)
 
 
 class History:
     def __init__(self, system_prompt: str | None = None):
-        self.entries: list[Entry] = []
+        self.root = Node("root")
+        self.size = 0  # nodes in the tree, the root left out
         if system_prompt is not None and system_prompt.strip():
-            self.entries.append(Entry("system", system_prompt))
+            self._attach(self.root, Node("system", system_prompt))
 
     # ---- views -------------------------------------------------------------------------------
     @property
+    def entries(self) -> list[Node]:
+        """The shown path, root left out."""
+        path, node = [], self.root.shown_child
+        while node is not None:
+            path.append(node)
+            node = node.shown_child
+        return path
+
+    @property
     def messages(self) -> list[Message]:
-        return [entry.message() for entry in self.entries]
+        return [node.message() for node in self.entries]
 
     @property
     def system_prompt(self) -> str | None:
-        return self.entries[0].content if self.entries and self.entries[0].role == "system" else None
+        first = self.root.shown_child
+        return first.content if first is not None and first.role == "system" else None
 
-    def last_reply(self) -> Entry | None:
-        if self.entries and self.entries[-1].role == "assistant" and self.entries[-1].versions:
-            return self.entries[-1]
+    def last_reply(self) -> Node | None:
+        path = self.entries
+        return path[-1] if path and path[-1].role == "assistant" else None
+
+    def parent_at(self, index: Any, error: type[ConversationError] = ConversationError) -> Node:
+        """The parent of the shown message `index` (checked to exist): its siblings are the branches there."""
+        path = self.entries
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(path):
+            raise error(f"there is no message at index {index!r}")
+        return path[index - 1] if index else self.root
+
+    def branches(self, index: int) -> tuple[int, int]:
+        parent = self.parent_at(index)
+        return (parent.active or 0, len(parent.children))
+
+    def nodes(self) -> list[Node]:
+        """Every node, parents before children, siblings in order."""
+        order, stack = [], list(reversed(self.root.children))
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(node.children))
+        return order
+
+    # ---- the path an operation answers (nothing changes until it is recorded) ----------------
+    def with_user_message(self, text: str) -> list[Node]:
+        return self.entries + [Node("user", text)]
+
+    def for_regeneration(self, index: Any = None) -> list[Node]:
+        """The path the reply at `index` answered (default: the last reply, or a trailing user
+        message left without one after a failure)."""
+        path = self.entries
+        if index is None:
+            if path and path[-1].role == "assistant":
+                return path[:-1]
+            if path and path[-1].role == "user":
+                return path
+            raise NothingToRegenerateError("there is no reply to regenerate")
+        self.parent_at(index, NothingToRegenerateError)
+        if path[index].role != "assistant":
+            raise NothingToRegenerateError(f"message {index} is a {path[index].role} message, not a reply")
+        return path[:index]
+
+    def with_edit(self, index: Any, text: str) -> list[Node]:
+        self.parent_at(index, NotAUserMessageError)
+        path = self.entries
+        if path[index].role != "user":
+            raise NotAUserMessageError(f"message {index} is a {path[index].role} message, not a user one")
+        return path[:index] + [Node("user", text)]
+
+    def fork_of(self, path: list[Node]) -> int | None:
+        """Where `path` and the reply recorded under it leave the shown path: the index of the
+        shown message they replace, if any."""
+        shown = self.entries
+        for index, node in enumerate(shown):
+            if index >= len(path) or path[index] is not node:
+                return index  # past the end: the new reply takes the shown one's place
         return None
 
-    # ---- the history an operation answers (nothing changes until it is recorded) -------------
-    def with_user_message(self, text: str) -> list[Entry]:
-        return self.entries + [Entry("user", text)]
-
-    def for_regeneration(self) -> list[Entry]:
-        if self.entries and self.entries[-1].role == "assistant":
-            return self.entries[:-1]
-        if self.entries and self.entries[-1].role == "user":
-            return list(self.entries)  # a user message left without a reply (failure)
-        raise NothingToRegenerateError("there is no reply to regenerate")
-
-    def with_edit(self, index: int, text: str) -> list[Entry]:
-        if not 0 <= index < len(self.entries):
-            raise NotAUserMessageError(f"no message at index {index!r}")
-        if self.entries[index].role != "user":
-            raise NotAUserMessageError(f"message {index} is a {self.entries[index].role} message, not a user one")
-        return self.entries[:index] + [Entry("user", text)]
-
-    def regenerates(self, history: list[Entry]) -> bool:
-        """`history` answers the same messages as the current last reply (a new version of it)."""
-        n = len(history)
-        return (n == len(self.entries) - 1 and self.entries[n].role == "assistant"
-                and all(a is b for a, b in zip(history, self.entries)))
+    def check_room(self, path: list[Node]) -> None:
+        """Refuse, before anything runs, a reply that could not be recorded."""
+        parent, attached, new_nodes = self.root, True, 1  # the reply itself
+        for node in path:
+            if attached and node.parent is parent:
+                parent = node
+                continue
+            if attached and len(parent.children) >= MAX_SIBLINGS:
+                raise ConversationError(f"this message already has {MAX_SIBLINGS} versions; switch to one of them")
+            attached, new_nodes = False, new_nodes + 1
+        if attached and len(parent.children) >= MAX_SIBLINGS:  # the reply joins existing siblings
+            raise ConversationError(f"this message already has {MAX_SIBLINGS} versions; switch to one of them")
+        self._check_size(new_nodes)
 
     # ---- changes -----------------------------------------------------------------------------
-    def record_reply(self, history: list[Entry], version: ReplyVersion, regenerates: bool) -> set[int]:
-        """Install `history` + the new reply; returns the uids of the versions still kept."""
-        old = self.entries[len(history)] if regenerates else None
-        versions = ((old.versions if old else []) + [version])[-MAX_VERSIONS:]
-        for entry in history:  # only the last reply keeps versions
-            if entry.role == "assistant" and len(entry.versions) > 1:
-                entry.versions, entry.active = [entry.reply], 0
-        self.entries = history + [Entry("assistant", versions=versions, active=len(versions) - 1)]
-        return {v.uid for v in versions}
+    def record_reply(self, path: list[Node], version: ReplyVersion) -> Node:
+        """Attach `path` (new nodes, or copies of nodes from elsewhere when turns were left out to
+        fit the context) and the reply under it, and show it; returns the reply's node."""
+        parent = self.root
+        for node in path:
+            if node.parent is parent:
+                parent.show(node)
+            else:
+                node = self._attach(parent, node if node.parent is None else detached_copy(node))
+            parent = node
+        return self._attach(parent, Node("assistant", reply=version))
 
-    def record_continuation(self, history: list[Entry], version: ReplyVersion) -> None:
-        """The last reply of `history`, extended: it keeps its place (and uid) among the versions."""
-        entry = history[-1]
-        version.uid = entry.reply.uid
-        entry.versions[entry.active] = version
-        self.entries = history
+    def record_continuation(self, path: list[Node], version: ReplyVersion) -> None:
+        """The last reply of `path` (the shown path), extended in place."""
+        path[-1].reply = version
 
-    def undo(self) -> None:
-        users = [i for i, entry in enumerate(self.entries) if entry.role == "user"]
+    def add_reply(self, index: int, version: ReplyVersion) -> Node:
+        """A sibling of the reply at `index` (written by hand), shown."""
+        parent = self.parent_at(index)
+        if self.entries[index].role != "assistant":
+            raise ConversationError(f"message {index} is not a reply")
+        self._check_size(1)
+        return self._attach(parent, Node("assistant", reply=version))
+
+    def set_system_prompt(self, text: str | None) -> bool:
+        """A new branch at the root that starts with this system prompt (none: the next message
+        starts one); the current conversation stays one switch away. False if nothing changed."""
+        text = text if text is not None and text.strip() else None
+        if text == self.system_prompt:
+            return False
+        if text is None:
+            self.root.active = None
+            return True
+        self._check_size(1)
+        self._attach(self.root, Node("system", text))
+        return True
+
+    def undo(self) -> int:
+        """Step back before the last user message; the undone turn stays as a branch there.
+        Returns its index."""
+        path = self.entries
+        users = [i for i, node in enumerate(path) if node.role == "user"]
         if not users:
             raise NothingToUndoError("there is no user message to undo")
-        del self.entries[users[-1]:]
+        (path[users[-1] - 1] if users[-1] else self.root).active = None
+        return users[-1]
 
-    def version_entry(self, index: Any) -> Entry:
-        """The last reply, checked to have a version `index`."""
-        last = self.last_reply()
-        if last is None or isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(last.versions):
-            raise ConversationError(f"there is no reply version {index!r}")
-        return last
+    def sibling(self, index: int, branch: Any) -> Node:
+        """Branch `branch` at the shown message `index`, checked to exist."""
+        parent = self.parent_at(index)
+        if isinstance(branch, bool) or not isinstance(branch, int) or not 0 <= branch < len(parent.children):
+            raise ConversationError(f"message {index} has no branch {branch!r}")
+        return parent.children[branch]
+
+    def _attach(self, parent: Node, node: Node) -> Node:
+        parent.add_child(node)
+        self.size += 1
+        return node
+
+    def _check_size(self, new_nodes: int) -> None:
+        if self.size + new_nodes > MAX_NODES:
+            raise ConversationError(f"this conversation holds {self.size} messages in all its branches, the most "
+                                    f"one may; start a new chat")
 
 
-def oldest_turn(history: list[Entry]) -> tuple[int, int] | None:
-    """[start, end) of the oldest user turn and its replies, never the last user message."""
-    users = [i for i, entry in enumerate(history) if entry.role == "user"]
+def oldest_turn(path: list[Node]) -> tuple[int, int] | None:
+    """[start, end) of the oldest user turn and its reply, never the last user message."""
+    users = [i for i, node in enumerate(path) if node.role == "user"]
     if len(users) < 2:
         return None
     return users[0], users[1]

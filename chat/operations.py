@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from chat.errors import ConversationError, EmptyMessageError, NotAUserMessageError
+from chat.errors import ConversationError, EmptyMessageError, NotAUserMessageError, NothingToRegenerateError
 
 
 def checked_text(text: Any) -> str:
@@ -31,12 +31,20 @@ class Send:
 
 @dataclass(frozen=True)
 class Regenerate:
-    """A new version of the last reply (or the missing reply to a trailing user message)."""
+    """A new sibling of the reply at `index` of `messages` (default: the last reply, or the
+    missing reply to a trailing user message); what followed it stays on the old branch."""
+
+    index: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.index is not None and (isinstance(self.index, bool) or not isinstance(self.index, int)):
+            raise NothingToRegenerateError(f"no message at index {self.index!r}")
 
 
 @dataclass(frozen=True)
 class Edit:
-    """Replace the user message at `index` of `messages`, drop what follows, reply again."""
+    """A new sibling of the user message at `index` of `messages`, answered; the old one and
+    what followed it stay on their branch."""
 
     index: int
     text: str

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from cache_sessions.session import common_prefix_length
 from chat.errors import ContextOverflowError, NothingToRegenerateError
-from chat.history import Entry, History, oldest_turn
+from chat.history import History, Node, oldest_turn
 from chat.operations import Continue, Edit, Operation, Regenerate, Send
 from chat.options import GenerationOptions
 from chat.runtime import Runtime
@@ -21,12 +22,12 @@ PlanKind = Literal["reply", "continue"]
 @dataclass(frozen=True)
 class Plan:
     kind: PlanKind  # "reply": a new reply (send, regenerate, edit); "continue": extend the last one
-    history: list[Entry]  # "reply": ends with the user message; "continue": with the reply
+    history: list[Node]  # the path answered: "reply": ends with the user message; "continue": with the reply
     prompt_ids: list[int]
     opens_reasoning: bool  # the prompt leaves a <think> block open
     options: GenerationOptions
     revision: int  # the conversation's revision when planned; a changed one refuses the plan
-    regenerates: bool = False  # a new version of the current last reply
+    fork: int | None = None  # the shown message the new path replaces (its branch is kept)
     dropped_turns: int = 0  # oldest turns left out to fit the context
     shared_prefix_length: int = 0  # prompt tokens of the system turn, shared between sessions
     earlier_ids: list[int] = field(default_factory=list)  # "continue": the reply's tokens so far
@@ -37,8 +38,8 @@ def plan_operation(operation: Operation, history: History, runtime: Runtime, opt
     match operation:
         case Send(text=text, fit_context=fit):
             return _plan_reply(history.with_user_message(text), history, runtime, options, revision, fit)
-        case Regenerate():
-            return _plan_reply(history.for_regeneration(), history, runtime, options, revision, False)
+        case Regenerate(index=index):
+            return _plan_reply(history.for_regeneration(index), history, runtime, options, revision, False)
         case Edit(index=index, text=text):
             return _plan_reply(history.with_edit(index, text), history, runtime, options, revision, False)
         case Continue():
@@ -46,9 +47,8 @@ def plan_operation(operation: Operation, history: History, runtime: Runtime, opt
     raise TypeError(f"not an operation: {operation!r}")
 
 
-def _plan_reply(entries: list[Entry], history: History, runtime: Runtime, options: GenerationOptions,
+def _plan_reply(entries: list[Node], history: History, runtime: Runtime, options: GenerationOptions,
                 revision: int, fit_context: bool) -> Plan:
-    regenerates = history.regenerates(entries)
     dropped = 0
     while True:
         messages = [entry.message() for entry in entries]
@@ -62,21 +62,36 @@ def _plan_reply(entries: list[Entry], history: History, runtime: Runtime, option
                 raise
             del entries[turn[0]:turn[1]]
             dropped += 1
-    return Plan("reply", entries, prompt.ids, prompt.opens_reasoning, options, revision, regenerates, dropped,
-                _shared_prefix_length(runtime, entries, prompt.ids))
+    history.check_room(entries)
+    return Plan("reply", entries, prompt.ids, prompt.opens_reasoning, options, revision, history.fork_of(entries),
+                dropped, _shared_prefix_length(runtime, entries, prompt.ids))
 
 
 def _plan_continue(history: History, runtime: Runtime, options: GenerationOptions, revision: int) -> Plan:
     last = history.last_reply()
     if last is None:
         raise NothingToRegenerateError("there is no reply to continue")
-    reply = last.reply
-    prompt_ids = reply.prompt_ids + reply.reply_ids
+    entries = history.entries
+    prompt, reply_ids = reply_tokens(runtime, entries)
+    prompt_ids = prompt + reply_ids
     check_context(runtime, len(prompt_ids), options)
-    entries = list(history.entries)
-    return Plan("continue", entries, prompt_ids, reply.opens_reasoning, options, revision,
+    return Plan("continue", entries, prompt_ids, last.reply.opens_reasoning, options, revision,
                 shared_prefix_length=_shared_prefix_length(runtime, entries, prompt_ids),
-                earlier_ids=list(reply.reply_ids))
+                earlier_ids=reply_ids)
+
+
+def reply_tokens(runtime: Runtime, path: list[Node]) -> tuple[list[int], list[int]]:
+    """(prompt ids, reply ids) of the reply ending `path`: as generated, or, for a reply written
+    by hand or restored from text, rendered with the template and the reply left open."""
+    reply = path[-1].reply
+    assert reply is not None
+    if reply.prompt_ids is not None and reply.reply_ids is not None:
+        return list(reply.prompt_ids), list(reply.reply_ids)
+    messages = [node.message() for node in path]
+    whole = runtime.template.render_continuation(messages)
+    prompt = runtime.template.render(messages[:-1]).ids
+    split = min(common_prefix_length(whole, prompt), len(whole))
+    return whole[:split], whole[split:]
 
 
 def check_context(runtime: Runtime, prompt_tokens: int, options: GenerationOptions) -> None:
@@ -91,7 +106,7 @@ def check_context(runtime: Runtime, prompt_tokens: int, options: GenerationOptio
         )
 
 
-def _shared_prefix_length(runtime: Runtime, entries: list[Entry], prompt_ids: list[int]) -> int:
+def _shared_prefix_length(runtime: Runtime, entries: list[Node], prompt_ids: list[int]) -> int:
     """Tokens of the system prompt turn, when the template renders it as a prompt prefix."""
     if runtime.prefix_store is None or not runtime.template.accepts_system:
         return 0

@@ -81,6 +81,15 @@ class ChatTemplate:
         text = self._render_text(messages, add_generation_prompt=False, enable_thinking=None)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def render_continuation(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Token ids of `messages` with the last (an assistant reply) left open to be continued."""
+        try:
+            text = self.tokenizer.apply_chat_template(self.template_messages(messages), tokenize=False,
+                                                      continue_final_message=True, chat_template=self.source)
+        except (TemplateError, ValueError) as error:
+            raise ConversationError(f"the model's chat template cannot continue this reply: {error}") from error
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def render(self, messages: Sequence[dict[str, Any]], *, enable_thinking: bool | None = None) -> RenderedPrompt:
         """The prompt for the next reply, and whether it leaves a <think> block open."""
         text = self._render_text(messages, add_generation_prompt=True, enable_thinking=enable_thinking)

@@ -106,8 +106,8 @@ def test_session_moves_every_tensor_between_devices(make_engine, models, tokeniz
     list(conv.send("Hello there?", **GREEDY))
     list(conv.regenerate(max_new_tokens=8, do_sample=True))  # a stashed version segment too
     session: CacheSession = conv.session
-    first_version = conv.history.last_reply().versions[0]
-    assert session.has_segment(first_version.uid) and (len(session.checkpoints) > 0 or arch == "full")
+    first_version = conv.history.last_reply().parent.children[0]
+    assert session.segment_start(first_version.uid) is not None and (len(session.checkpoints) > 0 or arch == "full")
     session.to("meta")
     assert {t.device.type for t in session.tensors()} == {"meta"}
     assert all(layer.keys.device.type == "meta" for layer in session.cache.layers if getattr(layer, "keys", None) is not None)

@@ -71,14 +71,17 @@ def test_the_stats_line_speaks_plainly_and_keeps_details_a_click_away():
 
 
 def test_a_reply_says_which_version_it_is_and_whether_it_was_stopped():
-    from chat.history import Entry, ReplyVersion
+    from chat.history import Node, ReplyVersion
     from ui import views
 
     def version(text, stopped=False):
-        return ReplyVersion(text, "", [1], [2], False, stopped)
+        return Node("assistant", reply=ReplyVersion(text, "", [1], [2], False, stopped))
 
-    entries = [Entry("user", "Q1"), Entry("assistant", versions=[version("A"), version("B", stopped=True)], active=1),
-               Entry("user", "Q2"), Entry("assistant", versions=[version("C")])]
+    question = Node("user", "Q1")
+    question.add_child(version("A"))
+    question.add_child(version("B", stopped=True))
+    later = question.shown_child.add_child(Node("user", "Q2"))
+    entries = [question, question.shown_child, later, later.add_child(version("C"))]
     shown, _ = views.chatbot_messages([e.message() for e in entries], {}, views.reply_marks(entries))
     assert shown[1]["content"] == "B\n\n<sub>version 2 of 2 · stopped</sub>"
     assert shown[3]["content"] == "C"  # one version, not stopped: no note

@@ -26,7 +26,8 @@ def server_status(directory: ChatDirectory) -> dict:
                       "join_wait_max_s": round(batch.join_wait_max_s, 4)},
             "cache_bytes": stats.cache_bytes, "cache_budget_bytes": stats.budget_bytes,
             "shared_prefix_bytes": stats.shared_prefix_bytes, "evictions": stats.evictions,
-            "expired": stats.expired, "closed_for_room": stats.closed_for_room}
+            "expired": stats.expired, "closed_for_room": stats.closed_for_room,
+            "branch_segments_freed": stats.segments_freed}
 
 
 class Metrics:
@@ -79,7 +80,9 @@ class _Gauges:
         ):
             yield GaugeMetricFamily(name, text, value=value)
         for name, value, text in (("rewind_evictions", status["evictions"], "Idle caches released for the budget"),
-                                  ("rewind_expired", status["expired"], "Conversations freed after idling")):
+                                  ("rewind_expired", status["expired"], "Conversations freed after idling"),
+                                  ("rewind_branch_segments_freed", status["branch_segments_freed"],
+                                   "Kept states of branches not shown, freed for the budget")):
             yield CounterMetricFamily(name, text, value=value)
 
 

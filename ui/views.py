@@ -43,8 +43,9 @@ def reply_marks(entries: list[Any]) -> dict[int, str]:
     """Which version each reply shows, and whether it was stopped, by message index."""
     marks = {}
     for index, entry in enumerate(entries):
-        if entry.role == "assistant" and entry.versions:
-            notes = [f"version {entry.active + 1} of {len(entry.versions)}"] if len(entry.versions) > 1 else []
+        if entry.role == "assistant" and entry.reply is not None:
+            siblings = len(entry.parent.children) if entry.parent is not None else 1
+            notes = [f"version {(entry.parent.active or 0) + 1} of {siblings}"] if siblings > 1 else []
             if entry.reply.stopped:
                 notes.append("stopped")
             if notes:

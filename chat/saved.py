@@ -1,0 +1,167 @@
+"""A conversation as JSON-safe data, and the checked way back.
+
+The format is flat (no nesting, however deep the tree), so it parses without recursion:
+  {"format": "rewind-chat.conversation", "version": 1,
+   "messages": [{"parent": null | index of an earlier message, "role": "system"|"user"|"assistant",
+                 "content": str, "shown": index among its children | null,
+                 assistant only: "reasoning_content": str, "stopped": bool, "edited": bool}, ...],
+   "shown": index among the top-level messages | null,
+   "path": [message indices of the shown path], "system_prompt": str | null}
+`path` and `system_prompt` repeat what the tree says, for readers; restoring checks they agree.
+Token ids are not saved: they are rendered again from the text (a continued restored reply goes
+on from its re-tokenized text). Saved data comes from browsers and files, so `from_dict` trusts
+nothing: every field, size and link is checked, and the first problem is named.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NoReturn
+
+from chat.errors import ConversationError
+from chat.history import MAX_NODES, MAX_SIBLINGS, History, Node, ReplyVersion
+
+FORMAT = "rewind-chat.conversation"
+VERSION = 1
+MAX_DEPTH = 500  # messages on one path
+MAX_MESSAGE_CHARS = 100_000
+MAX_TOTAL_CHARS = 2_000_000
+MAX_JSON_BYTES = 8 * MAX_TOTAL_CHARS  # escaped text can be several bytes a character
+_CHILD_ROLES = {"root": ("system", "user"), "system": ("user",), "user": ("assistant",), "assistant": ("user",)}
+_KEYS = {"parent", "role", "content", "shown", "reasoning_content", "stopped", "edited"}
+
+
+class SavedConversationError(ConversationError):
+    """Saved conversation data that cannot be restored; nothing was created."""
+
+
+def to_dict(history: History) -> dict[str, Any]:
+    nodes = history.nodes()
+    index_of = {node.uid: i for i, node in enumerate(nodes)}
+    messages = []
+    for node in nodes:
+        item: dict[str, Any] = {"parent": index_of[node.parent.uid] if node.parent is not history.root else None,
+                                "role": node.role, "shown": node.active}
+        if node.role == "assistant":
+            assert node.reply is not None
+            item.update(content=node.reply.content, reasoning_content=node.reply.reasoning_content,
+                        stopped=node.reply.stopped, edited=node.reply.edited)
+        else:
+            item["content"] = node.content
+        messages.append(item)
+    return {"format": FORMAT, "version": VERSION, "messages": messages, "shown": history.root.active,
+            "path": [index_of[node.uid] for node in history.entries], "system_prompt": history.system_prompt}
+
+
+def loads(text: str | bytes) -> dict[str, Any]:
+    """Parse saved JSON text, bounded in size before parsing."""
+    if len(text) > MAX_JSON_BYTES:
+        raise SavedConversationError(f"saved conversation: more than {MAX_JSON_BYTES} bytes")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise SavedConversationError(f"saved conversation: not valid JSON ({error})") from None
+    return data
+
+
+def from_dict(data: Any) -> History:
+    """The tree `to_dict` described, after checking all of it."""
+    fail = _fail
+    if not isinstance(data, dict):
+        fail(f"expected an object, got {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        fail(f"format must be {FORMAT!r}")
+    if data.get("version") != VERSION:
+        fail(f"version {data.get('version')!r} is not supported (this app reads version {VERSION})")
+    unknown = set(data) - {"format", "version", "messages", "shown", "path", "system_prompt"}
+    if unknown:
+        fail(f"unknown field {sorted(unknown)[0]!r}")
+    items = data.get("messages")
+    if not isinstance(items, list):
+        fail("messages must be a list")
+    if len(items) > MAX_NODES:
+        fail(f"{len(items)} messages, more than the {MAX_NODES} a conversation may hold")
+
+    history = History()
+    nodes: list[Node] = []
+    depth: list[int] = []
+    total_chars = 0
+    for i, item in enumerate(items):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict):
+            fail(f"{where} must be an object")
+        if set(item) - _KEYS:
+            fail(f"{where} has unknown field {sorted(set(item) - _KEYS)[0]!r}")
+        parent_index = item.get("parent")
+        if parent_index is None:
+            parent, level = history.root, 1
+        elif _is_int(parent_index) and 0 <= parent_index < i:
+            parent, level = nodes[parent_index], depth[parent_index] + 1
+        else:
+            fail(f"{where}.parent must be null or the index of an earlier message")
+        if level > MAX_DEPTH:
+            fail(f"{where} is {level} messages deep, more than {MAX_DEPTH}")
+        role = item.get("role")
+        if role not in _CHILD_ROLES[parent.role]:
+            fail(f"{where}.role must be one of {', '.join(_CHILD_ROLES[parent.role])} under a {parent.role} "
+                 f"message, not {role!r}")
+        if len(parent.children) >= MAX_SIBLINGS:
+            fail(f"{where}: more than {MAX_SIBLINGS} branches at one message")
+        content = _text(item.get("content"), f"{where}.content")
+        if role == "assistant":
+            reasoning = _text(item.get("reasoning_content", ""), f"{where}.reasoning_content")
+            flags = [item.get(name, False) for name in ("stopped", "edited")]
+            if not all(isinstance(flag, bool) for flag in flags):
+                fail(f"{where}.stopped and .edited must be true or false")
+            node = Node("assistant", reply=ReplyVersion(content, reasoning, None, None, False, *flags))
+            total_chars += len(reasoning)
+        else:
+            if set(item) & {"reasoning_content", "stopped", "edited"}:
+                fail(f"{where}: only replies have reasoning_content, stopped or edited")
+            if not content.strip():
+                fail(f"{where}.content is empty")
+            node = Node(role, content)
+        total_chars += len(content)
+        if total_chars > MAX_TOTAL_CHARS:
+            fail(f"more than {MAX_TOTAL_CHARS} characters in all")
+        history._attach(parent, node)
+        nodes.append(node)
+        depth.append(level)
+
+    for i, (item, node) in enumerate(zip(items, nodes)):
+        node.active = _shown(item.get("shown"), node, f"messages[{i}].shown")
+    history.root.active = _shown(data.get("shown"), history.root, "shown")
+    index_of = {node.uid: i for i, node in enumerate(nodes)}
+    if "path" in data and data["path"] != [index_of[node.uid] for node in history.entries]:
+        fail("path does not follow the shown branches")
+    if "system_prompt" in data and data["system_prompt"] != history.system_prompt:
+        fail("system_prompt differs from the shown path's system message")
+    return history
+
+
+def _shown(value: Any, node: Node, where: str) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value < len(node.children):
+        _fail(f"{where} must be null or the position of one of its {len(node.children)} replies or branches")
+    return value
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        _fail(f"{where} must be text")
+    if len(value) > MAX_MESSAGE_CHARS:
+        _fail(f"{where} is longer than {MAX_MESSAGE_CHARS} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        _fail(f"{where} is not valid text (a lone surrogate)")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fail(problem: str) -> NoReturn:
+    raise SavedConversationError(f"saved conversation: {problem}")
