@@ -89,6 +89,11 @@ class CacheStates:
         self._segments = SegmentStore()
         self._reset_cache()
 
+    def mark_rebuilt(self) -> None:
+        """The states this session's owner once had are gone (it was restored from saved text):
+        the next `prepare` computes the history again and says so."""
+        self._states_lost = True
+
     def tensors(self) -> Iterator[torch.Tensor]:
         for kind in self._kinds:
             yield from kind.tensors()

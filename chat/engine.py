@@ -58,7 +58,10 @@ class ChatEngine:
     def restore(self, data: Any) -> Conversation:
         """A conversation from `Conversation.to_dict()` output, which may come from anywhere (a
         browser, a file): checked whole first; a `ConversationError` names what is wrong."""
-        return Conversation(self.runtime, history=saved.from_dict(data))
+        conversation = Conversation(self.runtime, history=saved.from_dict(data))
+        if conversation.messages:
+            conversation.session.mark_rebuilt()  # its first turn computes what a cache once held
+        return conversation
 
     # what callers read of an engine
     @property

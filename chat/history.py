@@ -207,6 +207,10 @@ class History:
         text = text if text is not None and text.strip() else None
         if text == self.system_prompt:
             return False
+        first = self.root.shown_child
+        if first is not None and first.role == "system" and not first.children:  # nothing said under it yet:
+            self.root.children.remove(first)  # replaced, not kept as an empty branch
+            self.root.active, self.size = None, self.size - 1
         if text is None:
             self.root.active = None
             return True

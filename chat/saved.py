@@ -103,8 +103,8 @@ def from_dict(data: Any) -> History:
             fail(f"{where} is {level} messages deep, more than {MAX_DEPTH}")
         role = item.get("role")
         if role not in _CHILD_ROLES[parent.role]:
-            fail(f"{where}.role must be one of {', '.join(_CHILD_ROLES[parent.role])} under a {parent.role} "
-                 f"message, not {role!r}")
+            place = "at the top" if parent.role == "root" else f"under a {parent.role} message"
+            fail(f"{where}.role must be one of {', '.join(_CHILD_ROLES[parent.role])} {place}, not {role!r}")
         if len(parent.children) >= MAX_SIBLINGS:
             fail(f"{where}: more than {MAX_SIBLINGS} branches at one message")
         content = _text(item.get("content"), f"{where}.content")

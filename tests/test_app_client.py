@@ -26,9 +26,11 @@ def reply_text(chat) -> str:
 
 
 def texts(chat) -> list[tuple[str, str]]:
-    """(role, text) of each shown message, without the note under a reply (version, stopped)."""
-    return [(m["role"], re.sub(r"\n*<sub>[^<]*</sub>$", "", "".join(p["text"] for p in m["content"]
-                                                               if p.get("type") == "text"))) for m in chat]
+    """(role, text) of each shown message, without the note under a reply (stopped, edited) and
+    without the controls shown under messages ("‹ 2 / 3 ›", ↻)."""
+    shown = [(m["role"], "".join(p["text"] for p in m["content"] if p.get("type") == "text")) for m in chat]
+    return [(role, re.sub(r"\n*<sub>[^<]*</sub>$", "", text)) for role, text in shown
+            if not text.startswith('<div class="branch-nav">')]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,7 @@ def test_stop_keeps_the_partial_reply(client):
     reply = texts(final[0])[-1]
     assert reply[0] == "assistant" and reply[1]
     after = client.predict("Next one.", *settings(), api_name="/send")  # the conversation goes on
-    assert texts(after[0])[2] == ("user", "Next one.")
+    assert [text for role, text in texts(after[0]) if role == "user"] == ["Write a very long story.", "Next one."]
 
 
 def test_bad_input_changes_nothing(client):
@@ -159,7 +161,8 @@ def test_tiny_budget_evicts_and_the_evicted_conversation_answers_exactly(tmp_pat
     history.append({"role": "user", "content": "Which word?"})
     expected = [history[2]["content"], scratch_reply(history)]
     # the answers (the thinking shows apart, as a titled message); the chatbot trims what it shows
-    shown = [text for (role, text), message in zip(texts(result[0]), result[0])
+    kept = [m for m in result[0] if not "".join(p.get("text", "") for p in m["content"]).startswith('<div class="branch-nav">')]
+    shown = [text for (role, text), message in zip(texts(kept), kept)
              if role == "assistant" and not (message.get("metadata") or {}).get("title")]
     answers = [text.split("</think>")[-1].strip() for text in expected]
     assert shown == [answer for answer in answers if answer]  # a reply that only thought shows no answer

@@ -77,9 +77,11 @@ def wait_for(condition, timeout_s: float) -> float:
 
 
 def texts(chat) -> list[tuple[str, str]]:
-    """(role, text) of each shown message, without the note under a reply (version, stopped)."""
-    return [(m["role"], re.sub(r"\n*<sub>[^<]*</sub>$", "", "".join(p["text"] for p in m["content"]
-                                                               if p.get("type") == "text"))) for m in chat]
+    """(role, text) of each shown message, without the note under a reply (stopped, edited) and
+    without the controls shown under messages ("‹ 2 / 3 ›", ↻)."""
+    shown = [(m["role"], "".join(p["text"] for p in m["content"] if p.get("type") == "text")) for m in chat]
+    return [(role, re.sub(r"\n*<sub>[^<]*</sub>$", "", text)) for role, text in shown
+            if not text.startswith('<div class="branch-nav">')]
 
 
 def test_a_cancelled_client_stops_its_reply_and_its_next_message_is_answered(app):

@@ -94,12 +94,14 @@ def test_a_person_chats_retries_undoes_edits_and_stops(browser, demo_app):
 
     wait_reply(page, send(page, "A question to edit."))
     before = stats_text(page)
-    page.click("#chatbot button[aria-label='Edit']")
+    expect(switcher(page).first).to_contain_text("2 / 2")  # the undone message is a branch of this one
+    page.locator("#chatbot button[aria-label='Edit']:visible").first.click()
     page.fill("#chatbot textarea.edit-textarea", "The edited question.")
     page.click("#chatbot button[aria-label='Submit']")
     wait_reply(page, before)
     expect(page.locator("#chatbot")).to_contain_text("The edited question.")
     expect(page.locator("#chatbot")).not_to_contain_text("A question to edit.")
+    expect(switcher(page).first).to_contain_text("3 / 3")  # nothing lost: three branches at that message
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)
@@ -325,4 +327,78 @@ def test_on_a_phone_the_input_and_its_button_stay_in_view(browser, endless_app):
     assert in_view("#message textarea") and in_view("#send")
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "phone.png"))
+    page.close()
+
+
+def switcher(page: Page):
+    return page.locator("#chatbot .branch-nav")
+
+
+def test_branches_the_list_and_a_reload_lose_nothing(browser, demo_app, tmp_path):
+    """Issue #8 in a real browser: a new reply to an earlier message keeps the later turns on the
+    old branch, ‹ › switches back, a reload shows the same branch and list, New chat keeps the old
+    conversation, and an exported file imports as the same conversation."""
+    page = open_chat(browser, demo_app.url)
+    wait_reply(page, send(page, "What is 47 + 38?"))
+    wait_reply(page, send(page, "and plus 7?"))
+    before = stats_text(page)
+    page.click("#chatbot button.br-2")  # ↻ under the first reply: a new sibling of it
+    wait_reply(page, before)
+    expect(page.locator("#chatbot")).not_to_contain_text("and plus 7?")
+    expect(switcher(page).first).to_contain_text("2 / 2")
+    page.click("#chatbot button.bs-2-0")  # ‹ : the first reply and the turn after it
+    expect(page.locator("#chatbot")).to_contain_text("and plus 7?")
+    expect(page.locator("#stats")).to_contain_text("without running the model")
+    expect(switcher(page).first).to_contain_text("1 / 2")
+
+    page.reload()
+    page.wait_for_selector("#message textarea")
+    expect(page.locator("#chatbot")).to_contain_text("and plus 7?")  # the shown branch, kept by the browser
+    expect(switcher(page).first).to_contain_text("1 / 2")
+    expect(page.locator("#chat-list")).to_contain_text("What is 47 + 38?")
+    before = stats_text(page)
+    page.click("#chatbot button.bs-2-1")  # switching works on the rebuilt conversation too
+    expect(page.locator("#chatbot")).not_to_contain_text("and plus 7?")
+
+    page.click("#new-chat")
+    expect(messages(page, "user")).to_have_count(0)
+    wait_reply(page, send(page, "What is 7 * 46?"))
+    expect(page.locator("#chat-list label")).to_have_count(2)
+    page.locator("#chat-list label").filter(has_text="What is 47 + 38?").click()
+    expect(page.locator("#chatbot")).to_contain_text("What is 47 + 38?")
+    expect(page.locator("#chatbot")).not_to_contain_text("What is 7 * 46?")
+
+    page.click("#export-json")
+    link = page.locator("#download a").first
+    expect(link).to_be_visible(timeout=10_000)
+    with page.expect_download() as download:
+        link.click()
+    exported = tmp_path / "conversation.json"
+    download.value.save_as(exported)
+    with page.expect_file_chooser() as chooser:
+        page.click("#import")
+    chooser.value.set_files(str(exported))
+    expect(page.locator("#chat-list label")).to_have_count(3)
+    expect(page.locator("#chatbot")).to_contain_text("What is 47 + 38?")
+    expect(switcher(page).first).to_contain_text("2 / 2")
+    page.screenshot(path=str(ARTIFACTS / "branches.png"), full_page=True)
+    page.close()
+
+
+def test_new_chat_during_a_reply_keeps_it_in_the_list(browser, endless_app):
+    page = open_chat(browser, endless_app.url)
+    page.get_by_text("Settings", exact=True).click()
+    page.locator("#max-new-tokens input[type='number']").fill("2000")
+    page.locator("#max-new-tokens input[type='number']").press("Enter")
+    send(page, "A long reply I leave for a new chat.")
+    expect(page.locator("#stats")).to_contain_text("generating")
+    page.click("#new-chat")
+    expect(messages(page, "user")).to_have_count(0)
+    expect(page.locator("#send")).to_be_visible()
+    entry = page.locator("#chat-list label").filter(has_text="A long reply I leave")
+    expect(entry).to_have_count(1)
+    entry.click()
+    expect(page.locator("#chatbot")).to_contain_text("A long reply I leave for a new chat.")
+    expect(messages(page, "bot")).not_to_have_count(0)  # the partial reply, kept
+    expect(page.locator("#chatbot")).to_contain_text("stopped")
     page.close()

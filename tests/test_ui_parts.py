@@ -36,14 +36,17 @@ def test_a_page_is_forgotten_when_its_conversation_expires(make_engine):
     assert directory.pages() == 0
 
 
-def test_a_new_system_prompt_moves_the_page_to_the_new_conversation(make_engine):
+def test_a_new_system_prompt_is_a_new_branch_of_the_same_conversation(make_engine):
     directory = ChatDirectory(make_engine("full"))
     key, chat, _ = directory.chat(None, "First.", page="page-1")
     list(chat.conversation.send("hi", max_new_tokens=2, do_sample=False))
-    new_key, _, notice = directory.chat(key, "Second.", page="page-1")
-    assert new_key != key and "system prompt changed" in notice and key not in directory.manager
-    directory.page_closed("page-1")  # frees the new conversation, not a stale key
-    assert new_key not in directory.manager and directory.pages() == 0
+    first = chat.conversation.messages
+    same_key, same, notice = directory.chat(key, "Second.", page="page-1")
+    assert same_key == key and same is chat and "system prompt changed" in notice
+    assert chat.conversation.messages == [{"role": "system", "content": "Second."}]
+    assert chat.conversation.switch_branch(0, 0) and chat.conversation.messages == first  # nothing lost
+    directory.page_closed("page-1")
+    assert key not in directory.manager and directory.pages() == 0
 
 
 def test_a_full_server_says_so_in_the_one_error_family(make_engine):
@@ -82,6 +85,10 @@ def test_a_reply_says_which_version_it_is_and_whether_it_was_stopped():
     question.add_child(version("B", stopped=True))
     later = question.shown_child.add_child(Node("user", "Q2"))
     entries = [question, question.shown_child, later, later.add_child(version("C"))]
-    shown, _ = views.chatbot_messages([e.message() for e in entries], {}, views.reply_marks(entries))
-    assert shown[1]["content"] == "B\n\n<sub>version 2 of 2 · stopped</sub>"
-    assert shown[3]["content"] == "C"  # one version, not stopped: no note
+    shown, index_of = views.chatbot_messages([e.message() for e in entries], {}, views.reply_marks(entries),
+                                             views.branch_navs(entries))
+    assert shown[2]["content"] == "B\n\n<sub>stopped</sub>"
+    switcher = shown[1]["content"]  # a message of its own above the reply: ‹ 2 / 2 › and ↻ (an earlier reply)
+    assert 'class="branch-step bs-1-0"' in switcher and "2 / 2" in switcher and "bs-1-2\" title=\"branch 3\" disabled" in switcher
+    assert 'class="branch-step br-1"' in switcher and index_of[1] is None
+    assert shown[4]["content"] == "C" and len(shown) == 5  # the last reply, one version, not stopped: nothing

@@ -4,8 +4,10 @@ Module map:
   config.py     AppConfig: every flag, its default and its environment variable, read in one place
   directory.py  which conversation each browser has (server-made keys), per-client limits, tab close
   handlers.py   one method per UI event: run an operation, stream it as ChatOutputs
+  chat_list.py  the conversations each browser keeps (gr.BrowserState): list, open, new, export, import
   outputs.py    ChatOutputs (what every handler returns, by name) and Settings (inputs, by name)
   inputs.py     checking what a client sends, by field name, before anything runs; the size limits
+  operator.py   /healthz, /status and /metrics (Prometheus) for operators: aggregate numbers only
   security.py   the Content-Security-Policy and other headers on every response
-  views.py      pure functions: history to Chatbot messages, the stats line
+  views.py      pure functions: history to Chatbot messages (with ‹ 2 / 3 › and ↻), the stats line
 """

@@ -49,6 +49,8 @@ class AppConfig:
                                    "at the limit its own oldest idle one is closed")
     monitoring: bool = _setting(False, "MONITORING", "Gradio's /monitoring page (per-endpoint timings, "
                                 "visible to anyone)")
+    storage_secret: str = _setting("rewind-chat", "STORAGE_SECRET",
+                                   "seals the conversations each browser keeps; keep it the same across restarts")
     max_checkpoints: int = _setting(EngineConfig.max_checkpoints, "MAX_CHECKPOINTS",
                                     "snapshots per conversation for layers that cannot be cropped")
 

@@ -22,13 +22,19 @@ class BrowserChat:
     """What one browser owns: its conversation, how long each reply thought, the running stream."""
 
     conversation: Conversation
-    thinking_seconds: dict[int, float] = field(default_factory=dict)
+    thinking_seconds: dict[int, float] = field(default_factory=dict)  # by message (node) id
     running: Any = None  # the operation streaming now, to stop it
     client: str | None = None  # the address that opened it
+    shown: bool = True  # False while the page shows another conversation of its list
 
     @property
     def session(self):  # what the session manager measures and releases
         return self.conversation.session
+
+    def thinking_by_index(self) -> dict[int, float]:
+        """How long each shown reply thought, by its index in the shown path."""
+        path = self.conversation.history.entries
+        return {i: self.thinking_seconds[node.uid] for i, node in enumerate(path) if node.uid in self.thinking_seconds}
 
 
 class ChatDirectory:
@@ -50,27 +56,28 @@ class ChatDirectory:
 
     def chat(self, key: Any, system_prompt: str, *, page: str | None = None,
              client: str | None = None) -> tuple[str, BrowserChat, str | None]:
-        """The browser's chat for a new message, and a notice for the user if it is a new one.
-        A new conversation starts when there is none or when the system prompt changed (refused
-        while the current one is still generating)."""
+        """The browser's chat for a new message, and a notice for the user if something changed.
+        A new conversation starts when there is none; a changed system prompt starts a new branch
+        at the root of the current one (refused while it is generating), the old one kept."""
         system = system_prompt.strip()
         chat = self.manager.get(key)
-        if chat is not None and (chat.conversation.system_prompt or "") == system:
-            return key, chat, None
-        notice = None
         if chat is not None:
-            if chat.conversation.is_generating:
-                raise ConversationBusyError("a reply is still being generated; stop it first")
-            if any(m["role"] != "system" for m in chat.conversation.messages):
-                notice = "The system prompt changed: a new conversation was started."
-            self.manager.close(key)
-        elif isinstance(key, str):  # a key this server gave out, since expired
-            notice = "Your session had expired: a new conversation was started."
-        new_key, chat = self._open(BrowserChat(self.engine.conversation(system or None), client=client))
-        with self._lock:
-            if page is not None:  # closing the tab frees it
-                self._keys_of_page.setdefault(page, set()).add(new_key)
+            conversation, notice = chat.conversation, None
+            if (conversation.system_prompt or "") != system:
+                said = any(m["role"] != "system" for m in conversation.messages)
+                conversation.set_system_prompt(system or None)  # refused (busy) while a reply runs
+                if said:
+                    notice = ("The system prompt changed: the conversation starts again on a new branch; the "
+                              "earlier one is kept (‹ › at the top of the chat).")
+            return key, chat, notice
+        notice = "Your session had expired: a new conversation was started." if isinstance(key, str) else None
+        new_key, chat = self._open(BrowserChat(self.engine.conversation(system or None), client=client), page)
         return new_key, chat, notice
+
+    def restore(self, data: Any, *, page: str | None = None, client: str | None = None) -> tuple[str, BrowserChat]:
+        """A conversation the browser kept (or a file), checked whole by `engine.restore`; its cache
+        is computed at its next turn."""
+        return self._open(BrowserChat(self.engine.restore(data), client=client), page)
 
     def close(self, key: Any) -> None:
         """Free a conversation (New chat, a closed tab); a reply still running is stopped first."""
@@ -89,16 +96,18 @@ class ChatDirectory:
         with self._lock:
             return len(self._keys_of_page)
 
-    def _open(self, chat: BrowserChat) -> tuple[str, BrowserChat]:
+    def _open(self, chat: BrowserChat, page: str | None) -> tuple[str, BrowserChat]:
         if chat.client is not None and self.max_per_client is not None:
             self._make_room_for(chat.client)
         try:
             key = self.manager.open(chat)
         except TooManySessions as error:
             raise ServerBusyError(str(error)) from error
-        if chat.client is not None:
-            with self._lock:
+        with self._lock:
+            if chat.client is not None:
                 self._keys_of_client.setdefault(chat.client, []).append(key)
+            if page is not None:  # closing the tab frees it
+                self._keys_of_page.setdefault(page, set()).add(key)
         return key, chat
 
     def _make_room_for(self, client: str) -> None:

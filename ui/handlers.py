@@ -55,8 +55,7 @@ class ChatHandlers:
         conversation = browser.conversation
         active, count = conversation.versions
         outputs = ChatOutputs(
-            chat=views.chatbot_messages(conversation.messages, browser.thinking_seconds,
-                                        views.reply_marks(conversation.history.entries))[0], key=key,
+            chat=self.chatbot_messages(browser)[0], key=key,
             stats=views.stats_line(conversation.stats),
             versions=gr.update(value=views.version_label(active, count), visible=count > 1),
             previous_version=gr.update(visible=count > 1, interactive=active > 0),
@@ -67,6 +66,12 @@ class ChatHandlers:
         for name, value in changes.items():
             setattr(outputs, name, value)
         return outputs
+
+    @staticmethod
+    def chatbot_messages(browser: BrowserChat) -> tuple[list[dict], list[int | None]]:
+        path = browser.conversation.history.entries
+        return views.chatbot_messages([node.message() for node in path], browser.thinking_by_index(),
+                                      views.reply_marks(path), views.branch_navs(path))
 
     def _generate(self, request: gr.Request | None, key: Any, values: tuple,
                   make: Callable[[], Operation]) -> Iterator[ChatOutputs]:
@@ -119,14 +124,16 @@ class ChatHandlers:
     def _before_reply(self, chat: BrowserChat, operation: Operation) -> tuple[list[dict], str, str]:
         """What stays on screen above the streaming reply, and the reply text it starts from."""
         messages = chat.conversation.messages
-        shown = lambda upto: views.chatbot_messages(messages[:upto], chat.thinking_seconds)[0]  # noqa: E731
+        thinking = chat.thinking_by_index()
+        shown = lambda upto: views.chatbot_messages(messages[:upto], thinking)[0]  # noqa: E731
         if isinstance(operation, Send):
             return shown(len(messages)) + [{"role": "user", "content": operation.text}], "", ""
         if isinstance(operation, Edit):
-            chat.thinking_seconds = {i: s for i, s in chat.thinking_seconds.items() if i < operation.index}
             return shown(operation.index) + [{"role": "user", "content": operation.text}], "", ""
         if isinstance(operation, Continue):
             return shown(len(messages) - 1), messages[-1]["reasoning_content"], messages[-1]["content"]
+        if isinstance(operation, Regenerate) and operation.index is not None:
+            return shown(operation.index), "", ""
         return shown(len(messages) - (messages[-1]["role"] == "assistant")), "", ""
 
     def _stream(self, key: str, chat: BrowserChat, stream: Any, base: list[dict], reasoning: str,
@@ -146,7 +153,8 @@ class ChatHandlers:
                             if thinking_since and thought_for is None:
                                 thought_for = time.perf_counter() - thinking_since
                             answer += delta.text
-                        if key not in self.directory.manager:  # New chat, or the tab closed: the page
+                        if key not in self.directory.manager or not chat.shown:  # the page shows another
+                            # conversation (New chat, the list), or the tab closed: the page
                             self._abandon(chat, deltas)  # has moved on; write nothing over it
                             return
                         if time.perf_counter() - shown_at < UPDATE_INTERVAL_S:
@@ -171,10 +179,10 @@ class ChatHandlers:
             chat.running = None
             if self.metrics is not None:
                 self.metrics.reply_done(operation, chat.conversation.stats, failed)
-        if reasoning.strip():
-            last = len(chat.conversation.messages) - 1
-            chat.thinking_seconds[last] = thought_for or (time.perf_counter() - (thinking_since or started))
-        if key in self.directory.manager:  # unless the page moved on meanwhile
+        path = chat.conversation.history.entries
+        if reasoning.strip() and path and path[-1].role == "assistant":
+            chat.thinking_seconds[path[-1].uid] = thought_for or (time.perf_counter() - (thinking_since or started))
+        if key in self.directory.manager and chat.shown:  # unless the page moved on meanwhile
             yield self.view(key, chat, write_key=False, textbox=gr.update(placeholder=views.READY))
 
     def _abandon(self, chat: BrowserChat, deltas: Iterator[Any]) -> None:
@@ -196,8 +204,19 @@ class ChatHandlers:
     def regenerate(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         yield from self._generate(request, key, values, Regenerate)
 
+    def regenerate_at(self, request: gr.Request, index: Any, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        """A new sibling of the reply at `index`; what followed the old one stays on its branch."""
+        whole = inputs.whole_number(index, "index", 0, 1_000_000)
+        yield from self._generate(request, key, values, lambda: Regenerate(whole))
+
     def continue_reply(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         yield from self._generate(request, key, values, Continue)
+
+    def retry_at(self, request: gr.Request, target: Any, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        """↻ under an earlier reply: `target` is its message index, as the page's script sends it."""
+        if not (isinstance(target, str) and target.isdigit() and len(target) <= 6):
+            raise inputs.refuse("index", "must be a whole number")
+        yield from self.regenerate_at(request, int(target), key, *values)
 
     def edit(self, request: gr.Request, index: Any, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         whole = inputs.whole_number(index, "index", 0, 1_000_000)
@@ -231,6 +250,37 @@ class ChatHandlers:
             return self.view(key, chat)
         return self.view(key, chat, stats=views.version_note(active + step, count, restored))
 
+    def edit_reply(self, index: Any, text: str, key: Any, *values: Any) -> ChatOutputs:
+        """A reply's text written by hand: a new sibling of it; the next turn goes on from it."""
+        self.settings(values)
+        whole = inputs.whole_number(index, "index", 0, 1_000_000)
+        text = inputs.text(text, "reply", self.limits.max_message_chars)
+        if (chat := self.directory.find(key)) is None:
+            gr.Warning("There is no conversation yet: send a message first.")
+            return self.empty()
+        try:
+            chat.conversation.edit_reply(whole, text)
+        except ChatError as error:
+            gr.Warning(str(error))
+            return self.view(key, chat)
+        return self.view(key, chat, stats=views.EDITED_REPLY)
+
+    def switch_branch(self, target: Any, key: Any, *values: Any) -> ChatOutputs:
+        """`target` is "message index:branch", from a "‹ 2 / 3 ›" in the chat."""
+        self.settings(values)
+        index, branch = inputs.branch_target(target)
+        if (chat := self.directory.find(key)) is None:
+            gr.Warning("There is no conversation to switch.")
+            return self.empty()
+        try:
+            restored = chat.conversation.switch_branch(index, branch)
+        except ChatError as error:
+            gr.Warning(str(error))
+            return self.view(key, chat)
+        count = chat.conversation.branches(index)[1]
+        return self.view(key, chat, stats=views.branch_note(branch, count, restored),
+                         system_prompt=chat.conversation.system_prompt or "" if index == 0 else gr.skip())
+
     def clear(self, key: Any, *values: Any) -> ChatOutputs:
         """New chat: the old conversation (its reply stopped) is freed; the next message starts one."""
         self.settings(values)
@@ -253,36 +303,55 @@ class PageEvents:
     """The Chatbot's own events (they carry the index of a shown message), page load and unload,
     and the operators' status endpoint."""
 
-    def __init__(self, handlers: ChatHandlers):
+    def __init__(self, handlers: ChatHandlers, recover: Callable[[Any, Any, Any], Any] | None = None):
+        """`recover(request, key, store)`: the key of the page's conversation, rebuilt from the
+        browser's copy (`store`) when the server no longer has it (ui/chat_list.py)."""
         self.handlers = handlers
         self.directory = handlers.directory
+        self.recover = recover or (lambda request, key, store: key)
 
-    def on_retry(self, retry: gr.RetryData, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        """Retry on the last turn regenerates; on an earlier user message it edits it unchanged."""
+    def on_retry(self, retry: gr.RetryData, request: gr.Request, key: Any, store: Any,
+                 *values: Any) -> Iterator[ChatOutputs]:
+        """Retry on a reply makes a new sibling of it; on a user message, a new branch there with
+        the same text. Either way what followed stays on the old branch."""
+        key = self.recover(request, key, store)
         chat = self.directory.find(key)
         index = self._conversation_index(chat, retry.index)
         if chat is None or index is None:
             yield from self.handlers.regenerate(request, key, *values)
             return
         messages = chat.conversation.messages
-        if index >= max(i for i, m in enumerate(messages) if m["role"] == "user"):
-            yield from self.handlers.regenerate(request, key, *values)
+        if messages[index]["role"] == "assistant":
+            yield from self.handlers.regenerate_at(request, index, key, *values)
+        elif index >= max(i for i, m in enumerate(messages) if m["role"] == "user"):  # Gradio's Retry under
+            yield from self.handlers.regenerate(request, key, *values)  # the last reply names its question
         else:
             yield from self.handlers.edit(request, index, messages[index]["content"], key, *values)
 
-    def on_undo(self, undo: gr.UndoData, key: Any, *values: Any) -> ChatOutputs:
-        return self.handlers.undo(key, *values)
+    def on_undo(self, undo: gr.UndoData, request: gr.Request, key: Any, store: Any, *values: Any) -> ChatOutputs:
+        return self.handlers.undo(self.recover(request, key, store), *values)
 
-    def on_edit(self, edited: gr.EditData, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+    def on_edit(self, edited: gr.EditData, request: gr.Request, key: Any, store: Any,
+                *values: Any) -> Iterator[ChatOutputs]:
+        key = self.recover(request, key, store)
         chat = self.directory.find(key)
         index = self._conversation_index(chat, edited.index)
         if chat is None or index is None:
             gr.Warning("That message cannot be edited.")
             yield self.handlers.view(key, chat) if chat else ChatOutputs()
             return
-        yield from self.handlers.edit(request, index, edited.value, key, *values)
+        position = edited.index[0] if isinstance(edited.index, (list, tuple)) else edited.index
+        shown = self.handlers.chatbot_messages(chat)[0][position]
+        if shown.get("metadata"):  # the reply's thinking block
+            gr.Warning("Only a reply's answer can be edited, not its thinking.")
+            yield self.handlers.view(key, chat)
+        elif chat.conversation.messages[index]["role"] == "assistant":
+            yield self.handlers.edit_reply(index, edited.value, key, *values)
+        else:
+            yield from self.handlers.edit(request, index, edited.value, key, *values)
 
-    def on_example(self, selected: gr.SelectData, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+    def on_example(self, selected: gr.SelectData, request: gr.Request, key: Any, store: Any,
+                   *values: Any) -> Iterator[ChatOutputs]:
         yield from self.handlers.send(request, selected.value["text"], key, *values)
 
     def _conversation_index(self, chat: BrowserChat | None, shown_index: Any) -> int | None:
@@ -290,7 +359,7 @@ class PageEvents:
             return None
         if isinstance(shown_index, (list, tuple)):
             shown_index = shown_index[0]
-        index_of = views.chatbot_messages(chat.conversation.messages, chat.thinking_seconds)[1]
+        index_of = self.handlers.chatbot_messages(chat)[1]
         return index_of[shown_index] if isinstance(shown_index, int) and 0 <= shown_index < len(index_of) else None
 
     def on_unload(self, request: gr.Request) -> None:

@@ -4,6 +4,7 @@ the API takes anything: every refusal is a `gr.Error` that names the field, and 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,3 +58,11 @@ def whole_number(value: Any, field: str, low: int, high: int) -> int:
     if not low <= value <= high:
         raise refuse(field, f"must be between {low} and {high}, not {value}")
     return value
+
+
+def branch_target(value: Any) -> tuple[int, int]:
+    """ "message index:branch" from a branch switcher (the page's own script sends it)."""
+    match = re.fullmatch(r"(\d{1,6}):(\d{1,3})", value) if isinstance(value, str) else None
+    if match is None:
+        raise refuse("branch", "must be 'message:branch', two whole numbers")
+    return int(match[1]), int(match[2])

@@ -74,6 +74,7 @@ class ChatOutputs:
     next_version: Any = field(default_factory=gr.skip)
     send: Any = field(default_factory=gr.skip)  # one of Send and Stop shows: Stop while a reply streams
     stop: Any = field(default_factory=gr.skip)
+    system_prompt: Any = field(default_factory=gr.skip)  # set when the shown branch's system prompt changes
 
     @classmethod
     def names(cls) -> list[str]:

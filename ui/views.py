@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from chat import TurnStats
@@ -12,15 +13,22 @@ READY = "Message (Enter to send)"
 BUSY = "A reply is being written: Stop (or Esc) first, or wait for it to end"
 
 
-def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float],
-                     marks: dict[int, str] | None = None) -> tuple[list[dict], list[int]]:
-    """Chatbot messages for the history, and for each of them its index in `messages`. `marks`
-    (message index -> a note such as "version 2 of 3 · stopped") is shown under that reply."""
-    marks = marks or {}
+def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float], marks: dict[int, str] | None = None,
+                     navs: dict[int, Nav] | None = None) -> tuple[list[dict], list[int | None]]:
+    """Chatbot messages for the history, and for each of them its index in `messages` (None for
+    a branch switcher). `marks` (message index -> a note such as "stopped") is shown under that
+    reply; `navs` (message index -> its controls: "‹ 2 / 3 ›", ↻) adds them just above that
+    message, as a message of its own so that editing the message never sees them."""
+    marks, navs = marks or {}, navs or {}
     shown: list[dict] = []
-    index_of: list[int] = []
+    index_of: list[int | None] = []
     for index, message in enumerate(messages):
-        if message["role"] == "system":
+        if index in navs:  # above the message: the last message shown stays a real one (Retry, Undo)
+            label = "system prompt" if message["role"] == "system" else ""
+            role = "assistant" if message["role"] == "assistant" else "user"
+            shown.append({"role": role, "content": branch_switcher(index, navs[index], label)})
+            index_of.append(None)
+        if message["role"] == "system":  # not shown itself
             continue
         if message["role"] == "assistant" and message.get("reasoning_content"):
             metadata: dict[str, Any] = {"title": THINKING_TITLE, "status": "done"}
@@ -37,17 +45,51 @@ def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float],
 
 
 MARK_OPEN, MARK_CLOSE = "\n\n<sub>", "</sub>"
+SWITCHER_CLASS = "branch-nav"
+
+
+@dataclass(frozen=True)
+class Nav:
+    """The controls under a message: its branches "‹ 2 / 3 ›" (count > 1) and, for an earlier
+    reply, ↻ to make a new one there (Gradio's own Retry is on the last message only)."""
+
+    shown: int = 0
+    count: int = 1
+    retry: bool = False
+
+
+def branch_switcher(index: int, nav: Nav, label: str = "") -> str:
+    """Buttons the page's script turns into events (see app.py). The target is in the class: the
+    chat's sanitizer keeps classes, not data attributes."""
+    parts = [label] if label else []
+    if nav.count > 1:
+        def step(to: int, text: str) -> str:
+            usable = 0 <= to < nav.count
+            return (f'<button class="branch-step bs-{index}-{to}" title="branch {to + 1}"'
+                    f'{"" if usable else " disabled"}>{text}</button>')
+        parts.append(f"{step(nav.shown - 1, '‹')} {nav.shown + 1} / {nav.count} {step(nav.shown + 1, '›')}")
+    if nav.retry:
+        parts.append(f'<button class="branch-step br-{index}" title="a new reply here (this one is kept)">↻</button>')
+    return f'<div class="{SWITCHER_CLASS}">{" ".join(parts)}</div>'
+
+
+def branch_navs(entries: list[Any]) -> dict[int, Nav]:
+    """The controls under each message of the shown path that has siblings, or is an earlier reply."""
+    navs = {}
+    for index, node in enumerate(entries):
+        count = len(node.parent.children) if node.parent is not None else 1
+        retry = node.role == "assistant" and index < len(entries) - 1
+        if count > 1 or retry:
+            navs[index] = Nav(node.parent.active or 0 if node.parent is not None else 0, count, retry)
+    return navs
 
 
 def reply_marks(entries: list[Any]) -> dict[int, str]:
-    """Which version each reply shows, and whether it was stopped, by message index."""
+    """Whether each reply was stopped or written by hand, by message index."""
     marks = {}
     for index, entry in enumerate(entries):
         if entry.role == "assistant" and entry.reply is not None:
-            siblings = len(entry.parent.children) if entry.parent is not None else 1
-            notes = [f"version {(entry.parent.active or 0) + 1} of {siblings}"] if siblings > 1 else []
-            if entry.reply.stopped:
-                notes.append("stopped")
+            notes = [note for note, flag in (("stopped", entry.reply.stopped), ("edited", entry.reply.edited)) if flag]
             if notes:
                 marks[index] = " · ".join(notes)
     return marks
@@ -83,7 +125,8 @@ def stats_line(stats: TurnStats | None) -> str:
     if stats.stopped:
         parts.append("**stopped** (Continue goes on from there)")
     if stats.rebuilt:
-        parts.append("**rebuilt**: this conversation's cache had been freed, so its history was computed again")
+        parts.append("**rebuilt**: the server no longer held this conversation's cache (freed, restarted, or "
+                     "reopened from this browser), so its history was computed again")
     details = [f"the cache holds {stats.cache_tokens} tokens ({stats.cache_bytes / 2**20:.2f} MiB)",
                f"rolled back by {stats.rollback}" if stats.rollback != "none" else "nothing rolled back"]
     if stats.shared_prefix_tokens:
@@ -93,8 +136,18 @@ def stats_line(stats: TurnStats | None) -> str:
     return " · ".join(parts) + f"<details><summary>details</summary>{'; '.join(details)}.</details>"
 
 
-UNDONE = ("Undone: the message and its reply are gone. Nothing is recomputed now; the next message rolls the "
-          "cache back to here.")
+UNDONE = ("Undone: your message is back in the box, and the turn is kept as a branch (‹ › next to the message "
+          "you send instead). Nothing is recomputed now; the next message rolls the cache back to here.")
+
+
+EDITED_REPLY = ("Reply edited: it is a new version of that reply (‹ › switches back). The next message or "
+                "Continue goes on from its text.")
+
+
+def branch_note(branch: int, count: int, restored: bool) -> str:
+    how = ("switched without running the model: its cache was put back" if restored
+           else "its cache will be computed on the next turn, from where it parts")
+    return f"Branch {branch + 1} / {count}: {how}."
 
 
 def version_label(active: int, count: int) -> str:

@@ -1,0 +1,160 @@
+"""What the branch tree costs and saves (issue #8), in one run on the benchmark model.
+
+  switch     `switch_branch` to a branch whose cache states are kept: no forward pass; then the
+             next turn prefills only the new message. Against: the same switch with the states
+             freed (what the budget does), whose next turn prefills the branch from the fork.
+  memory     bytes held for kept branches in a conversation of about `--history` tokens with
+             `--branches` branches at its first reply.
+  reload     a conversation restored from `to_dict()` (a reload whose server cache was freed):
+             restore + first reply, against the same reply with the cache held.
+
+`python -m benchmarks.branches --help`; results go to benchmarks/results/branches.*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.models import Words, build_bench_model, build_bench_tokenizer, parameter_count
+from benchmarks.report import publish, target_table
+from chat import ChatEngine
+
+SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
+
+
+def build_conversation(engine: ChatEngine, words: Words, history_tokens: int, branches: int,
+                       message_words: int, max_new_tokens: int):
+    """A conversation whose first reply has `branches` siblings, the shown one followed by turns
+    up to `history_tokens`."""
+    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    conv = engine.conversation(SYSTEM_PROMPT)
+    list(conv.send(words.sentence(message_words), **greedy))
+    while len(conv.session.token_ids) < history_tokens:
+        list(conv.send(words.sentence(message_words), **greedy))
+    for seed in range(branches - 1):  # new siblings of the first reply, each with its own later turn
+        list(conv.regenerate(2, max_new_tokens=max_new_tokens, do_sample=True, seed=seed))
+        list(conv.send(words.sentence(message_words), **greedy))
+    return conv
+
+
+def timed(action) -> tuple[float, Any]:
+    started = time.perf_counter()
+    value = action()
+    return time.perf_counter() - started, value
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--history", type=int, default=3000, help="tokens of the longest branch")
+    parser.add_argument("--branches", type=int, default=8)
+    parser.add_argument("--message-words", type=int, default=60)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json")
+    parser.add_argument("--plot")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    tokenizer = build_bench_tokenizer()
+    model = build_bench_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    engine = ChatEngine(model, tokenizer, shared_prefixes=0)
+    words = Words(seed=1)
+    greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+
+    conv = build_conversation(engine, words, args.history, args.branches, args.message_words, args.max_new_tokens)
+    first_branch = conv.branches(2)
+    held = conv.session.nbytes()
+    segments = conv.session.segment_count()
+    segment_bytes = 0
+
+    # switching between kept branches, and the next turn after it
+    kept_switch, kept_next, freed_switch, freed_next = [], [], [], []
+    for repeat in range(args.repeats):
+        target = (first_branch[0] + 1 + repeat) % first_branch[1]
+        seconds, restored = timed(lambda: conv.switch_branch(2, target))
+        assert restored, "a kept branch came back without its states"
+        kept_switch.append(seconds)
+        list(conv.send(words.sentence(12), **greedy))
+        kept_next.append({"prefilled_tokens": conv.stats.prefilled_tokens, "ttft_s": conv.stats.ttft_s,
+                          "prompt_tokens": conv.stats.prompt_tokens})
+        conv.undo()
+        target = (target + 1) % first_branch[1]
+        before = conv.session.nbytes()
+        while conv.session.drop_oldest_segment():  # what the memory budget does under pressure
+            pass
+        segment_bytes = segment_bytes or before - conv.session.nbytes()
+        seconds, restored = timed(lambda: conv.switch_branch(2, target))
+        freed_switch.append(seconds)
+        list(conv.send(words.sentence(12), **greedy))
+        freed_next.append({"prefilled_tokens": conv.stats.prefilled_tokens, "ttft_s": conv.stats.ttft_s,
+                           "prompt_tokens": conv.stats.prompt_tokens})
+        conv.undo()
+        conv = build_conversation(engine, Words(seed=1), args.history, args.branches, args.message_words,
+                                  args.max_new_tokens) if repeat < args.repeats - 1 else conv
+
+    # reload: restore from saved data, then the first reply; against the same with the cache held
+    data = json.loads(json.dumps(conv.to_dict()))
+    message = words.sentence(12)
+    reload_s, restored_conv = timed(lambda: engine.restore(data))
+    reply_s, _ = timed(lambda: list(restored_conv.send(message, **greedy)))
+    reloaded = {"restore_s": reload_s, "first_reply_s": reply_s, "ttft_s": restored_conv.stats.ttft_s,
+                "prefilled_tokens": restored_conv.stats.prefilled_tokens, "rebuilt": restored_conv.stats.rebuilt}
+    warm_s, _ = timed(lambda: list(conv.send(message, **greedy)))
+    held_reply = {"first_reply_s": warm_s, "ttft_s": conv.stats.ttft_s, "prefilled_tokens": conv.stats.prefilled_tokens}
+
+    result = {
+        "config": {**vars(args), "model": f"bench-full ({parameter_count(model) / 1e6:.1f} M parameters)",
+                   "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()},
+        "memory": {"branches": args.branches, "conversation_tokens": args.history, "session_bytes": held,
+                   "kept_segments": segments, "kept_segment_bytes": segment_bytes},
+        "switch": {"kept_switch_s": kept_switch, "kept_next_turn": kept_next,
+                   "freed_switch_s": freed_switch, "freed_next_turn": freed_next},
+        "reload": {"restored": reloaded, "held": held_reply},
+    }
+    return publish(result, started, targets=targets, markdown=markdown, plot=lambda r, p: None,
+                   json_path=args.json, plot_path=None)
+
+
+def targets(result: dict) -> list[tuple[str, str, bool]]:
+    switch = result["switch"]
+    kept = statistics.median(t["prefilled_tokens"] for t in switch["kept_next_turn"])
+    freed = statistics.median(t["prefilled_tokens"] for t in switch["freed_next_turn"])
+    return [("a switch to a kept branch runs no forward pass", "returned True every time", True),
+            ("the next turn after a kept switch prefills only the new message",
+             f"{kept:.0f} tokens (freed: {freed:.0f})", kept < freed)]
+
+
+def markdown(result: dict) -> str:
+    switch, memory, reload = result["switch"], result["memory"], result["reload"]
+    ms = lambda seconds: f"{statistics.median(seconds) * 1000:.1f} ms"  # noqa: E731
+    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    lines = [
+        f"# Branches ({result['config']['model']}, {result['config']['threads']} threads)", "",
+        "| | switch | next turn prefilled | next turn first token |", "|---|---:|---:|---:|",
+        f"| branch states kept | {ms(switch['kept_switch_s'])} | {med(switch['kept_next_turn'], 'prefilled_tokens'):.0f} "
+        f"of {med(switch['kept_next_turn'], 'prompt_tokens'):.0f} | {med(switch['kept_next_turn'], 'ttft_s') * 1000:.0f} ms |",
+        f"| states freed (re-prefill from the fork) | {ms(switch['freed_switch_s'])} | "
+        f"{med(switch['freed_next_turn'], 'prefilled_tokens'):.0f} of {med(switch['freed_next_turn'], 'prompt_tokens'):.0f} "
+        f"| {med(switch['freed_next_turn'], 'ttft_s') * 1000:.0f} ms |", "",
+        f"Memory: a conversation of about {memory['conversation_tokens']} tokens with {memory['branches']} branches "
+        f"holds {memory['session_bytes'] / 2**20:.1f} MiB, of which {memory['kept_segment_bytes'] / 2**20:.1f} MiB "
+        f"are the {memory['kept_segments']} kept segments of the branches not shown.", "",
+        f"Reload with the server's cache freed: restore {reload['restored']['restore_s'] * 1000:.1f} ms, first reply "
+        f"{reload['restored']['first_reply_s']:.2f} s (first token {reload['restored']['ttft_s'] * 1000:.0f} ms, "
+        f"{reload['restored']['prefilled_tokens']} tokens prefilled); with the cache held: "
+        f"{reload['held']['first_reply_s']:.2f} s (first token {reload['held']['ttft_s'] * 1000:.0f} ms, "
+        f"{reload['held']['prefilled_tokens']} prefilled).", "",
+    ]
+    return "\n".join(lines + target_table(result["targets"]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,295 @@
+"""The browser's list of conversations, kept in its own storage (`gr.BrowserState`).
+
+The server holds caches only; each browser holds its conversations as `Conversation.to_dict()`
+data, so a reload, Back or a reopened tab shows them again, and a server that no longer has a
+conversation (restarted, expired, evicted) rebuilds it from what the browser sends. Nothing the
+browser stores is trusted: the list is checked here, a conversation through `engine.restore`.
+
+Per page, `parked` (a `gr.State`, on the server) maps list ids to the server keys of the
+conversations not shown, so switching back to one whose cache the server still holds costs no
+prefill. Ids in the list are the browser's names for its entries, never server keys.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from chat import ChatError
+from chat import saved
+from chat.history import History
+from ui import views
+from ui.directory import BrowserChat
+from ui.handlers import ChatHandlers, client_of, page_of
+from ui.outputs import ChatOutputs
+
+MAX_CHATS = 50
+MAX_TITLE_CHARS = 80
+_ID = re.compile(r"[A-Za-z0-9_-]{8,40}")
+STOP_WAIT_S = 5.0  # how long leaving a conversation waits for its stopped reply to end
+
+
+def empty_store() -> dict[str, Any]:
+    return {"current": None, "chats": []}
+
+
+def checked_store(value: Any) -> dict[str, Any]:
+    """The browser's list with anything malformed left out (its conversations are checked when opened)."""
+    if not isinstance(value, dict) or not isinstance(value.get("chats"), list):
+        return empty_store()
+    chats = []
+    for entry in value["chats"][:MAX_CHATS]:
+        if (isinstance(entry, dict) and isinstance(entry.get("id"), str) and _ID.fullmatch(entry["id"])
+                and isinstance(entry.get("title"), str) and isinstance(entry.get("data"), dict)
+                and all(entry["id"] != c["id"] for c in chats)):
+            chats.append({"id": entry["id"], "title": entry["title"][:MAX_TITLE_CHARS],
+                          "renamed": entry.get("renamed") is True, "data": entry["data"]})
+    current = value.get("current")
+    return {"current": current if any(c["id"] == current for c in chats) else None, "chats": chats}
+
+
+def title_of(data: dict[str, Any]) -> str:
+    first = next((m["content"] for m in data.get("messages", []) if m.get("role") == "user"), "New chat")
+    first = " ".join(first.split())
+    return first if len(first) <= MAX_TITLE_CHARS else first[: MAX_TITLE_CHARS - 1] + "…"
+
+
+def markdown_of(data: dict[str, Any]) -> str:
+    """The shown path as Markdown (branches not shown are left out; the JSON export keeps them)."""
+    history = saved.from_dict(data)
+    lines = [f"# {title_of(data)}", ""]
+    for message in history.messages:
+        role = {"system": "System", "user": "User", "assistant": "Assistant"}[message["role"]]
+        lines += [f"## {role}", ""]
+        if message.get("reasoning_content"):
+            lines += ["<details><summary>Thinking</summary>", "", message["reasoning_content"], "", "</details>", ""]
+        lines += [message["content"], ""]
+    return "\n".join(lines)
+
+
+@dataclass
+class ListOutputs:
+    """What the list's own events change besides the chat: the stored list, the parked keys,
+    the list shown, the delete confirmation and a file to download."""
+
+    store: Any = None
+    parked: Any = None
+    chats: Any = None
+    confirm_delete: Any = None
+    download: Any = None
+
+    def to_gradio(self) -> tuple:
+        return tuple(gr.skip() if value is None else value for value in
+                     (self.store, self.parked, self.chats, self.confirm_delete, self.download))
+
+
+class ChatList:
+    def __init__(self, handlers: ChatHandlers):
+        self.handlers = handlers
+        self.directory = handlers.directory
+        self.engine = handlers.engine
+        self._files = Path(tempfile.mkdtemp(prefix="rewind-chat-exports-"))
+
+    # ---- around every conversation event -----------------------------------------------------
+    def ensure(self, request: gr.Request, key: Any, store: Any) -> Any:
+        """Before an event: the server rebuilds the shown conversation from the browser's copy
+        when it no longer has it (a reload, a restart, an expiry). Returns the key to use."""
+        recovered = self.recover(request, key, store)
+        return gr.skip() if recovered is key else recovered
+
+    def recover(self, request: gr.Request | None, key: Any, store: Any) -> Any:
+        if self.directory.find(key) is not None:
+            return key
+        store = checked_store(store)
+        entry = _entry(store, store["current"])
+        if entry is None:
+            return key
+        try:
+            new_key, _ = self.directory.restore(entry["data"], page=page_of(request), client=client_of(request))
+        except ChatError as error:
+            gr.Warning(f"This conversation could not be opened again: {error}")
+            return key
+        return new_key
+
+    def sync(self, key: Any, store: Any) -> tuple:
+        """After an event: the browser's copy of the shown conversation, brought up to date."""
+        chat = self.directory.find(key)
+        if chat is None or not chat.shown:
+            return gr.skip(), gr.skip()
+        store = checked_store(store)
+        self._save(store, chat)
+        return store, self.choices(store)
+
+    def _save(self, store: dict[str, Any], chat: BrowserChat) -> None:
+        data = chat.conversation.to_dict()
+        if not any(m["role"] == "user" for m in data["messages"]):
+            return  # nothing said yet: not worth a place in the list
+        entry = _entry(store, store["current"])
+        if entry is None:
+            entry = {"id": secrets.token_urlsafe(12), "title": "", "renamed": False}
+            store["current"] = entry["id"]
+            if len(store["chats"]) >= MAX_CHATS:
+                dropped = store["chats"].pop()
+                gr.Warning(f"This browser keeps {MAX_CHATS} conversations: the oldest, “{dropped['title']}”, "
+                           "was removed from the list.")
+        else:
+            store["chats"].remove(entry)
+        entry["data"] = data
+        if not entry["renamed"]:
+            entry["title"] = title_of(data)
+        store["chats"].insert(0, entry)  # most recent first
+
+    @staticmethod
+    def choices(store: dict[str, Any]) -> Any:
+        return gr.update(choices=[(c["title"], c["id"]) for c in store["chats"]], value=store["current"])
+
+    # ---- the page and the list's own events -------------------------------------------------------
+    def load(self, store: Any) -> tuple:
+        """Page load: the conversation shown last, from the browser's copy (nothing made on the server)."""
+        store = checked_store(store)
+        return (*self._show_stored(store).to_gradio(), *ListOutputs(store=store, chats=self.choices(store)).to_gradio())
+
+    def open(self, chosen: Any, key: Any, store: Any, parked: Any) -> tuple:
+        """Show another conversation of the list; the one left is kept (its reply, if one runs, stopped)."""
+        store, parked = checked_store(store), dict(parked or {})
+        if not isinstance(chosen, str) or _entry(store, chosen) is None or chosen == store["current"]:
+            return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
+        self._leave(key, store, parked)
+        store["current"] = chosen
+        return self._show(store, parked)
+
+    def new_chat(self, key: Any, store: Any, parked: Any) -> tuple:
+        """New chat: the current conversation stays in the list (a running reply is stopped and kept)."""
+        store, parked = checked_store(store), dict(parked or {})
+        self._leave(key, store, parked)
+        store["current"] = None
+        outputs = replace(self.handlers.empty(), textbox=gr.update(value="", placeholder=views.READY))
+        return (*outputs.to_gradio(), *ListOutputs(store=store, parked=parked, chats=self.choices(store)).to_gradio())
+
+    def rename(self, title: Any, store: Any) -> tuple:
+        store = checked_store(store)
+        entry = _entry(store, store["current"])
+        text = " ".join(title.split())[:MAX_TITLE_CHARS] if isinstance(title, str) else ""
+        if entry is None or not text:
+            gr.Warning("Open a conversation and type its new name first.")
+            return gr.skip(), gr.skip()
+        entry["title"], entry["renamed"] = text, True
+        return store, self.choices(store)
+
+    def ask_delete(self) -> Any:
+        return gr.update(visible=True)
+
+    def delete(self, key: Any, store: Any, parked: Any) -> tuple:
+        """Confirmed: the shown conversation leaves the list and the server."""
+        store, parked = checked_store(store), dict(parked or {})
+        entry = _entry(store, store["current"])
+        self.directory.close(key)
+        if entry is not None:
+            store["chats"].remove(entry)
+        store["current"] = None
+        outputs = self.handlers.empty()
+        outputs.stats = "Deleted." if entry is not None else ""
+        return (*outputs.to_gradio(), *ListOutputs(store=store, parked=parked, chats=self.choices(store),
+                                                   confirm_delete=gr.update(visible=False)).to_gradio())
+
+    def export(self, kind: str, key: Any, store: Any) -> Any:
+        """The shown conversation as a file: JSON (the whole tree, `to_dict`) or Markdown (the shown path)."""
+        chat = self.directory.find(key)
+        store = checked_store(store)
+        entry = _entry(store, store["current"])
+        data = chat.conversation.to_dict() if chat is not None else entry["data"] if entry is not None else None
+        if data is None:
+            gr.Warning("There is no conversation to export yet.")
+            return gr.skip()
+        try:
+            text = json.dumps(data, ensure_ascii=False, indent=1) if kind == "json" else markdown_of(data)
+        except ChatError as error:
+            gr.Warning(str(error))
+            return gr.skip()
+        name = re.sub(r"[^A-Za-z0-9]+", "-", title_of(data)).strip("-")[:40] or "conversation"
+        folder = self._files / secrets.token_hex(8)
+        folder.mkdir()
+        path = folder / f"{name}.{'json' if kind == 'json' else 'md'}"
+        path.write_text(text, encoding="utf-8")
+        return gr.update(value=str(path), visible=True)
+
+    def import_file(self, request: gr.Request, file: Any, key: Any, store: Any, parked: Any) -> tuple:
+        """A JSON export, checked whole (`engine.restore`), opened as a new entry of the list."""
+        store, parked = checked_store(store), dict(parked or {})
+        path = getattr(file, "name", file)
+        try:
+            raw = Path(path).read_bytes()[: saved.MAX_JSON_BYTES + 1] if isinstance(path, str) else b""
+            data = saved.loads(raw)
+            new_key, chat = self.directory.restore(data, page=page_of(request), client=client_of(request))
+        except (ChatError, OSError) as error:
+            gr.Warning(f"That file cannot be imported: {error}")
+            return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
+        self._leave(key, store, parked)
+        store["current"] = None
+        self._save(store, chat)
+        outputs = self.handlers.view(new_key, chat, stats="Imported: its cache is computed at the next message.")
+        return (*outputs.to_gradio(), *ListOutputs(store=store, parked=parked, chats=self.choices(store)).to_gradio())
+
+    # ---- moving between conversations --------------------------------------------------------------
+    def _leave(self, key: Any, store: dict[str, Any], parked: dict[str, str]) -> None:
+        """The shown conversation goes to the list: a running reply is stopped (and kept), its
+        latest state saved, its server key parked for a cheap return."""
+        chat = self.directory.find(key)
+        if chat is None:
+            return
+        chat.shown = False
+        self.handlers.stop_running(chat)
+        deadline = time.monotonic() + STOP_WAIT_S
+        while chat.conversation.is_generating and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._save(store, chat)
+        if store["current"] is not None:
+            parked[store["current"]] = key
+        for old in [name for name in parked if _entry(store, name) is None]:  # deleted or dropped entries
+            self.directory.close(parked.pop(old))
+
+    def _show(self, store: dict[str, Any], parked: dict[str, str]) -> tuple:
+        current = store["current"]
+        key = parked.pop(current, None)
+        chat = self.directory.find(key)
+        if chat is not None:  # the server still holds it: no prefill to come back
+            chat.shown = True
+            outputs = self.handlers.view(key, chat, stats="", system_prompt=chat.conversation.system_prompt or "")
+        else:
+            outputs = self._show_stored(store)
+        return (*outputs.to_gradio(), *ListOutputs(store=store, parked=parked, chats=self.choices(store)).to_gradio())
+
+    def _show_stored(self, store: dict[str, Any]) -> ChatOutputs:
+        """The chat drawn from the browser's copy; the server makes the conversation at its next event."""
+        outputs = self.handlers.empty()
+        outputs.textbox = gr.update(placeholder=views.READY)
+        entry = _entry(store, store["current"])
+        if entry is None:
+            return outputs
+        try:
+            history = saved.from_dict(entry["data"])
+        except ChatError as error:
+            gr.Warning(f"This conversation could not be opened: {error}")
+            return outputs
+        outputs.chat = stored_chat(history)
+        outputs.system_prompt = history.system_prompt or ""
+        return outputs
+
+
+def stored_chat(history: History) -> list[dict]:
+    path = history.entries
+    return views.chatbot_messages([node.message() for node in path], {}, views.reply_marks(path),
+                                  views.branch_navs(path))[0]
+
+
+def _entry(store: dict[str, Any], chat_id: Any) -> dict[str, Any] | None:
+    return next((c for c in store["chats"] if c["id"] == chat_id), None)
+
