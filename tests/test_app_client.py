@@ -80,11 +80,15 @@ def test_send_streams_and_every_button_works(client):
     assert cleared[0] == []
 
 
-def test_changing_the_system_prompt_starts_a_new_conversation(client):
+def test_changing_the_system_prompt_starts_a_new_branch_and_keeps_the_old_one(client):
     client.predict("Under the first system prompt.", *settings(), api_name="/send")
     other = settings(system_prompt="You are a pirate.")
     result = client.predict("Under the second one.", *other, api_name="/send")
     assert [text for role, text in texts(result[0]) if role == "user"] == ["Under the second one."]
+    count = int(re.search(r"\d+ / (\d+)", "".join(p["text"] for p in result[0][0]["content"]))[1])
+    back = client.predict("0:" + str(count - 2), *other, api_name="/switch_branch")  # the branch before
+    assert [text for role, text in texts(back[0]) if role == "user"][-1] == "Under the first system prompt."
+    assert back[-1] == SYSTEM  # the settings show that branch's system prompt
 
 
 def test_stop_keeps_the_partial_reply(client):

@@ -124,6 +124,6 @@ def test_the_app_runs_every_operation_through_the_worker_on_zerogpu(engine, monk
     unmarked = lambda text: re.sub(r"\n*<sub>[^<]*</sub>$", "", text).strip()  # noqa: E731  (the stopped note)
     assert unmarked(messages(last.chat)[-1]["content"]).startswith(unmarked(before)) and len(messages(last.chat)) == 2
     *_, last = handlers.edit(None, 1, "Edited?", key, *settings)
-    assert last.chat[0]["content"] == "Edited?"
+    assert messages(last.chat)[0]["content"] == "Edited?"
     assert calls == ["reply", "reply", "continue", "reply"]
     assert {t.device.type for t in conv.session.tensors()} == {"cpu"}
