@@ -1,8 +1,9 @@
 """What the branch tree costs and saves (issue #8), in one run on the benchmark model.
 
-  switch     `switch_branch` to a branch whose cache states are kept: no forward pass; then the
-             next turn prefills only the new message. Against: the same switch with the states
-             freed (what the budget does), whose next turn prefills the branch from the fork.
+  switch     `switch_branch` back to the long first branch (about `--history` tokens) while its
+             cache states are kept: no forward pass; then the next turn prefills only the new
+             message. Against: the same switch with the states freed (what the budget does),
+             whose next turn prefills the branch from the fork.
   memory     bytes held for kept branches in a conversation of about `--history` tokens with
              `--branches` branches at its first reply.
   reload     a conversation restored from `to_dict()` (a reload whose server cache was freed):
@@ -75,30 +76,31 @@ def main(argv: list[str] | None = None) -> dict:
     segments = conv.session.segment_count()
     segment_bytes = 0
 
-    # switching between kept branches, and the next turn after it
+    # switching back to the long first branch (its states kept, then freed), and the next turn
     kept_switch, kept_next, freed_switch, freed_next = [], [], [], []
     for repeat in range(args.repeats):
-        target = (first_branch[0] + 1 + repeat) % first_branch[1]
-        seconds, restored = timed(lambda: conv.switch_branch(2, target))
+        last = conv.branches(2)[1] - 1
+        seconds, restored = timed(lambda: conv.switch_branch(2, 0))
         assert restored, "a kept branch came back without its states"
         kept_switch.append(seconds)
         list(conv.send(words.sentence(12), **greedy))
         kept_next.append({"prefilled_tokens": conv.stats.prefilled_tokens, "ttft_s": conv.stats.ttft_s,
                           "prompt_tokens": conv.stats.prompt_tokens})
         conv.undo()
-        target = (target + 1) % first_branch[1]
+        conv.switch_branch(2, last)
         before = conv.session.nbytes()
         while conv.session.drop_oldest_segment():  # what the memory budget does under pressure
             pass
         segment_bytes = segment_bytes or before - conv.session.nbytes()
-        seconds, restored = timed(lambda: conv.switch_branch(2, target))
+        seconds, _ = timed(lambda: conv.switch_branch(2, 0))
         freed_switch.append(seconds)
         list(conv.send(words.sentence(12), **greedy))
         freed_next.append({"prefilled_tokens": conv.stats.prefilled_tokens, "ttft_s": conv.stats.ttft_s,
                            "prompt_tokens": conv.stats.prompt_tokens})
         conv.undo()
-        conv = build_conversation(engine, Words(seed=1), args.history, args.branches, args.message_words,
-                                  args.max_new_tokens) if repeat < args.repeats - 1 else conv
+        if repeat < args.repeats - 1:
+            conv = build_conversation(engine, Words(seed=1), args.history, args.branches, args.message_words,
+                                      args.max_new_tokens)
 
     # reload: restore from saved data, then the first reply; against the same with the cache held
     data = json.loads(json.dumps(conv.to_dict()))

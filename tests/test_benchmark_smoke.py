@@ -37,3 +37,17 @@ def test_multiuser_benchmark_writes_the_documented_fields(tmp_path):
     assert result["largest_batch"] == 2  # two rows really shared decode steps
     assert {"alone_tokens_per_s", "bare_tokens_per_s"} <= set(result["decode"])
     assert (tmp_path / "multiuser.png").stat().st_size > 0
+
+
+def test_branches_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.branches import main as branches
+
+    out = tmp_path / "branches.json"
+    branches(["--history", "120", "--branches", "2", "--message-words", "12", "--max-new-tokens", "4",
+              "--repeats", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert {"memory", "switch", "reload", "targets"} <= set(result)
+    kept, freed = result["switch"]["kept_next_turn"][0], result["switch"]["freed_next_turn"][0]
+    assert kept["prompt_tokens"] == freed["prompt_tokens"] or abs(kept["prompt_tokens"] - freed["prompt_tokens"]) < 40
+    assert kept["prefilled_tokens"] < freed["prefilled_tokens"]  # the kept states were used
+    assert result["memory"]["kept_segment_bytes"] > 0 and result["reload"]["restored"]["rebuilt"]
