@@ -180,7 +180,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int, plac
                           previous_version=previous_version, next_version=next_version, send=send, stop=stop,
                           system_prompt=panel["system_prompt"])
         outputs = [components[name] for name in ChatOutputs.names()]
-        list_outputs = [store, parked, chats, confirm_delete, download]
+        list_outputs = [store, parked, chats, confirm_delete, download, title]
         with_settings = [key, *settings]
         with_store = [key, store, *settings]
 

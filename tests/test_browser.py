@@ -356,6 +356,7 @@ def test_branches_the_list_and_a_reload_lose_nothing(browser, demo_app, tmp_path
     expect(page.locator("#chatbot")).to_contain_text("and plus 7?")  # the shown branch, kept by the browser
     expect(switcher(page).first).to_contain_text("1 / 2")
     expect(page.locator("#chat-list")).to_contain_text("What is 47 + 38?")
+    expect(page.locator("#chat-title input, #chat-title textarea").first).to_have_value("What is 47 + 38?")
     before = stats_text(page)
     page.click("#chatbot button.bs-2-1")  # switching works on the rebuilt conversation too
     expect(page.locator("#chatbot")).not_to_contain_text("and plus 7?")

@@ -78,17 +78,25 @@ def markdown_of(data: dict[str, Any]) -> str:
 @dataclass
 class ListOutputs:
     """What the list's own events change besides the chat: the stored list, the parked keys,
-    the list shown, the delete confirmation and a file to download."""
+    the list shown, the delete confirmation, a file to download and the shown one's name."""
 
     store: Any = None
     parked: Any = None
     chats: Any = None
     confirm_delete: Any = None
     download: Any = None
+    title: Any = None
 
     def to_gradio(self) -> tuple:
         return tuple(gr.skip() if value is None else value for value in
-                     (self.store, self.parked, self.chats, self.confirm_delete, self.download))
+                     (self.store, self.parked, self.chats, self.confirm_delete, self.download, self.title))
+
+    @classmethod
+    def of(cls, store: dict[str, Any], parked: dict[str, str] | None = None, **changes: Any) -> "ListOutputs":
+        """The list as it now stands, with the shown conversation's name in the rename box."""
+        entry = _entry(store, store["current"])
+        return cls(store=store, parked=parked, chats=ChatList.choices(store),
+                   title=entry["title"] if entry is not None else "", **changes)
 
 
 class ChatList:
@@ -155,7 +163,7 @@ class ChatList:
     def load(self, store: Any) -> tuple:
         """Page load: the conversation shown last, from the browser's copy (nothing made on the server)."""
         store = checked_store(store)
-        return (*self._show_stored(store).to_gradio(), *ListOutputs(store=store, chats=self.choices(store)).to_gradio())
+        return (*self._show_stored(store).to_gradio(), *ListOutputs.of(store).to_gradio())
 
     def open(self, chosen: Any, key: Any, store: Any, parked: Any) -> tuple:
         """Show another conversation of the list; the one left is kept (its reply, if one runs, stopped)."""
@@ -172,7 +180,7 @@ class ChatList:
         self._leave(key, store, parked)
         store["current"] = None
         outputs = replace(self.handlers.empty(), textbox=gr.update(value="", placeholder=views.READY))
-        return (*outputs.to_gradio(), *ListOutputs(store=store, parked=parked, chats=self.choices(store)).to_gradio())
+        return (*outputs.to_gradio(), *ListOutputs.of(store, parked).to_gradio())
 
     def rename(self, title: Any, store: Any) -> tuple:
         store = checked_store(store)
@@ -197,8 +205,7 @@ class ChatList:
         store["current"] = None
         outputs = self.handlers.empty()
         outputs.stats = "Deleted." if entry is not None else ""
-        return (*outputs.to_gradio(), *ListOutputs(store=store, parked=parked, chats=self.choices(store),
-                                                   confirm_delete=gr.update(visible=False)).to_gradio())
+        return (*outputs.to_gradio(), *ListOutputs.of(store, parked, confirm_delete=gr.update(visible=False)).to_gradio())
 
     def export(self, kind: str, key: Any, store: Any) -> Any:
         """The shown conversation as a file: JSON (the whole tree, `to_dict`) or Markdown (the shown path)."""
@@ -236,7 +243,7 @@ class ChatList:
         store["current"] = None
         self._save(store, chat)
         outputs = self.handlers.view(new_key, chat, stats="Imported: its cache is computed at the next message.")
-        return (*outputs.to_gradio(), *ListOutputs(store=store, parked=parked, chats=self.choices(store)).to_gradio())
+        return (*outputs.to_gradio(), *ListOutputs.of(store, parked).to_gradio())
 
     # ---- moving between conversations --------------------------------------------------------------
     def _leave(self, key: Any, store: dict[str, Any], parked: dict[str, str]) -> None:
@@ -265,7 +272,7 @@ class ChatList:
             outputs = self.handlers.view(key, chat, stats="", system_prompt=chat.conversation.system_prompt or "")
         else:
             outputs = self._show_stored(store)
-        return (*outputs.to_gradio(), *ListOutputs(store=store, parked=parked, chats=self.choices(store)).to_gradio())
+        return (*outputs.to_gradio(), *ListOutputs.of(store, parked).to_gradio())
 
     def _show_stored(self, store: dict[str, Any]) -> ChatOutputs:
         """The chat drawn from the browser's copy; the server makes the conversation at its next event."""
