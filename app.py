@@ -259,35 +259,53 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def load_engine(config: AppConfig) -> Any:
+    """The embedded engine, or an OpenAI-compatible server behind the same face (chat/served.py)."""
+    if config.backend == "openai":
+        from chat.served import ServedEngine
+
+        engine = ServedEngine(config.base_url, config.model, api_key=config.api_key, tokenizer=config.tokenizer)
+        print(f"rewind-chat: replies from {config.base_url} (model {config.model}); tokenizer and template from "
+              f"{config.tokenizer or config.model}", flush=True)
+        return engine
+    # On ZeroGPU each call runs in a worker process: caches live on the CPU between calls, and
+    # shared prefixes (kept inside a worker) are off.
+    engine = ChatEngine.load(config.model, device="cuda" if ON_ZERO_GPU else config.device, dtype=config.dtype,
+                             max_checkpoints=config.max_checkpoints, offload_sessions=ON_ZERO_GPU,
+                             max_batch_size=config.max_batch, prefill_chunk=config.prefill_chunk,
+                             **(dict(shared_prefixes=0) if ON_ZERO_GPU else {}))
+    model = engine.model
+    print(f"rewind-chat: model {config.model} ({type(model).__name__}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) on {model.device}, "
+          f"{str(model.dtype).replace('torch.', '')}", flush=True)
+    return engine
+
+
 def main(argv: list[str] | None = None) -> int:
     config = AppConfig.from_args(argv)
     if not port_is_free(config.host, config.port):
         print(f"rewind-chat: port {config.port} on {config.host} is in use; choose another with --port (or PORT)",
               file=sys.stderr)
         return 1
+    if config.backend not in ("local", "openai") or (config.backend == "openai" and not config.base_url):
+        print("rewind-chat: --backend is local or openai, and openai needs --base-url (BASE_URL)", file=sys.stderr)
+        return 1
     try:
-        # On ZeroGPU each call runs in a worker process: caches live on the CPU between calls, and
-        # shared prefixes (kept inside a worker) are off.
-        engine = ChatEngine.load(config.model, device="cuda" if ON_ZERO_GPU else config.device, dtype=config.dtype,
-                                 max_checkpoints=config.max_checkpoints, offload_sessions=ON_ZERO_GPU,
-                                 max_batch_size=config.max_batch, prefill_chunk=config.prefill_chunk,
-                                 **(dict(shared_prefixes=0) if ON_ZERO_GPU else {}))
+        engine = load_engine(config)
     except ModelLoadError as error:
         print(f"rewind-chat: {error}", file=sys.stderr)
         return 1
-    model = engine.model
-    print(f"rewind-chat: model {config.model} ({type(model).__name__}, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) on {model.device}, "
-          f"{str(model.dtype).replace('torch.', '')}", flush=True)
     directory = ChatDirectory(engine, budget_bytes=int(config.cache_budget_mb * 2**20),
                               max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_min * 60,
                               max_per_client=config.max_per_client or None)
     runner = None
-    if ON_ZERO_GPU:
+    if ON_ZERO_GPU and config.backend == "local":
         remote.ENGINE = engine
         runner = spaces.GPU(duration=120)(remote.run_plan)
-    is_demo = config.model == "demo"
+    is_demo = config.model == "demo" and config.backend == "local"
     label = "`demo` (a toy model trained here: arithmetic and a few phrases)" if is_demo else f"`{config.model}`"
+    if config.backend == "openai":
+        label = f"`{config.model}` (served at {config.base_url})"
     limits = Limits(max_new_tokens=config.max_new_tokens, max_message_chars=config.max_message_chars,
                     max_system_chars=config.max_system_chars)
     metrics = Metrics(directory)

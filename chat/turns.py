@@ -41,6 +41,7 @@ class TurnStats:
     shared_prefix_tokens: int = 0
     dropped_turns: int = 0
     waited_s: float = 0.0  # from the request until its prefill began: waiting for other replies
+    cache_reuse_known: bool = True  # False: a model server that did not say how much of its cache it used
 
 
 class ReplyStream:

@@ -27,7 +27,14 @@ def _yes_no(value: str | bool) -> bool:
 
 @dataclass(frozen=True)
 class AppConfig:
-    model: str = _setting("demo", "MODEL_ID", 'hub id, local folder, or "demo" (a toy model trained here)')
+    model: str = _setting("demo", "MODEL_ID", 'hub id, local folder, or "demo" (a toy model trained here); with '
+                          '--backend openai, the served model\'s name')
+    backend: str = _setting("local", "BACKEND", "local (this process runs the model) or openai (an OpenAI-compatible "
+                            "server: vLLM, SGLang, transformers serve)")
+    base_url: str | None = _setting(None, "BASE_URL", "with --backend openai: the server, e.g. http://host:8000/v1")
+    api_key: str | None = _setting(None, "API_KEY", "with --backend openai: its key, if it wants one")
+    tokenizer: str | None = _setting(None, "TOKENIZER", "with --backend openai: where to load the tokenizer "
+                                     "(and chat template) from; default: --model")
     host: str = _setting("127.0.0.1", ("HOST", "GRADIO_SERVER_NAME"))
     port: int = _setting(7860, ("PORT", "GRADIO_SERVER_PORT"))
     device: str | None = _setting(None, "DEVICE", "cuda, mps or cpu; automatic by default")

@@ -115,9 +115,11 @@ def stats_line(stats: TurnStats | None) -> str:
     first = f"first token after **{stats.ttft_s * 1000:.0f} ms**"
     if stats.waited_s >= 0.05 and stats.waited_s > stats.ttft_s / 3:
         first += f" ({stats.waited_s * 1000:.0f} ms of it waiting for other replies)"
+    prompt = (f"**Prompt:** {stats.reused_tokens} of {stats.prompt_tokens} tokens from the cache, "
+              f"**{stats.prefilled_tokens} computed**" if stats.cache_reuse_known else
+              f"**Prompt:** {stats.prompt_tokens} tokens (the model server did not say how many came from its cache)")
     parts = [
-        f"**Prompt:** {stats.reused_tokens} of {stats.prompt_tokens} tokens from the cache, "
-        f"**{stats.prefilled_tokens} computed**",
+        prompt,
         first,
         f"**{stats.decode_tokens_per_s:.0f} tokens/s**",
         f"{stats.generated_tokens} tokens written",
@@ -129,6 +131,8 @@ def stats_line(stats: TurnStats | None) -> str:
                      "reopened from this browser), so its history was computed again")
     details = [f"the cache holds {stats.cache_tokens} tokens ({stats.cache_bytes / 2**20:.2f} MiB)",
                f"rolled back by {stats.rollback}" if stats.rollback != "none" else "nothing rolled back"]
+    if not stats.cache_tokens and not stats.cache_bytes:
+        details = ["the cache lives on the model server"]
     if stats.shared_prefix_tokens:
         details.append(f"{stats.shared_prefix_tokens} tokens copied from the shared system prompt")
     if stats.dropped_turns:

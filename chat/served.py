@@ -1,0 +1,263 @@
+"""The same conversations with the replies made by an OpenAI-compatible server (vLLM, SGLang,
+`transformers serve`) instead of the embedded engine.
+
+Conversation semantics stay here: the branch tree, the reasoning split, stripping reasoning from
+the history the way the model's own template expects (the app renders nothing the server does
+not; it sends the same canonical messages every turn, so the server's prefix cache hits), stop
+(closing the stream, which cancels the request on the server). There is no local cache: what a
+switch or an edit reuses is up to the server's prefix cache, and the stats say what the server
+reported (`usage.prompt_tokens_details.cached_tokens`), or that it did not say.
+
+Isolation and routing: each conversation sends a random `cache_salt` (vLLM and SGLang keep salted
+prefixes apart, so no one can probe another's prompts through cache timing) and a random
+affinity id as the `user` field and the `X-Session-Affinity` header (a prefix-aware router keeps
+the conversation on the replica that holds its prefix). Neither is the app's session key.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import openai
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from chat import saved
+from chat.conversation import Conversation
+from chat.errors import ChatError, ConversationError, ModelLoadError, StalePlanError
+from chat.history import History, Node, ReplyVersion
+from chat.operations import Continue, Operation
+from chat.options import GenerationOptions
+from chat.plans import Plan
+from chat.reasoning import Delta, ReasoningSplitter
+from chat.scheduler import SchedulerStats
+from chat.templates import ChatTemplate
+from chat.turns import TurnStats
+
+AFFINITY_HEADER = "X-Session-Affinity"
+
+
+class ServerError(ChatError):
+    """The server could not be reached, refused the request, timed out or cut the stream; the
+    conversation is as it was before the operation."""
+
+
+@dataclass
+class ServedRuntime:
+    """What a served conversation needs (the fields planning reads are those of `Runtime`)."""
+
+    client: openai.OpenAI
+    model_name: str
+    tokenizer: PreTrainedTokenizerBase
+    template: ChatTemplate
+    context_limit: int | None
+    prefix_store: None = None  # the server shares prefixes itself
+    refused_fields: set[str] = field(default_factory=set)  # extra fields the server said it does not take
+
+
+class NoLocalCache:
+    """A served conversation holds no cache here: nothing to measure, free or keep."""
+
+    token_ids: list[int] = []
+
+    def nbytes(self) -> int:
+        return 0
+
+    def release(self) -> None:
+        pass
+
+    def segment_count(self) -> int:
+        return 0
+
+
+class ServedConversation(Conversation):
+    def __init__(self, runtime: ServedRuntime, system_prompt: str | None = None, history: History | None = None):
+        self._runtime = runtime  # type: ignore[assignment]  (planning reads the same fields)
+        self.session = NoLocalCache()  # type: ignore[assignment]
+        self.history = history or History(system_prompt)
+        self.stats: TurnStats | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._revision = 0
+        self._cached_path: list[int] = []
+        self._segment_paths: dict[int, list[int]] = {}
+        self.cache_salt = secrets.token_urlsafe(16)
+        self.affinity = secrets.token_hex(12)
+
+    def plan(self, operation: Operation, options: GenerationOptions) -> Plan:
+        if isinstance(operation, Continue):
+            raise ConversationError("this server cannot continue a reply in place; use Retry, or send "
+                                    "\"continue\" as a message")
+        return super().plan(operation, options)
+
+    def _leave(self, shown: list[Node], target: list[Node], index: int) -> bool:
+        return False  # no states here to keep or put back: the server's prefix cache decides
+
+    def run(self, plan: Plan) -> Iterator[Delta]:
+        with self.exclusive():
+            if plan.revision != self._revision:
+                raise StalePlanError("the conversation changed after this operation was planned")
+            self._stop.clear()
+            yield from self._stream(plan)
+
+    def _stream(self, plan: Plan) -> Iterator[Delta]:
+        runtime: ServedRuntime = self._runtime  # type: ignore[assignment]
+        started = time.perf_counter()
+        messages = runtime.template.template_messages([node.message() for node in plan.history])
+        stream = self._open(runtime, messages, plan.options)
+        splitter = ReasoningSplitter()
+        reasoning, usage, first_at, last_at, chunks = "", None, None, None, 0
+        stopped = failed = False
+        try:
+            for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                if not chunk.choices:
+                    continue
+                delta = chunk.choices[0].delta
+                pieces = [Delta("reasoning", text)] if (text := getattr(delta, "reasoning_content", None)) else []
+                pieces += splitter.feed(delta.content or "")
+                if pieces:
+                    first_at, last_at, chunks = first_at or time.perf_counter(), time.perf_counter(), chunks + 1
+                for piece in pieces:
+                    reasoning += piece.text if piece.kind == "reasoning" else ""
+                    yield piece
+                if self._stop.is_set():
+                    stopped = True
+                    break
+            yield from splitter.finish()
+        except openai.APIError as error:
+            failed = True
+            raise ServerError(describe(error)) from error
+        except GeneratorExit:  # the reader went away: as Stop
+            stopped = True
+            raise
+        finally:
+            stream.close()  # the server cancels a request whose stream closed
+            if not failed:
+                content, split_reasoning = splitter.message_fields()
+                self._record_served(plan, ReplyVersion(content, reasoning + split_reasoning, None, None, False,
+                                                       stopped), usage, started, first_at, last_at, chunks)
+
+    def _open(self, runtime: ServedRuntime, messages: list[dict], options: GenerationOptions) -> Any:
+        """The streaming request. Fields beyond OpenAI's (`cache_salt`, `top_k`, ...) are sent
+        until the server refuses one by name (`transformers serve` takes none of them); then the
+        request goes again without it, and later ones leave it out."""
+        wanted = request_options(options) | {"cache_salt": self.cache_salt}
+        while True:
+            extra = {name: value for name, value in wanted.items() if name not in runtime.refused_fields}
+            try:
+                return runtime.client.chat.completions.create(
+                    model=runtime.model_name, messages=messages, stream=True, stream_options={"include_usage": True},
+                    user=self.affinity, extra_headers={AFFINITY_HEADER: self.affinity}, extra_body=extra,
+                    **sampling(options))
+            except openai.APIStatusError as error:
+                refused = {name for name in extra if error.status_code in (400, 422) and name in error.response.text}
+                if not refused:
+                    raise ServerError(describe(error)) from error
+                runtime.refused_fields |= refused
+            except openai.APIError as error:
+                raise ServerError(describe(error)) from error
+
+    def _record_served(self, plan: Plan, version: ReplyVersion, usage: Any, started: float, first_at: float | None,
+                       last_at: float | None, chunks: int) -> None:
+        self.history.record_reply(plan.history, version)
+        prompt = getattr(usage, "prompt_tokens", None) or len(plan.prompt_ids)
+        generated = getattr(usage, "completion_tokens", None) or chunks
+        details = getattr(usage, "prompt_tokens_details", None)
+        cached = getattr(details, "cached_tokens", None)
+        now = time.perf_counter()
+        span = (last_at or now) - (first_at or now)
+        self.stats = TurnStats(
+            reused_tokens=cached or 0, prefilled_tokens=prompt - (cached or 0), generated_tokens=generated,
+            rebuilt=False, ttft_s=(first_at or now) - started,
+            decode_tokens_per_s=(generated - 1) / span if generated > 1 and span > 0 else 0.0,
+            cache_tokens=0, cache_bytes=0, prompt_tokens=prompt, stopped=version.stopped,
+            cache_reuse_known=cached is not None)
+        self._revision += 1
+
+
+def sampling(options: GenerationOptions) -> dict[str, Any]:
+    """The OpenAI fields; temperature 0 when greedy."""
+    fields: dict[str, Any] = {"max_tokens": options.max_new_tokens}
+    if options.do_sample is False:
+        fields["temperature"] = 0.0
+    else:
+        fields.update({k: v for k, v in (("temperature", options.temperature), ("top_p", options.top_p),
+                                         ("seed", options.seed)) if v is not None})
+    return fields
+
+
+def request_options(options: GenerationOptions) -> dict[str, Any]:
+    """What vLLM, SGLang and `transformers serve` take beside the OpenAI fields."""
+    extra: dict[str, Any] = {}
+    if options.do_sample is not False and options.top_k is not None:
+        extra["top_k"] = options.top_k
+    if options.repetition_penalty is not None:
+        extra["repetition_penalty"] = options.repetition_penalty
+    if options.enable_thinking is not None:
+        extra["chat_template_kwargs"] = {"enable_thinking": options.enable_thinking}
+    return extra
+
+
+def describe(error: openai.APIError) -> str:
+    if isinstance(error, openai.APITimeoutError):
+        return "the model server did not answer in time; try again"
+    if isinstance(error, openai.APIConnectionError):
+        return "the model server cannot be reached; try again in a moment"
+    if isinstance(error, openai.APIStatusError):
+        return f"the model server refused the request ({error.status_code}): {str(error.message)[:200]}"
+    return f"the model server's reply broke off: {str(error)[:200]}"
+
+
+class NoLocalBatch:
+    """The server batches; nothing is batched here."""
+
+    def batch_bytes(self) -> int:
+        return 0
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
+
+
+class ServedEngine:
+    """`ChatEngine`'s face for the app, with replies from an OpenAI-compatible server. The
+    tokenizer (for the template and the context check) is loaded here from `tokenizer` or the
+    served model's name."""
+
+    def __init__(self, base_url: str, model_name: str, *, api_key: str | None = None, tokenizer: str | None = None,
+                 timeout_s: float = 60.0, max_retries: int = 2, context_limit: int | None = None):
+        try:
+            loaded = AutoTokenizer.from_pretrained(tokenizer or model_name)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"cannot load the tokenizer of {tokenizer or model_name!r} (give --tokenizer a "
+                                 f"local folder or a hub id): {str(error).splitlines()[0]}") from error
+        self.tokenizer = loaded
+        self.model = None
+        self.model_name = model_name
+        self.base_url = base_url
+        self.prefix_store = None
+        self.scheduler = NoLocalBatch()
+        client = openai.OpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_s,
+                               max_retries=max_retries)
+        self.runtime = ServedRuntime(client, model_name, loaded, ChatTemplate(loaded), context_limit)
+
+    @property
+    def template(self) -> ChatTemplate:
+        return self.runtime.template
+
+    @property
+    def context_limit(self) -> int | None:
+        return self.runtime.context_limit
+
+    def conversation(self, system_prompt: str | None = None) -> ServedConversation:
+        return ServedConversation(self.runtime, system_prompt)
+
+    def restore(self, data: Any) -> ServedConversation:
+        return ServedConversation(self.runtime, history=saved.from_dict(data))
+
+    def batch_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()

@@ -1,0 +1,141 @@
+"""Issue #11: the same conversations with replies from a real OpenAI-compatible server
+(`transformers serve` on the demo model, started once for this module on 127.0.0.1)."""
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from chat import ConversationError
+from chat.demo import demo_folder
+from chat.served import ServedEngine, ServerError
+
+SERVE = shutil.which("transformers")
+GREEDY = dict(max_new_tokens=40, do_sample=False)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Serve:
+    """`transformers serve` in a subprocess, which a test may kill and start again."""
+
+    def __init__(self, model: str, log: Path):
+        self.model, self.port, self.log = model, free_port(), log
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120) -> None:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+        self.process = subprocess.Popen([SERVE, "serve", "--host", "127.0.0.1", "--port", str(self.port), self.model],
+                                        env=env, stdout=open(self.log, "a"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"transformers serve exited; see {self.log}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError("transformers serve did not start")
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if SERVE is None:
+        pytest.fail("the transformers CLI is missing", pytrace=False)
+    serve = Serve(str(demo_folder()), tmp_path_factory.mktemp("serve") / "serve.log")
+    serve.start()
+    yield serve
+    serve.kill()
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    return ServedEngine(server.url, server.model, timeout_s=30, max_retries=0)
+
+
+def test_a_served_conversation_branches_like_a_local_one(engine):
+    conv = engine.conversation("You are a helpful assistant.")
+    list(conv.send("What is 47 + 38?", **GREEDY))
+    first = conv.messages
+    assert first[-1]["role"] == "assistant" and (first[-1]["content"] or first[-1]["reasoning_content"])
+    stats = conv.stats
+    assert stats.prompt_tokens > 10 and stats.generated_tokens > 0 and stats.ttft_s > 0
+    # what the server said of its cache: `transformers serve` reports no cached_tokens
+    assert stats.cache_reuse_known is False and stats.reused_tokens == 0
+
+    list(conv.regenerate(max_new_tokens=40, do_sample=True, temperature=1.0, seed=1))
+    assert conv.branches(2) == (1, 2)
+    assert conv.switch_branch(2, 0) is False and conv.messages == first  # no local states: the server's cache
+    list(conv.send("and plus 7?", **GREEDY))
+    assert [m["content"] for m in conv.messages if m["role"] == "user"] == ["What is 47 + 38?", "and plus 7?"]
+    list(conv.edit(1, "What is 7 * 46?", **GREEDY))
+    assert conv.branches(1) == (1, 2) and len(conv.messages) == 3
+    conv.undo()
+    assert [m["role"] for m in conv.messages] == ["system"]
+    with pytest.raises(ConversationError, match="cannot continue"):
+        conv.continue_reply(**GREEDY)
+
+
+def test_stop_closes_the_stream_and_keeps_the_partial_reply(engine):
+    conv = engine.conversation()
+    pieces = 0
+    for _ in conv.send("What is 12 + 34?", max_new_tokens=200, do_sample=False):
+        pieces += 1
+        if pieces == 3:
+            conv.stop()
+    assert conv.stats.stopped and conv.history.last_reply().reply.stopped
+    assert pieces <= 4  # nothing after the stop was read
+
+
+def test_a_server_that_dies_mid_reply_leaves_the_conversation_as_it_was(server, engine):
+    conv = engine.conversation()
+    list(conv.send("What is 1 + 2?", **GREEDY))
+    before = conv.to_dict()
+    with pytest.raises(ServerError):
+        for index, _ in enumerate(conv.send("What is 3 + 4?", max_new_tokens=400, do_sample=False)):
+            if index == 2:
+                server.kill()
+    assert conv.to_dict() == before and not conv.is_generating
+    with pytest.raises(ServerError, match="cannot be reached"):
+        list(conv.send("Anyone there?", **GREEDY))
+    assert conv.to_dict() == before
+    server.start()  # back: the same conversation goes on
+    list(conv.send("What is 5 + 6?", **GREEDY))
+    assert [m["content"] for m in conv.messages if m["role"] == "user"] == ["What is 1 + 2?", "What is 5 + 6?"]
+
+
+def test_the_app_talks_to_the_server(server, tmp_path):
+    from gradio_client import Client
+
+    from app_server import AppServer
+    from ui.outputs import Settings
+
+    app = AppServer("--backend", "openai", "--base-url", server.url, "--model", server.model,
+                    log_path=tmp_path / "app.log")
+    try:
+        client = Client(app.url, verbose=False)
+        values = Settings(max_new_tokens=40, temperature=0.0).values()
+        result = client.predict("What is 47 + 38?", *values, api_name="/send")
+        assert "What is 47 + 38?" in str(result[0]) and "did not say" in result[2]
+        again = client.predict(*values, api_name="/regenerate")
+        assert "2 / 2" in str(again[0])
+        refused = client.predict(*values, api_name="/continue")
+        assert refused[0] == again[0]  # refused with a warning, nothing changed
+    finally:
+        app.close()
