@@ -264,7 +264,8 @@ def load_engine(config: AppConfig) -> Any:
     if config.backend == "openai":
         from chat.served import ServedEngine
 
-        engine = ServedEngine(config.base_url, config.model, api_key=config.api_key, tokenizer=config.tokenizer)
+        engine = ServedEngine(config.base_url, config.model, api_key=config.api_key, tokenizer=config.tokenizer,
+                              prompt_format=config.prompt_format)
         print(f"rewind-chat: replies from {config.base_url} (model {config.model}); tokenizer and template from "
               f"{config.tokenizer or config.model}", flush=True)
         return engine
@@ -289,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if config.backend not in ("local", "openai") or (config.backend == "openai" and not config.base_url):
         print("rewind-chat: --backend is local or openai, and openai needs --base-url (BASE_URL)", file=sys.stderr)
+        return 1
+    if config.prompt_format not in ("messages", "text", "token-ids"):
+        print("rewind-chat: --prompt-format is messages, text or token-ids", file=sys.stderr)
         return 1
     try:
         engine = load_engine(config)

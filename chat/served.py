@@ -38,6 +38,7 @@ from chat.templates import ChatTemplate
 from chat.turns import TurnStats
 
 AFFINITY_HEADER = "X-Session-Affinity"
+PROMPT_FORMATS = ("messages", "text", "token-ids")
 
 
 class ServerError(ChatError):
@@ -55,6 +56,7 @@ class ServedRuntime:
     template: ChatTemplate
     context_limit: int | None
     prefix_store: None = None  # the server shares prefixes itself
+    prompt_format: str = "messages"  # "messages" (chat completions), "text" or "token-ids" (completions)
     refused_fields: set[str] = field(default_factory=set)  # extra fields the server said it does not take
 
 
@@ -88,9 +90,9 @@ class ServedConversation(Conversation):
         self.affinity = secrets.token_hex(12)
 
     def plan(self, operation: Operation, options: GenerationOptions) -> Plan:
-        if isinstance(operation, Continue):
-            raise ConversationError("this server cannot continue a reply in place; use Retry, or send "
-                                    "\"continue\" as a message")
+        if isinstance(operation, Continue) and self._runtime.prompt_format == "messages":  # type: ignore[attr-defined]
+            raise ConversationError("this server cannot continue a reply in place through chat messages (start the "
+                                    "app with --prompt-format text or token-ids for that); use Retry instead")
         return super().plan(operation, options)
 
     def _leave(self, shown: list[Node], target: list[Node], index: int) -> bool:
@@ -106,10 +108,11 @@ class ServedConversation(Conversation):
     def _stream(self, plan: Plan) -> Iterator[Delta]:
         runtime: ServedRuntime = self._runtime  # type: ignore[assignment]
         started = time.perf_counter()
-        messages = runtime.template.template_messages([node.message() for node in plan.history])
-        stream = self._open(runtime, messages, plan.options)
-        splitter = ReasoningSplitter()
-        reasoning, usage, first_at, last_at, chunks = "", None, None, None, 0
+        stream = self._open(runtime, plan)
+        splitter = ReasoningSplitter(starts_in_reasoning=plan.opens_reasoning and runtime.prompt_format != "messages")
+        if plan.kind == "continue":  # the reply so far: context for the split, not shown again
+            splitter.feed(runtime.tokenizer.decode(plan.earlier_ids, skip_special_tokens=False))
+        server_reasoning, usage, first_at, last_at, chunks = "", None, None, None, 0
         stopped = failed = False
         try:
             for chunk in stream:
@@ -117,14 +120,17 @@ class ServedConversation(Conversation):
                     usage = chunk.usage
                 if not chunk.choices:
                     continue
-                delta = chunk.choices[0].delta
-                pieces = [Delta("reasoning", text)] if (text := getattr(delta, "reasoning_content", None)) else []
-                pieces += splitter.feed(delta.content or "")
+                choice = chunk.choices[0]
+                if runtime.prompt_format == "messages":
+                    text = choice.delta.content or ""
+                    thought = getattr(choice.delta, "reasoning_content", None) or ""
+                else:
+                    text, thought = choice.text or "", ""
+                server_reasoning += thought
+                pieces = ([Delta("reasoning", thought)] if thought else []) + splitter.feed(text)
                 if pieces:
                     first_at, last_at, chunks = first_at or time.perf_counter(), time.perf_counter(), chunks + 1
-                for piece in pieces:
-                    reasoning += piece.text if piece.kind == "reasoning" else ""
-                    yield piece
+                yield from pieces
                 if self._stop.is_set():
                     stopped = True
                     break
@@ -138,22 +144,30 @@ class ServedConversation(Conversation):
         finally:
             stream.close()  # the server cancels a request whose stream closed
             if not failed:
-                content, split_reasoning = splitter.message_fields()
-                self._record_served(plan, ReplyVersion(content, reasoning + split_reasoning, None, None, False,
-                                                       stopped), usage, started, first_at, last_at, chunks)
+                content, reasoning = splitter.message_fields()
+                version = ReplyVersion(content, server_reasoning + reasoning, None, None, plan.opens_reasoning, stopped)
+                self._record_served(plan, version, usage, started, first_at, last_at, chunks)
 
-    def _open(self, runtime: ServedRuntime, messages: list[dict], options: GenerationOptions) -> Any:
-        """The streaming request. Fields beyond OpenAI's (`cache_salt`, `top_k`, ...) are sent
-        until the server refuses one by name (`transformers serve` takes none of them); then the
-        request goes again without it, and later ones leave it out."""
-        wanted = request_options(options) | {"cache_salt": self.cache_salt}
+    def _open(self, runtime: ServedRuntime, plan: Plan) -> Any:
+        """The streaming request: chat completions with the messages, or completions with the
+        prompt rendered here (as text, or as token ids). Fields beyond OpenAI's (`cache_salt`,
+        `top_k`, ...) are sent until the server refuses one by name (`transformers serve` takes
+        none of them); then the request goes again without it, and later ones leave it out."""
+        wanted = request_options(plan.options) | {"cache_salt": self.cache_salt}
+        if runtime.prompt_format == "messages":
+            messages = runtime.template.template_messages([node.message() for node in plan.history])
+            create, request = runtime.client.chat.completions.create, {"messages": messages}
+        else:
+            wanted.pop("chat_template_kwargs", None)  # the template ran here
+            prompt: Any = plan.prompt_ids if runtime.prompt_format == "token-ids" else \
+                runtime.tokenizer.decode(plan.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            create, request = runtime.client.completions.create, {"prompt": prompt}
         while True:
             extra = {name: value for name, value in wanted.items() if name not in runtime.refused_fields}
             try:
-                return runtime.client.chat.completions.create(
-                    model=runtime.model_name, messages=messages, stream=True, stream_options={"include_usage": True},
-                    user=self.affinity, extra_headers={AFFINITY_HEADER: self.affinity}, extra_body=extra,
-                    **sampling(options))
+                return create(model=runtime.model_name, stream=True, stream_options={"include_usage": True},
+                              user=self.affinity, extra_headers={AFFINITY_HEADER: self.affinity}, extra_body=extra,
+                              **request, **sampling(plan.options))
             except openai.APIStatusError as error:
                 refused = {name for name in extra if error.status_code in (400, 422) and name in error.response.text}
                 if not refused:
@@ -164,7 +178,10 @@ class ServedConversation(Conversation):
 
     def _record_served(self, plan: Plan, version: ReplyVersion, usage: Any, started: float, first_at: float | None,
                        last_at: float | None, chunks: int) -> None:
-        self.history.record_reply(plan.history, version)
+        if plan.kind == "continue":
+            self.history.record_continuation(plan.history, version)
+        else:
+            self.history.record_reply(plan.history, version)
         prompt = getattr(usage, "prompt_tokens", None) or len(plan.prompt_ids)
         generated = getattr(usage, "completion_tokens", None) or chunks
         details = getattr(usage, "prompt_tokens_details", None)
@@ -229,7 +246,13 @@ class ServedEngine:
     served model's name."""
 
     def __init__(self, base_url: str, model_name: str, *, api_key: str | None = None, tokenizer: str | None = None,
-                 timeout_s: float = 60.0, max_retries: int = 2, context_limit: int | None = None):
+                 timeout_s: float = 60.0, max_retries: int = 2, context_limit: int | None = None,
+                 prompt_format: str = "messages"):
+        """`prompt_format`: "messages" sends chat completions (the server renders the template);
+        "text" and "token-ids" send completions with the prompt rendered here, so nothing can
+        drift between turns and Continue works (vLLM takes token ids; `transformers serve` text)."""
+        if prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format is one of {', '.join(PROMPT_FORMATS)}, not {prompt_format!r}")
         try:
             loaded = AutoTokenizer.from_pretrained(tokenizer or model_name)
         except (OSError, ValueError) as error:
@@ -243,7 +266,8 @@ class ServedEngine:
         self.scheduler = NoLocalBatch()
         client = openai.OpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_s,
                                max_retries=max_retries)
-        self.runtime = ServedRuntime(client, model_name, loaded, ChatTemplate(loaded), context_limit)
+        self.runtime = ServedRuntime(client, model_name, loaded, ChatTemplate(loaded), context_limit,
+                                     prompt_format=prompt_format)
 
     @property
     def template(self) -> ChatTemplate:

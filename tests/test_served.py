@@ -139,3 +139,26 @@ def test_the_app_talks_to_the_server(server, tmp_path):
         assert refused[0] == again[0]  # refused with a warning, nothing changed
     finally:
         app.close()
+
+
+def test_with_the_prompt_rendered_here_continue_works_and_the_prompt_is_the_local_one(server):
+    from chat.templates import ChatTemplate
+
+    engine = ServedEngine(server.url, server.model, timeout_s=30, max_retries=0, prompt_format="text")
+    conv = engine.conversation("You are a helpful assistant.")
+    list(conv.send("What is 47 + 38?", max_new_tokens=8, do_sample=False))
+    first = conv.messages[-1]
+    assert conv.history.last_reply().reply.stopped is False
+    template = ChatTemplate(engine.tokenizer)
+    # the server was sent exactly what this app renders: its prompt count is that of the local ids
+    assert conv.stats.prompt_tokens == len(template.render(conv.messages[:-1]).ids)
+    list(conv.continue_reply(max_new_tokens=20, do_sample=False))
+    after = conv.messages[-1]
+    assert len(conv.messages) == 3  # the same turn, extended
+    assert (after["reasoning_content"] + after["content"]).startswith(first["reasoning_content"])
+    assert len(after["reasoning_content"] + after["content"]) > len(first["reasoning_content"] + first["content"])
+    assert conv.branches(2) == (0, 1)
+
+    ids = ServedEngine(server.url, server.model, timeout_s=30, max_retries=0, prompt_format="token-ids")
+    with pytest.raises(ServerError, match="refused the request \\(400\\)"):  # transformers serve takes text only
+        list(ids.conversation().send("Hi", max_new_tokens=4, do_sample=False))

@@ -33,6 +33,9 @@ class AppConfig:
                             "server: vLLM, SGLang, transformers serve)")
     base_url: str | None = _setting(None, "BASE_URL", "with --backend openai: the server, e.g. http://host:8000/v1")
     api_key: str | None = _setting(None, "API_KEY", "with --backend openai: its key, if it wants one")
+    prompt_format: str = _setting("messages", "PROMPT_FORMAT", "with --backend openai: messages (chat completions), "
+                                  "or text / token-ids (completions with the prompt rendered here; Continue works; "
+                                  "vLLM takes token-ids)")
     tokenizer: str | None = _setting(None, "TOKENIZER", "with --backend openai: where to load the tokenizer "
                                      "(and chat template) from; default: --model")
     host: str = _setting("127.0.0.1", ("HOST", "GRADIO_SERVER_NAME"))
