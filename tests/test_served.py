@@ -162,3 +162,20 @@ def test_with_the_prompt_rendered_here_continue_works_and_the_prompt_is_the_loca
     ids = ServedEngine(server.url, server.model, timeout_s=30, max_retries=0, prompt_format="token-ids")
     with pytest.raises(ServerError, match="refused the request \\(400\\)"):  # transformers serve takes text only
         list(ids.conversation().send("Hi", max_new_tokens=4, do_sample=False))
+
+
+def test_the_served_benchmark_reports_what_the_server_said(server, tmp_path):
+    import json
+
+    from benchmarks.served import main as served_benchmark
+
+    out = tmp_path / "served.json"
+    served_benchmark(["--base-url", server.url, "--model", server.model, "--turns", "2", "--max-new-tokens", "8",
+                      "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert [row["turn"] for row in result["turns"]] == [1, 2]
+    first, second = result["turns"]
+    assert second["session"]["prompt_tokens"] > first["session"]["prompt_tokens"]  # the history grows
+    assert second["session"]["prompt_tokens"] == second["naive"]["prompt_tokens"]  # the same prompt both ways
+    assert result["server_reports_cached_tokens"] is False  # transformers serve 5.23: no cached_tokens
+    assert "cache_salt" in result["server_refused_fields"]
