@@ -296,7 +296,17 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--backend" in argv:  # `--backend openai --base-url URL --model NAME`: against a server
+        at = argv.index("--backend")
+        if argv[at + 1:at + 2] != ["openai"]:
+            raise SystemExit("--backend: only openai (the embedded engine is the default)")
+        from benchmarks.served import main as served
+
+        return served(argv[:at] + argv[at + 2:])
+    parser = argparse.ArgumentParser(description=__doc__ + "\nWith --backend openai --base-url URL --model NAME: "
+                                     "the same against a server (benchmarks/served.py).",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=("full", "sliding", "hybrid"), default="full")
     parser.add_argument("--model", default=None, help="a hub id or local folder instead of the built-in model")
     parser.add_argument("--thinking", action="store_true", help="replies open with a <think> block")

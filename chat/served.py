@@ -145,7 +145,9 @@ class ServedConversation(Conversation):
             stream.close()  # the server cancels a request whose stream closed
             if not failed:
                 content, reasoning = splitter.message_fields()
-                version = ReplyVersion(content, server_reasoning + reasoning, None, None, plan.opens_reasoning, stopped)
+                if server_reasoning:  # split by the server: cleaned as the splitter cleans its own
+                    content, reasoning = content.lstrip(), (server_reasoning + reasoning).strip("\n")
+                version = ReplyVersion(content, reasoning, None, None, plan.opens_reasoning, stopped)
                 self._record_served(plan, version, usage, started, first_at, last_at, chunks)
 
     def _open(self, runtime: ServedRuntime, plan: Plan) -> Any:

@@ -84,6 +84,10 @@ def test_a_served_conversation_branches_like_a_local_one(engine):
     assert conv.switch_branch(2, 0) is False and conv.messages == first  # no local states: the server's cache
     list(conv.send("and plus 7?", **GREEDY))
     assert [m["content"] for m in conv.messages if m["role"] == "user"] == ["What is 47 + 38?", "and plus 7?"]
+    # the server rendered the history (reasoning it split off included) exactly as this app would
+    assert conv.stats.prompt_tokens == len(engine.template.render(conv.messages[:-1]).ids)
+    assert not conv.messages[2]["reasoning_content"].startswith("\n") and conv.messages[2]["content"] == \
+        conv.messages[2]["content"].lstrip()
     list(conv.edit(1, "What is 7 * 46?", **GREEDY))
     assert conv.branches(1) == (1, 2) and len(conv.messages) == 3
     conv.undo()
@@ -167,11 +171,11 @@ def test_with_the_prompt_rendered_here_continue_works_and_the_prompt_is_the_loca
 def test_the_served_benchmark_reports_what_the_server_said(server, tmp_path):
     import json
 
-    from benchmarks.served import main as served_benchmark
+    from benchmarks.multiturn import main as multiturn
 
     out = tmp_path / "served.json"
-    served_benchmark(["--base-url", server.url, "--model", server.model, "--turns", "2", "--max-new-tokens", "8",
-                      "--json", str(out)])
+    multiturn(["--backend", "openai", "--base-url", server.url, "--model", server.model, "--turns", "2",
+               "--max-new-tokens", "8", "--json", str(out)])
     result = json.loads(out.read_text())
     assert [row["turn"] for row in result["turns"]] == [1, 2]
     first, second = result["turns"]
