@@ -183,3 +183,48 @@ def test_the_served_benchmark_reports_what_the_server_said(server, tmp_path):
     assert second["session"]["prompt_tokens"] == second["naive"]["prompt_tokens"]  # the same prompt both ways
     assert result["server_reports_cached_tokens"] is False  # transformers serve 5.23: no cached_tokens
     assert "cache_salt" in result["server_refused_fields"]
+
+
+@pytest.fixture(scope="module")
+def endless_server(tmp_path_factory, base_tokenizer):
+    """A tiny random model with no end token, served: a reply runs until it is stopped."""
+    from tiny_models import build_model
+
+    folder = tmp_path_factory.mktemp("endless")
+    model = build_model("full", len(base_tokenizer), base_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    base_tokenizer.save_pretrained(folder)
+    serve = Serve(str(folder), tmp_path_factory.mktemp("serve") / "endless.log")
+    serve.start()
+    yield serve
+    serve.kill()
+
+
+def test_stop_ends_the_request_on_the_server(endless_server):
+    """The server's own CPU time: busy while the reply streams, idle once Stop closed the stream
+    (an uncancelled request would go on for thousands of tokens)."""
+    import psutil
+
+    server = psutil.Process(endless_server.process.pid)
+
+    def cpu_seconds() -> float:
+        times = server.cpu_times()
+        return times.user + times.system
+
+    conv = ServedEngine(endless_server.url, endless_server.model, timeout_s=30, max_retries=0).conversation()
+    stream = conv.send("Go on forever.", max_new_tokens=8000, do_sample=False)
+    next(stream)
+    start, begun = cpu_seconds(), time.monotonic()
+    for _ in stream:
+        if time.monotonic() - begun > 1.0:
+            break
+    busy = (cpu_seconds() - start) / (time.monotonic() - begun)
+    conv.stop()
+    list(stream)
+    assert conv.stats.stopped and conv.stats.generated_tokens < 8000
+    time.sleep(0.5)
+    start, begun = cpu_seconds(), time.monotonic()
+    time.sleep(1.0)
+    idle = (cpu_seconds() - start) / (time.monotonic() - begun)
+    assert busy > 0.3 and idle < 0.1, (busy, idle)
