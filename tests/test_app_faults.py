@@ -28,13 +28,10 @@ def settings(max_new_tokens: int = 6, system_prompt: str = "S.") -> list:
 
 @pytest.fixture(scope="module")
 def endless_model(tmp_path_factory, base_tokenizer):
-    from tiny_models import build_model
+    from tiny_models import save_endless_model
 
     folder = tmp_path_factory.mktemp("endless-model")
-    model = build_model("full", len(base_tokenizer), base_tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    base_tokenizer.save_pretrained(folder)
+    save_endless_model(folder, base_tokenizer)
     return folder
 
 

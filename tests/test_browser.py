@@ -114,13 +114,10 @@ def endless_app(tmp_path_factory, base_tokenizer):
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_models import build_model
+    from tiny_models import save_endless_model
 
     folder = tmp_path_factory.mktemp("endless-model")
-    model = build_model("full", len(base_tokenizer), base_tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    base_tokenizer.save_pretrained(folder)
+    save_endless_model(folder, base_tokenizer)
     server = AppServer("--model", str(folder), "--max-new-tokens", "2000",
                        log_path=tmp_path_factory.mktemp("l") / "app.log")
     yield server

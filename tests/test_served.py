@@ -188,13 +188,10 @@ def test_the_served_benchmark_reports_what_the_server_said(server, tmp_path):
 @pytest.fixture(scope="module")
 def endless_server(tmp_path_factory, base_tokenizer):
     """A tiny random model with no end token, served: a reply runs until it is stopped."""
-    from tiny_models import build_model
+    from tiny_models import save_endless_model
 
     folder = tmp_path_factory.mktemp("endless")
-    model = build_model("full", len(base_tokenizer), base_tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    base_tokenizer.save_pretrained(folder)
+    save_endless_model(folder, base_tokenizer)
     serve = Serve(str(folder), tmp_path_factory.mktemp("serve") / "endless.log")
     serve.start()
     yield serve

@@ -26,3 +26,12 @@ def scripted_reply_model(tokenizer, reply: str, seed: int = 0) -> PreTrainedMode
     """A tiny Qwen3 whose every reply is exactly `reply` then end-of-turn, greedy or sampled."""
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return models.script_reply(build_model("full", len(tokenizer), eos, seed=seed), tokenizer, reply)
+
+
+def save_endless_model(folder, tokenizer) -> None:
+    """A tiny random model with its end token off, saved with `tokenizer` to `folder`: a reply
+    served from it runs until it is stopped (or hits its token limit)."""
+    model = build_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
