@@ -24,9 +24,11 @@ from chat.turns import ReplyStream, Turn, TurnStats
 
 
 class Conversation:
-    def __init__(self, runtime: Runtime, system_prompt: str | None = None, history: History | None = None):
+    def __init__(self, runtime: Runtime, system_prompt: str | None = None, history: History | None = None,
+                 session: CacheSession | None = None):
+        """`session`: what holds the cache (by default a new `CacheSession` on the runtime's model)."""
         self._runtime = runtime
-        self.session = CacheSession(runtime.model, max_checkpoints=runtime.config.max_checkpoints)
+        self.session = session or CacheSession(runtime.model, max_checkpoints=runtime.config.max_checkpoints)
         self.history = history or History(system_prompt)
         self.stats: TurnStats | None = None
         self._lock = threading.Lock()
@@ -163,14 +165,14 @@ class Conversation:
         """Start a new branch at the root with this system prompt; the conversation so far stays
         one switch away (`switch_branch(0, ...)` once the new branch has a message). False when
         it is the prompt shown already."""
+        text = text if text is not None and text.strip() else None
         with self.exclusive():
-            path = self.history.entries
-            if (text if text is not None and text.strip() else None) == self.history.system_prompt:
+            if text == self.history.system_prompt:
                 return False
-            self._leave(path, [Node("system", text)] if text is not None and text.strip() else [], 0)
-            changed = self.history.set_system_prompt(text)
+            self._leave(self.history.entries, [Node("system", text)] if text else [], 0)
+            self.history.set_system_prompt(text)
             self._revision += 1
-            return changed
+            return True
 
     def undo(self) -> None:
         """Step back before the last user message; the undone turn stays as a branch there.

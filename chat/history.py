@@ -62,8 +62,7 @@ class Node:
 
     def add_child(self, child: Node) -> Node:
         """Attach `child` as the last sibling and show it."""
-        if len(self.children) >= MAX_SIBLINGS:
-            raise ConversationError(f"this message already has {MAX_SIBLINGS} versions; switch to one of them")
+        check_room_for_sibling(self)
         child.parent = self
         self.children.append(child)
         self.active = len(self.children) - 1
@@ -71,6 +70,11 @@ class Node:
 
     def show(self, child: Node) -> None:
         self.active = next(i for i, c in enumerate(self.children) if c is child)
+
+
+def check_room_for_sibling(parent: Node) -> None:
+    if len(parent.children) >= MAX_SIBLINGS:
+        raise ConversationError(f"this message already has {MAX_SIBLINGS} versions; switch to one of them")
 
 
 def detached_copy(node: Node) -> Node:
@@ -169,11 +173,11 @@ class History:
             if attached and node.parent is parent:
                 parent = node
                 continue
-            if attached and len(parent.children) >= MAX_SIBLINGS:
-                raise ConversationError(f"this message already has {MAX_SIBLINGS} versions; switch to one of them")
+            if attached:
+                check_room_for_sibling(parent)
             attached, new_nodes = False, new_nodes + 1
-        if attached and len(parent.children) >= MAX_SIBLINGS:  # the reply joins existing siblings
-            raise ConversationError(f"this message already has {MAX_SIBLINGS} versions; switch to one of them")
+        if attached:  # the reply joins existing siblings
+            check_room_for_sibling(parent)
         self._check_size(new_nodes)
 
     # ---- changes -----------------------------------------------------------------------------

@@ -17,7 +17,6 @@ the conversation on the replica that holds its prefix). Neither is the app's ses
 from __future__ import annotations
 
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -77,15 +76,8 @@ class NoLocalCache:
 
 class ServedConversation(Conversation):
     def __init__(self, runtime: ServedRuntime, system_prompt: str | None = None, history: History | None = None):
-        self._runtime = runtime  # type: ignore[assignment]  (planning reads the same fields)
-        self.session = NoLocalCache()  # type: ignore[assignment]
-        self.history = history or History(system_prompt)
-        self.stats: TurnStats | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._revision = 0
-        self._cached_path: list[int] = []
-        self._segment_paths: dict[int, list[int]] = {}
+        # planning reads the same runtime fields as a local conversation's
+        super().__init__(runtime, system_prompt, history, session=NoLocalCache())  # type: ignore[arg-type]
         self.cache_salt = secrets.token_urlsafe(16)
         self.affinity = secrets.token_hex(12)
 

@@ -19,6 +19,19 @@ THINKING_TEMPLATE = "qwen3"  # reads reasoning_content, drops earlier <think> bl
 PLAIN_TEMPLATE = "qwen2_5"  # knows nothing of reasoning
 
 
+def count_forwards(model, monkeypatch) -> list:
+    """Each forward pass of `model` from now on appends to the list returned (until monkeypatch undoes it)."""
+    calls = []
+    original = model.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counting)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def base_tokenizer():
     return build_tokenizer()

@@ -14,25 +14,13 @@ from cache_sessions.manager import SessionManager
 from chat import ChatEngine, ConversationError, SavedConversationError
 from chat.history import MAX_NODES, MAX_SIBLINGS
 from chat.saved import MAX_DEPTH, MAX_MESSAGE_CHARS
-from conftest import PLAIN_TEMPLATE, THINKING_TEMPLATE
+from conftest import PLAIN_TEMPLATE, THINKING_TEMPLATE, count_forwards
 from reference import (LOGIT_TOLERANCE, cached_vs_scratch_logit_error, check_exact, render_ids,
                        scratch_greedy_reply)
 from tiny_models import ARCHS
 
 MAX_NEW = 6
 GREEDY = dict(max_new_tokens=MAX_NEW, do_sample=False)
-
-
-def count_forwards(model, monkeypatch):
-    calls = []
-    original = model.forward
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", counting)
-    return calls
 
 
 def cache_is_exact(conv, model) -> None:

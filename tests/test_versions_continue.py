@@ -4,23 +4,11 @@ import pytest
 import torch
 
 from chat import ChatEngine, ContextOverflowError, ConversationError
-from conftest import PLAIN_TEMPLATE, THINKING_TEMPLATE
+from conftest import PLAIN_TEMPLATE, THINKING_TEMPLATE, count_forwards
 from reference import check_exact, render_ids, scratch_greedy_reply, cached_vs_scratch_logit_error, LOGIT_TOLERANCE
 from tiny_models import ARCHS
 
 GREEDY = dict(max_new_tokens=8, do_sample=False)
-
-
-def count_forwards(model, monkeypatch):
-    calls = []
-    original = model.forward
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", counting)
-    return calls
 
 
 @pytest.mark.parametrize("arch", ARCHS)

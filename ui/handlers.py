@@ -214,9 +214,7 @@ class ChatHandlers:
 
     def retry_at(self, request: gr.Request, target: Any, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         """↻ under an earlier reply: `target` is its message index, as the page's script sends it."""
-        if not (isinstance(target, str) and target.isdigit() and len(target) <= 6):
-            raise inputs.refuse("index", "must be a whole number")
-        yield from self.regenerate_at(request, int(target), key, *values)
+        yield from self.regenerate_at(request, inputs.message_index(target), key, *values)
 
     def edit(self, request: gr.Request, index: Any, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         whole = inputs.whole_number(index, "index", 0, 1_000_000)
@@ -279,7 +277,7 @@ class ChatHandlers:
             return self.view(key, chat)
         count = chat.conversation.branches(index)[1]
         return self.view(key, chat, stats=views.branch_note(branch, count, restored),
-                         system_prompt=chat.conversation.system_prompt or "" if index == 0 else gr.skip())
+                         system_prompt=(chat.conversation.system_prompt or "") if index == 0 else gr.skip())
 
     def clear(self, key: Any, *values: Any) -> ChatOutputs:
         """New chat: the old conversation (its reply stopped) is freed; the next message starts one."""

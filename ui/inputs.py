@@ -66,3 +66,11 @@ def branch_target(value: Any) -> tuple[int, int]:
     if match is None:
         raise refuse("branch", "must be 'message:branch', two whole numbers")
     return int(match[1]), int(match[2])
+
+
+def message_index(value: Any) -> int:
+    """A message index as the page's own script sends it (text: ↻ above a reply)."""
+    match = re.fullmatch(r"\d{1,6}", value) if isinstance(value, str) else None
+    if match is None:
+        raise refuse("index", "must be a whole number")
+    return int(value)

@@ -77,10 +77,10 @@ def branch_navs(entries: list[Any]) -> dict[int, Nav]:
     """The controls under each message of the shown path that has siblings, or is an earlier reply."""
     navs = {}
     for index, node in enumerate(entries):
-        count = len(node.parent.children) if node.parent is not None else 1
+        shown, count = (node.parent.active or 0, len(node.parent.children)) if node.parent is not None else (0, 1)
         retry = node.role == "assistant" and index < len(entries) - 1
         if count > 1 or retry:
-            navs[index] = Nav(node.parent.active or 0 if node.parent is not None else 0, count, retry)
+            navs[index] = Nav(shown, count, retry)
     return navs
 
 
