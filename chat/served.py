@@ -38,6 +38,11 @@ from chat.turns import TurnStats
 
 AFFINITY_HEADER = "X-Session-Affinity"
 PROMPT_FORMATS = ("messages", "text", "token-ids")
+# What vLLM and SGLang take to render the last (assistant) message open, as the reply so far.
+CONTINUE_FIELDS = {"continue_final_message": True, "add_generation_prompt": False}
+CANNOT_CONTINUE = ("this model server cannot continue a reply through chat messages (it refused "
+                   "continue_final_message); start the app with --prompt-format text or token-ids for that, "
+                   "or use Retry")
 
 
 class ServerError(ChatError):
@@ -82,9 +87,15 @@ class ServedConversation(Conversation):
         self.affinity = secrets.token_hex(12)
 
     def plan(self, operation: Operation, options: GenerationOptions) -> Plan:
-        if isinstance(operation, Continue) and self._runtime.prompt_format == "messages":  # type: ignore[attr-defined]
-            raise ConversationError("this server cannot continue a reply in place through chat messages (start the "
-                                    "app with --prompt-format text or token-ids for that); use Retry instead")
+        runtime: ServedRuntime = self._runtime  # type: ignore[assignment]
+        if isinstance(operation, Continue) and runtime.prompt_format == "messages":
+            if runtime.refused_fields & CONTINUE_FIELDS.keys():
+                raise ConversationError(CANNOT_CONTINUE)
+            last = self.history.last_reply()
+            if last is not None and last.reply is not None and not last.reply.content:
+                # the server would close the thought before going on: only a prompt rendered here continues it
+                raise ConversationError("this reply stopped while thinking; chat messages can only continue an "
+                                        "answer (--prompt-format text or token-ids continues a thought); use Retry")
         return super().plan(operation, options)
 
     def _leave(self, shown: list[Node], target: list[Node], index: int) -> bool:
@@ -148,16 +159,19 @@ class ServedConversation(Conversation):
         `top_k`, ...) are sent until the server refuses one by name (`transformers serve` takes
         none of them); then the request goes again without it, and later ones leave it out."""
         wanted = request_options(plan.options) | {"cache_salt": self.cache_salt}
+        required: dict[str, Any] = {}  # fields without which the request means something else
         if runtime.prompt_format == "messages":
             messages = runtime.template.template_messages([node.message() for node in plan.history])
             create, request = runtime.client.chat.completions.create, {"messages": messages}
+            if plan.kind == "continue":  # the last message is the reply so far, left open (vLLM, SGLang)
+                required = dict(CONTINUE_FIELDS)
         else:
             wanted.pop("chat_template_kwargs", None)  # the template ran here
             prompt: Any = plan.prompt_ids if runtime.prompt_format == "token-ids" else \
                 runtime.tokenizer.decode(plan.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             create, request = runtime.client.completions.create, {"prompt": prompt}
         while True:
-            extra = {name: value for name, value in wanted.items() if name not in runtime.refused_fields}
+            extra = {name: value for name, value in wanted.items() if name not in runtime.refused_fields} | required
             try:
                 return create(model=runtime.model_name, stream=True, stream_options={"include_usage": True},
                               user=self.affinity, extra_headers={AFFINITY_HEADER: self.affinity}, extra_body=extra,
@@ -167,6 +181,8 @@ class ServedConversation(Conversation):
                 if not refused:
                     raise ServerError(describe(error)) from error
                 runtime.refused_fields |= refused
+                if refused & required.keys():
+                    raise ServerError(CANNOT_CONTINUE) from error
             except openai.APIError as error:
                 raise ServerError(describe(error)) from error
 

@@ -92,8 +92,73 @@ def test_a_served_conversation_branches_like_a_local_one(engine):
     assert conv.branches(1) == (1, 2) and len(conv.messages) == 3
     conv.undo()
     assert [m["role"] for m in conv.messages] == ["system"]
-    with pytest.raises(ConversationError, match="cannot continue"):
-        conv.continue_reply(**GREEDY)
+
+
+def test_continue_through_chat_messages_is_refused_clearly_where_the_server_lacks_it(server):
+    """`transformers serve` 5.23 refuses `continue_final_message` (422, by name): the app says so, the
+    conversation stays as it was, and later Continues are refused before any request."""
+    engine = ServedEngine(server.url, server.model, timeout_s=30, max_retries=0)
+    conv = engine.conversation()
+    list(conv.send("What is 47 + 38?", **GREEDY))
+    if not conv.messages[-1]["content"]:  # a reply that stopped while thinking is refused for its own reason
+        conv.edit_reply(len(conv.messages) - 1, "85")
+    before = conv.to_dict()
+    with pytest.raises(ServerError, match="cannot continue a reply through chat messages"):
+        list(conv.continue_reply(**GREEDY))
+    assert conv.to_dict() == before and "continue_final_message" in engine.runtime.refused_fields
+    with pytest.raises(ConversationError, match="cannot continue a reply through chat messages"):
+        conv.continue_reply(**GREEDY)  # refused at once, nothing sent
+    assert conv.to_dict() == before
+
+
+class WireRecorder:
+    """What the app puts on the wire, answered by a fixed SSE stream: vLLM and SGLang cannot run
+    here, so their side of Continue (rendering the messages with the model's template, the last
+    one left open) is done below with the tokenizer, as vLLM's chat endpoint does it."""
+
+    def __init__(self, *replies: str):
+        self.replies, self.bodies = list(replies), []
+
+    def __call__(self, request):
+        import json
+
+        import httpx
+
+        self.bodies.append(json.loads(request.content))
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                 "choices": [{"index": 0, "delta": {"content": self.replies.pop(0)}, "finish_reason": None}]}
+        stream = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream.encode())
+
+
+@pytest.mark.parametrize("template, reply", [("qwen3", "<think>\nadd them\n</think>\n\nIt is 85"),
+                                             ("qwen2_5", "It is 85")])
+def test_continue_through_chat_messages_sends_the_reply_so_far_left_open(base_tokenizer, tmp_path, template, reply):
+    import httpx
+    import openai
+
+    from conftest import tokenizer_with_template
+
+    folder = tmp_path / "tokenizer"
+    tokenizer_with_template(base_tokenizer, template).save_pretrained(folder)
+    engine = ServedEngine("http://wire.invalid/v1", "m", tokenizer=str(folder), max_retries=0)
+    wire = WireRecorder(reply, ", since 47 + 38 = 85.")
+    engine.runtime.client = openai.OpenAI(base_url="http://wire.invalid/v1", api_key="none", max_retries=0,
+                                          http_client=httpx.Client(transport=httpx.MockTransport(wire)))
+    conv = engine.conversation("Be brief.")
+    list(conv.send("What is 47 + 38?", max_new_tokens=16, do_sample=False))
+    list(conv.continue_reply(max_new_tokens=16, do_sample=False))
+
+    asked, continued = wire.bodies
+    assert "continue_final_message" not in asked and continued["continue_final_message"] is True
+    assert continued["add_generation_prompt"] is False
+    tokenizer = engine.tokenizer
+    prompt = tokenizer.apply_chat_template(asked["messages"], tokenize=False, add_generation_prompt=True,
+                                           **asked.get("chat_template_kwargs", {}))
+    rendered = tokenizer.apply_chat_template(continued["messages"], tokenize=False, add_generation_prompt=False,
+                                             continue_final_message=True, **continued.get("chat_template_kwargs", {}))
+    assert rendered == prompt + reply  # the server goes on from exactly what the model wrote
+    assert conv.messages[-1]["content"] == "It is 85, since 47 + 38 = 85." and len(conv.messages) == 3
 
 
 def test_stop_closes_the_stream_and_keeps_the_partial_reply(engine):
@@ -140,7 +205,7 @@ def test_the_app_talks_to_the_server(server, tmp_path):
         again = client.predict(*values, api_name="/regenerate")
         assert "2 / 2" in str(again[0])
         refused = client.predict(*values, api_name="/continue")
-        assert refused[0] == again[0]  # refused with a warning, nothing changed
+        assert refused[0] == again[0]  # transformers serve takes no continue_final_message: a warning, nothing changed
     finally:
         app.close()
 
