@@ -24,7 +24,7 @@ from ui.handlers import ChatHandlers, PageEvents
 from ui.inputs import Limits
 from ui.operator import Metrics, routes
 from ui.security import SecurityHeaders
-from ui import views
+from ui import gradio_tuning, views
 from ui.outputs import ChatOutputs, Settings
 
 try:  # Hugging Face ZeroGPU: generation must run inside `spaces.GPU`
@@ -120,7 +120,9 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int, plac
     defaults = Settings()
     directory = handlers.directory
     with gr.Blocks(title="rewind-chat", fill_height=True) as demo:
-        key = gr.State(None, delete_callback=directory.close)
+        # Plain functions, not bound methods: Gradio deep-copies component props for every page it
+        # serves, and a bound method's copy would take the directory, the engine and the model along.
+        key = gr.State(None, delete_callback=lambda closed: directory.close(closed))
         parked = gr.State({}, delete_callback=lambda kept: [directory.close(k) for k in (kept or {}).values()])
         store = gr.BrowserState(empty_store(), storage_key="rewind-chat-conversations", secret=storage_secret)
         with gr.Sidebar(label="Conversations", open=True, elem_id="sidebar", width=280):
@@ -317,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                  max_new_tokens=config.max_new_tokens, storage_secret=config.storage_secret,
                  **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
     demo.queue(default_concurrency_limit=config.streams, max_size=256)
+    gradio_tuning.poll_queue_every(demo)  # two costs of Gradio's that slow decoding down (see there)
+    gradio_tuning.pass_skipped_outputs_through()
     # show_error: a refused API input says why (Gradio's own checks of a component's value included)
     demo.launch(server_name=config.host, server_port=config.port, enable_monitoring=config.monitoring, show_error=True,
                 footer_links=["api"], run_history=False, quiet=True, prevent_thread_lock=True,

@@ -5,7 +5,8 @@ same weights, its `/send` endpoint streamed over HTTP (server-sent events, read 
 Each streamed update resends the chat, which costs CPU next to the decoding; updates are
 coalesced to at most one per 40 ms
 (`ui/handlers.py`). Reported: decode tokens/s as the server measured it in both paths, and as
-the web client saw it arrive (tokens over the time between the first and the last update).
+the web client saw it arrive (tokens over the time between the first and the last update);
+with `--browser`, also while a page in headless Chromium on the same machine renders the stream.
 `python -m benchmarks.web_stream --help`.
 """
 
@@ -85,12 +86,51 @@ def web_rates(folder: str, tokens: int, repeats: int,
     return server_rates, client_rates, updates
 
 
+def browser_rates(folder: str, tokens: int, repeats: int, env: dict | None = None) -> list[float]:
+    """Through a real page in headless Chromium (Debian's, driven by Playwright) on the same
+    machine: the decode speed the server measured while the browser rendered the stream."""
+    from playwright.sync_api import expect, sync_playwright
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from app_server import AppServer
+
+    rates = []
+    with tempfile.TemporaryDirectory() as scratch, sync_playwright() as playwright:
+        server = AppServer("--model", folder, "--max-new-tokens", str(tokens), log_path=Path(scratch) / "app.log",
+                           env=env)
+        browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 1000})
+            page.goto(server.url)
+            page.wait_for_selector("#message textarea")
+            page.get_by_text("Settings", exact=True).click()
+            for selector, value in (("#temperature", "0"), ("#max-new-tokens", str(tokens))):
+                page.locator(f"{selector} input[type='number']").fill(value)
+                page.locator(f"{selector} input[type='number']").press("Enter")
+            for index in range(repeats + 1):  # the first one warms up
+                before = page.inner_text("#stats")
+                page.fill("#message textarea", f"Tell me a long story, part {index}.")
+                page.press("#message textarea", "Enter")
+                stats = page.locator("#stats")
+                expect(stats).not_to_have_text(before, timeout=600_000)
+                expect(stats).to_have_text(re.compile(r"^\s*Prompt:"), timeout=600_000)
+                if index:
+                    rates.append(float(re.search(r"(\d+) tokens/s", stats.inner_text()).group(1)))
+        finally:
+            browser.close()
+            server.close()
+    return rates
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--one-thread-too", action="store_true", help="also the app on one torch thread")
+    parser.add_argument("--browser", action="store_true", help="also through a page in headless Chromium")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = build_bench_tokenizer()
@@ -104,18 +144,29 @@ def main(argv: list[str] | None = None) -> dict:
             result_one = web_rates(folder, args.tokens, args.repeats, env={"OMP_NUM_THREADS": "1"})
         else:
             result_one = None
+        browser = browser_rates(folder, args.tokens, args.repeats) if args.browser else None
+        browser_one = browser_rates(folder, args.tokens, args.repeats, env={"OMP_NUM_THREADS": "1"}) \
+            if args.browser and args.one_thread_too else None
     result = {"tokens": args.tokens, "repeats": args.repeats, "library_tokens_per_s": library,
               "web_server_tokens_per_s": server, "web_client_tokens_per_s": client, "web_updates": updates,
               "web_one_thread_server_tokens_per_s": result_one[0] if result_one else None,
+              "browser_server_tokens_per_s": browser,
+              "browser_one_thread_server_tokens_per_s": browser_one,
               "command": "python -m benchmarks.web_stream " + " ".join(argv if argv is not None else sys.argv[1:])}
     ratio = statistics.median(server) / statistics.median(library)
     seen = statistics.median(client) / statistics.median(library) if client else float("nan")
     result["web_vs_library"] = ratio
     result["client_vs_library"] = seen
+    if browser:
+        result["browser_vs_library"] = statistics.median(browser) / statistics.median(library)
     print(f"decode tokens/s (median of {args.repeats}, {args.tokens} tokens): library "
           f"{statistics.median(library):.1f}; web, measured by the server {statistics.median(server):.1f} "
           f"({ratio:.2f}x); as the client saw it arrive {statistics.median(client):.1f} ({seen:.2f}x); "
           f"{statistics.median(updates):.0f} updates a reply")
+    if browser:
+        print(f"through a page in Chromium, measured by the server: {statistics.median(browser):.1f} "
+              f"({result['browser_vs_library']:.2f}x)" + (f"; the app on one torch thread: "
+                                                            f"{statistics.median(browser_one):.1f}" if browser_one else ""))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=1))
     return result

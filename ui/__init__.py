@@ -10,4 +10,5 @@ Module map:
   operator.py   /healthz, /status and /metrics (Prometheus) for operators: aggregate numbers only
   security.py   the Content-Security-Policy and other headers on every response
   views.py      pure functions: history to Chatbot messages (with ‹ 2 / 3 › and ↻), the stats line
+  gradio_tuning.py  two costs of Gradio's that slowed decoding while a reply streams, removed
 """
