@@ -5,8 +5,8 @@ same weights, its `/send` endpoint streamed over HTTP (server-sent events, read 
 Each streamed update resends the chat, which costs CPU next to the decoding; updates are
 coalesced to at most one per 40 ms
 (`ui/handlers.py`). Reported: decode tokens/s as the server measured it in both paths, and as
-the web client saw it arrive (tokens over the time between the first and the last update);
-with `--browser`, also while a page in headless Chromium on the same machine renders the stream.
+the web client saw it arrive (tokens over the time between the first and the last update); the
+same through `gradio_client`; with `--browser`, also while a page in headless Chromium on the same machine renders the stream.
 `python -m benchmarks.web_stream --help`.
 """
 
@@ -86,6 +86,35 @@ def web_rates(folder: str, tokens: int, repeats: int,
     return server_rates, client_rates, updates
 
 
+def gradio_client_rates(folder: str, tokens: int, repeats: int) -> list[float]:
+    """Through `gradio_client` (its own queue protocol and threads, in this process): the decode
+    speed the server measured."""
+    from gradio_client import Client
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from app_server import AppServer
+
+    from ui.outputs import Settings
+
+    rates = []
+    with tempfile.TemporaryDirectory() as scratch:
+        server = AppServer("--model", folder, "--max-new-tokens", str(tokens), log_path=Path(scratch) / "app.log")
+        try:
+            client = Client(server.url, verbose=False)
+            values = Settings(system_prompt="You are a helpful assistant.", max_new_tokens=tokens,
+                              temperature=0.0).values()
+            client.predict("warm up", *Settings(max_new_tokens=8, temperature=0.0).values(), api_name="/send")
+            for index in range(repeats):
+                job = client.submit(f"Tell me a long story, part {index}.", *values, api_name="/send")
+                for _ in job:  # every update as it arrives, as a streaming client reads them
+                    pass
+                stats = next(o for o in job.result() if isinstance(o, str) and "tokens written" in o)
+                rates.append(float(re.search(r"\*\*(\d+) tokens/s\*\*", stats).group(1)))
+        finally:
+            server.close()
+    return rates
+
+
 def browser_rates(folder: str, tokens: int, repeats: int, env: dict | None = None) -> list[float]:
     """Through a real page in headless Chromium (Debian's, driven by Playwright) on the same
     machine: the decode speed the server measured while the browser rendered the stream."""
@@ -144,12 +173,14 @@ def main(argv: list[str] | None = None) -> dict:
             result_one = web_rates(folder, args.tokens, args.repeats, env={"OMP_NUM_THREADS": "1"})
         else:
             result_one = None
+        through_client = gradio_client_rates(folder, args.tokens, args.repeats)
         browser = browser_rates(folder, args.tokens, args.repeats) if args.browser else None
         browser_one = browser_rates(folder, args.tokens, args.repeats, env={"OMP_NUM_THREADS": "1"}) \
             if args.browser and args.one_thread_too else None
     result = {"tokens": args.tokens, "repeats": args.repeats, "library_tokens_per_s": library,
               "web_server_tokens_per_s": server, "web_client_tokens_per_s": client, "web_updates": updates,
               "web_one_thread_server_tokens_per_s": result_one[0] if result_one else None,
+              "gradio_client_server_tokens_per_s": through_client,
               "browser_server_tokens_per_s": browser,
               "browser_one_thread_server_tokens_per_s": browser_one,
               "command": "python -m benchmarks.web_stream " + " ".join(argv if argv is not None else sys.argv[1:])}
@@ -157,12 +188,15 @@ def main(argv: list[str] | None = None) -> dict:
     seen = statistics.median(client) / statistics.median(library) if client else float("nan")
     result["web_vs_library"] = ratio
     result["client_vs_library"] = seen
+    result["gradio_client_vs_library"] = statistics.median(through_client) / statistics.median(library)
     if browser:
         result["browser_vs_library"] = statistics.median(browser) / statistics.median(library)
     print(f"decode tokens/s (median of {args.repeats}, {args.tokens} tokens): library "
           f"{statistics.median(library):.1f}; web, measured by the server {statistics.median(server):.1f} "
           f"({ratio:.2f}x); as the client saw it arrive {statistics.median(client):.1f} ({seen:.2f}x); "
           f"{statistics.median(updates):.0f} updates a reply")
+    print(f"through gradio_client, measured by the server: {statistics.median(through_client):.1f} "
+          f"({result['gradio_client_vs_library']:.2f}x)")
     if browser:
         print(f"through a page in Chromium, measured by the server: {statistics.median(browser):.1f} "
               f"({result['browser_vs_library']:.2f}x)" + (f"; the app on one torch thread: "
