@@ -38,19 +38,24 @@ def test_serving_the_page_copies_no_part_of_the_model(make_engine, monkeypatch):
     assert copied == []
 
 
-def postprocessed(demo: gr.Blocks, values: list) -> list:
-    return asyncio.run(demo.postprocess_data(demo.fns[0], values, SessionState(demo)))
+def postprocessed(demo: gr.Blocks, values: list) -> tuple[list, list]:
+    """What the page receives, and what the session keeps of its States."""
+    state = SessionState(demo)
+    outputs = asyncio.run(demo.postprocess_data(demo.fns[0], values, state))
+    kept = [state[block._id] if block._id in state else "(unset)" for block in demo.fns[0].outputs if block.stateful]
+    return outputs, kept
 
 
 def test_a_skipped_output_reaches_the_page_as_gradio_sends_it_without_building_a_component(monkeypatch):
     with gr.Blocks() as demo:
         chat, send, stop, stats = gr.Chatbot(), gr.Button("Send"), gr.Button("Stop", visible=False), gr.Markdown()
-        send.click(lambda: None, None, [chat, send, stop, stats])
+        key = gr.State()
+        send.click(lambda: None, None, [chat, send, stop, stats, key])
     cases = [
-        [[{"role": "user", "content": "hi"}], gr.skip(), gr.skip(), gr.skip()],
-        [[{"role": "user", "content": "hi"}], gr.update(visible=False), gr.update(visible=True), "**busy**"],
-        [gr.skip(), gr.skip(), gr.skip(), "only the stats"],
-        [gr.skip(), gr.skip(), gr.skip(), gr.skip()],
+        [[{"role": "user", "content": "hi"}], gr.skip(), gr.skip(), gr.skip(), gr.skip()],
+        [[{"role": "user", "content": "hi"}], gr.update(visible=False), gr.update(visible=True), "**busy**", "k"],
+        [gr.skip(), gr.skip(), gr.skip(), "only the stats", gr.skip()],
+        [gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()],
     ]
     monkeypatch.setattr(gr.blocks.Blocks, "postprocess_data", gradio_tuning._original_postprocess)
     expected = [postprocessed(demo, case) for case in cases]

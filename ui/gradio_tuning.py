@@ -39,7 +39,8 @@ async def _postprocess_without_skipped(self: Blocks, block_fn: Any, predictions:
     narrowed.outputs = [block_fn.outputs[i] for i in kept]
     values = [predictions[i] for i in kept]
     done = await _original_postprocess(self, narrowed, values[0] if len(kept) == 1 else values, state) if kept else []
-    result: list[Any] = [dict(SKIPPED) for _ in predictions]
+    # as Gradio answers for each: nothing for a State (it stays on the server), else an empty update
+    result: list[Any] = [None if block.stateful else dict(SKIPPED) for block in block_fn.outputs]
     for index, value in zip(kept, done):
         result[index] = value
     return result
