@@ -88,11 +88,11 @@ class ServedConversation(Conversation):
 
     def plan(self, operation: Operation, options: GenerationOptions) -> Plan:
         runtime: ServedRuntime = self._runtime  # type: ignore[assignment]
-        if isinstance(operation, Continue) and runtime.prompt_format == "messages":
+        last = self.history.last_reply()
+        if isinstance(operation, Continue) and runtime.prompt_format == "messages" and last is not None:
             if runtime.refused_fields & CONTINUE_FIELDS.keys():
                 raise ConversationError(CANNOT_CONTINUE)
-            last = self.history.last_reply()
-            if last is not None and last.reply is not None and not last.reply.content:
+            if last.reply is not None and not last.reply.content:
                 # the server would close the thought before going on: only a prompt rendered here continues it
                 raise ConversationError("this reply stopped while thinking; chat messages can only continue an "
                                         "answer (--prompt-format text or token-ids continues a thought); use Retry")

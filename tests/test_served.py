@@ -290,3 +290,25 @@ def test_stop_ends_the_request_on_the_server(endless_server):
     time.sleep(1.0)
     idle = (cpu_seconds() - start) / (time.monotonic() - begun)
     assert busy > 0.3 and idle < 0.1, (busy, idle)
+
+
+def test_a_reply_that_stopped_while_thinking_is_not_continued_through_chat_messages(base_tokenizer, tmp_path):
+    """The template would close the thought before the server went on; the app says so, sends nothing."""
+    import httpx
+    import openai
+
+    from conftest import tokenizer_with_template
+
+    folder = tmp_path / "tokenizer"
+    tokenizer_with_template(base_tokenizer, "qwen3").save_pretrained(folder)
+    engine = ServedEngine("http://wire.invalid/v1", "m", tokenizer=str(folder), max_retries=0)
+    wire = WireRecorder("<think>\nadd the tens, then")
+    engine.runtime.client = openai.OpenAI(base_url="http://wire.invalid/v1", api_key="none", max_retries=0,
+                                          http_client=httpx.Client(transport=httpx.MockTransport(wire)))
+    conv = engine.conversation()
+    list(conv.send("What is 47 + 38?", max_new_tokens=16, do_sample=False))
+    assert conv.messages[-1]["content"] == "" and conv.messages[-1]["reasoning_content"]
+    before = conv.to_dict()
+    with pytest.raises(ConversationError, match="stopped while thinking"):
+        conv.continue_reply(max_new_tokens=16, do_sample=False)
+    assert len(wire.bodies) == 1 and conv.to_dict() == before

@@ -30,7 +30,8 @@ _original_postprocess = Blocks.postprocess_data
 
 
 async def _postprocess_without_skipped(self: Blocks, block_fn: Any, predictions: Any, state: Any) -> list[Any]:
-    if not isinstance(predictions, (list, tuple)) or len(block_fn.outputs) < 2 or block_fn.batch:
+    if not isinstance(predictions, (list, tuple)) or len(predictions) != len(block_fn.outputs) \
+            or len(block_fn.outputs) < 2 or block_fn.batch:  # Gradio's own checks and messages apply
         return await _original_postprocess(self, block_fn, predictions, state)
     kept = [i for i, value in enumerate(predictions) if not (isinstance(value, dict) and value == SKIPPED)]
     if len(kept) == len(predictions):
