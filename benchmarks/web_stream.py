@@ -13,6 +13,7 @@ same through `gradio_client`; with `--browser`, also while a page in headless Ch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -21,15 +22,47 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any, Iterator
 
 from benchmarks.models import build_bench_model, build_bench_tokenizer
 from chat import ChatEngine
 from chat.worker import ModelWorker
+from ui.outputs import Settings
+
+SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+def reply_settings(tokens: int) -> list:
+    """The app's settings for a benchmark reply: greedy, `tokens` long (the library's too)."""
+    return Settings(system_prompt=SYSTEM_PROMPT, max_new_tokens=tokens, temperature=0.0).values()
+
+
+WARM_UP = Settings(max_new_tokens=8, temperature=0.0).values()
+
+
+@contextlib.contextmanager
+def running_app(folder: str, tokens: int, env: dict | None = None) -> Iterator[Any]:
+    """`app.py` on the benchmark weights in a subprocess (tests/app_server.py), closed afterwards."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from app_server import AppServer
+
+    with tempfile.TemporaryDirectory() as scratch:
+        server = AppServer("--model", folder, "--max-new-tokens", str(tokens), log_path=Path(scratch) / "app.log",
+                           env=env)
+        try:
+            yield server
+        finally:
+            server.close()
+
+
+def server_rate(stats: str) -> float:
+    """Decode tokens/s from the app's stats line (Markdown or the text a page shows)."""
+    return float(re.search(r"(\d+) tokens/s", stats).group(1))
 
 
 def library_rates(folder: str, tokens: int, repeats: int) -> list[float]:
     engine = ChatEngine.load(folder, device="cpu", dtype="float32")
-    conv = engine.conversation("You are a helpful assistant.")
+    conv = engine.conversation(SYSTEM_PROMPT)
     list(conv.send("warm up", max_new_tokens=8, do_sample=False))
     rates = []
     for index in range(repeats):
@@ -42,11 +75,6 @@ def web_rates(folder: str, tokens: int, repeats: int,
               env: dict | None = None) -> tuple[list[float], list[float], list[int]]:
     """Through the app's REST API (POST, then its server-sent events read as they arrive): the
     client blocks on the socket, so it takes no CPU from the server it measures."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from app_server import AppServer
-
-    from ui.outputs import Settings
-
     def stream(url: str, message: str, values: list) -> tuple[list[float], str]:
         body = json.dumps({"data": [message, None, *values]}).encode()
         request = urllib.request.Request(f"{url}gradio_api/call/send", data=body,
@@ -64,25 +92,18 @@ def web_rates(folder: str, tokens: int, repeats: int,
                     last = line[6:]
         return arrivals, last
 
-    with tempfile.TemporaryDirectory() as scratch:
-        server = AppServer("--model", folder, "--max-new-tokens", str(tokens), log_path=Path(scratch) / "app.log",
-                           env=env)
-        try:
-            values = Settings(system_prompt="You are a helpful assistant.", max_new_tokens=tokens,
-                              temperature=0.0).values()
-            stream(server.url, "warm up", Settings(max_new_tokens=8, temperature=0.0).values())
-            server_rates, client_rates, updates = [], [], []
-            for index in range(repeats):
-                arrivals, final = stream(server.url, f"Tell me a long story, part {index}.", values)
-                stats = next(o for o in json.loads(final) if isinstance(o, str) and "tokens written" in o)
-                generated = int(re.search(r"(\d+) tokens written", stats).group(1))
-                server_rates.append(float(re.search(r"\*\*(\d+) tokens/s\*\*", stats).group(1)))
-                streaming = arrivals[1:]  # the first update shows the message, before any token
-                if len(streaming) > 1 and streaming[-1] > streaming[0]:
-                    client_rates.append((generated - 1) / (streaming[-1] - streaming[0]))
-                updates.append(len(arrivals))
-        finally:
-            server.close()
+    with running_app(folder, tokens, env) as server:
+        stream(server.url, "warm up", WARM_UP)
+        server_rates, client_rates, updates = [], [], []
+        for index in range(repeats):
+            arrivals, final = stream(server.url, f"Tell me a long story, part {index}.", reply_settings(tokens))
+            stats = next(o for o in json.loads(final) if isinstance(o, str) and "tokens written" in o)
+            generated = int(re.search(r"(\d+) tokens written", stats).group(1))
+            server_rates.append(server_rate(stats))
+            streaming = arrivals[1:]  # the first update shows the message, before any token
+            if len(streaming) > 1 and streaming[-1] > streaming[0]:
+                client_rates.append((generated - 1) / (streaming[-1] - streaming[0]))
+            updates.append(len(arrivals))
     return server_rates, client_rates, updates
 
 
@@ -91,27 +112,15 @@ def gradio_client_rates(folder: str, tokens: int, repeats: int) -> list[float]:
     speed the server measured."""
     from gradio_client import Client
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from app_server import AppServer
-
-    from ui.outputs import Settings
-
     rates = []
-    with tempfile.TemporaryDirectory() as scratch:
-        server = AppServer("--model", folder, "--max-new-tokens", str(tokens), log_path=Path(scratch) / "app.log")
-        try:
-            client = Client(server.url, verbose=False)
-            values = Settings(system_prompt="You are a helpful assistant.", max_new_tokens=tokens,
-                              temperature=0.0).values()
-            client.predict("warm up", *Settings(max_new_tokens=8, temperature=0.0).values(), api_name="/send")
-            for index in range(repeats):
-                job = client.submit(f"Tell me a long story, part {index}.", *values, api_name="/send")
-                for _ in job:  # every update as it arrives, as a streaming client reads them
-                    pass
-                stats = next(o for o in job.result() if isinstance(o, str) and "tokens written" in o)
-                rates.append(float(re.search(r"\*\*(\d+) tokens/s\*\*", stats).group(1)))
-        finally:
-            server.close()
+    with running_app(folder, tokens) as server:
+        client = Client(server.url, verbose=False)
+        client.predict("warm up", *WARM_UP, api_name="/send")
+        for index in range(repeats):
+            job = client.submit(f"Tell me a long story, part {index}.", *reply_settings(tokens), api_name="/send")
+            for _ in job:  # every update as it arrives, as a streaming client reads them
+                pass
+            rates.append(server_rate(next(o for o in job.result() if isinstance(o, str) and "tokens written" in o)))
     return rates
 
 
@@ -120,13 +129,8 @@ def browser_rates(folder: str, tokens: int, repeats: int, env: dict | None = Non
     machine: the decode speed the server measured while the browser rendered the stream."""
     from playwright.sync_api import expect, sync_playwright
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from app_server import AppServer
-
     rates = []
-    with tempfile.TemporaryDirectory() as scratch, sync_playwright() as playwright:
-        server = AppServer("--model", folder, "--max-new-tokens", str(tokens), log_path=Path(scratch) / "app.log",
-                           env=env)
+    with running_app(folder, tokens, env) as server, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
             "--disable-sync", "--no-first-run"])
@@ -146,10 +150,9 @@ def browser_rates(folder: str, tokens: int, repeats: int, env: dict | None = Non
                 expect(stats).not_to_have_text(before, timeout=600_000)
                 expect(stats).to_have_text(re.compile(r"^\s*Prompt:"), timeout=600_000)
                 if index:
-                    rates.append(float(re.search(r"(\d+) tokens/s", stats.inner_text()).group(1)))
+                    rates.append(server_rate(stats.inner_text()))
         finally:
             browser.close()
-            server.close()
     return rates
 
 

@@ -57,7 +57,7 @@ class CacheSession(CacheStates):
             raise ValueError("cannot prepare an empty prompt")
         rebuilt, self._states_lost = self._states_lost, False
         copied = self._start_from_shared_prefix(prefix_store, prompt_ids)
-        target = min(common_prefix_length(self.token_ids, prompt_ids), len(prompt_ids) - 1)
+        target = self.rollback_target(prompt_ids)
         result = self.rollback_to(target)
         self._checkpoint_here()  # a turn boundary: where this prompt starts to differ
         self._fork = target if result.position < target else None
@@ -71,6 +71,10 @@ class CacheSession(CacheStates):
             rollback=result.how,
             shared_prefix_tokens=min(copied, result.position),
         )
+
+    def rollback_target(self, prompt_ids: Sequence[int]) -> int:
+        """Where `prepare(prompt_ids)` rolls back to: the common prefix, one token always left to feed."""
+        return min(common_prefix_length(self.token_ids, prompt_ids), len(prompt_ids) - 1)
 
     def prefill(self, prompt_ids: Sequence[int], *, budget: int | None = None,
                 prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0) -> bool:
@@ -158,9 +162,6 @@ class CacheSession(CacheStates):
     def segment_start(self, key: Hashable) -> int | None:
         segment = self._segments.get(key)
         return segment.start if segment is not None else None
-
-    def drop_segment(self, key: Hashable) -> None:
-        self._segments.pop(key)
 
     def drop_oldest_segment(self) -> bool:
         """Free the segment kept longest (memory pressure); False when none is kept."""

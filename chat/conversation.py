@@ -14,7 +14,7 @@ from typing import Any, Iterator
 from cache_sessions.session import CacheSession, common_prefix_length
 from chat import saved
 from chat.errors import ConversationBusyError, ConversationError, StalePlanError
-from chat.history import History, Message, Node, ReplyVersion
+from chat.history import History, Message, Node, ReplyVersion, system_text
 from chat.operations import Continue, Edit, Operation, Regenerate, Send, checked_text
 from chat.options import GenerationOptions
 from chat.plans import Plan, plan_operation, reply_tokens
@@ -129,10 +129,8 @@ class Conversation:
         text = checked_text(text)
         with self.exclusive():
             path = self.history.entries
-            self.history.parent_at(index)
-            if path[index].role != "assistant":
-                raise ConversationError(f"message {index} is a {path[index].role} message, not a reply")
-            version = ReplyVersion(text, "", None, None, path[index].reply.opens_reasoning, False, edited=True)
+            replaced = self.history.message_at(index, "assistant")
+            version = ReplyVersion(text, "", None, None, replaced.reply.opens_reasoning, False, edited=True)
             target = path[:index] + [Node("assistant", reply=version)]
             self._leave(path, target, index)
             self.history.add_reply(index, version)
@@ -165,7 +163,7 @@ class Conversation:
         """Start a new branch at the root with this system prompt; the conversation so far stays
         one switch away (`switch_branch(0, ...)` once the new branch has a message). False when
         it is the prompt shown already."""
-        text = text if text is not None and text.strip() else None
+        text = system_text(text)
         with self.exclusive():
             if text == self.history.system_prompt:
                 return False
@@ -250,8 +248,8 @@ class Conversation:
         if self._runtime.config.offload_sessions:
             self.session.to(self._runtime.model.device)
         if plan.fork is not None:  # keep the branch being replaced, to switch back to it
-            held = common_prefix_length(self.session.token_ids, plan.prompt_ids)
-            self._stash(self.history.entries, plan.fork, self.session.reachable(min(held, len(plan.prompt_ids) - 1)))
+            self._stash(self.history.entries, plan.fork,
+                        self.session.reachable(self.session.rollback_target(plan.prompt_ids)))
 
     def _after_turn(self) -> None:
         if self._runtime.config.offload_sessions:

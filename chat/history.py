@@ -56,6 +56,10 @@ class Node:
         assert self.reply is not None
         return {"role": "assistant", "content": self.reply.content, "reasoning_content": self.reply.reasoning_content}
 
+    def branches(self) -> tuple[int, int]:
+        """(shown, count) of its children: the branches that follow this message."""
+        return (self.active or 0, len(self.children))
+
     @property
     def shown_child(self) -> Node | None:
         return self.children[self.active] if self.active is not None else None
@@ -77,6 +81,11 @@ def check_room_for_sibling(parent: Node) -> None:
         raise ConversationError(f"this message already has {MAX_SIBLINGS} versions; switch to one of them")
 
 
+def system_text(text: str | None) -> str | None:
+    """A system prompt as the history keeps it: None when there is none (empty or blank)."""
+    return text if text is not None and text.strip() else None
+
+
 def detached_copy(node: Node) -> Node:
     return Node(node.role, node.content, node.reply)
 
@@ -85,8 +94,8 @@ class History:
     def __init__(self, system_prompt: str | None = None):
         self.root = Node("root")
         self.size = 0  # nodes in the tree, the root left out
-        if system_prompt is not None and system_prompt.strip():
-            self._attach(self.root, Node("system", system_prompt))
+        if (text := system_text(system_prompt)) is not None:
+            self._attach(self.root, Node("system", text))
 
     # ---- views -------------------------------------------------------------------------------
     @property
@@ -119,8 +128,16 @@ class History:
         return path[index - 1] if index else self.root
 
     def branches(self, index: int) -> tuple[int, int]:
-        parent = self.parent_at(index)
-        return (parent.active or 0, len(parent.children))
+        return self.parent_at(index).branches()
+
+    def message_at(self, index: Any, role: Role, error: type[ConversationError] = ConversationError) -> Node:
+        """The shown message `index`, checked to exist and to be a `role` message."""
+        self.parent_at(index, error)
+        node = self.entries[index]
+        if node.role != role:
+            what = "a reply" if role == "assistant" else f"a {role} one"
+            raise error(f"message {index} is a {node.role} message, not {what}")
+        return node
 
     def nodes(self) -> list[Node]:
         """Every node, parents before children, siblings in order."""
@@ -145,17 +162,12 @@ class History:
             if path and path[-1].role == "user":
                 return path
             raise NothingToRegenerateError("there is no reply to regenerate")
-        self.parent_at(index, NothingToRegenerateError)
-        if path[index].role != "assistant":
-            raise NothingToRegenerateError(f"message {index} is a {path[index].role} message, not a reply")
+        self.message_at(index, "assistant", NothingToRegenerateError)
         return path[:index]
 
     def with_edit(self, index: Any, text: str) -> list[Node]:
-        self.parent_at(index, NotAUserMessageError)
-        path = self.entries
-        if path[index].role != "user":
-            raise NotAUserMessageError(f"message {index} is a {path[index].role} message, not a user one")
-        return path[:index] + [Node("user", text)]
+        self.message_at(index, "user", NotAUserMessageError)
+        return self.entries[:index] + [Node("user", text)]
 
     def fork_of(self, path: list[Node]) -> int | None:
         """Where `path` and the reply recorded under it leave the shown path: the index of the
@@ -199,16 +211,14 @@ class History:
 
     def add_reply(self, index: int, version: ReplyVersion) -> Node:
         """A sibling of the reply at `index` (written by hand), shown."""
-        parent = self.parent_at(index)
-        if self.entries[index].role != "assistant":
-            raise ConversationError(f"message {index} is not a reply")
+        self.message_at(index, "assistant")
         self._check_size(1)
-        return self._attach(parent, Node("assistant", reply=version))
+        return self._attach(self.parent_at(index), Node("assistant", reply=version))
 
     def set_system_prompt(self, text: str | None) -> bool:
         """A new branch at the root that starts with this system prompt (none: the next message
         starts one); the current conversation stays one switch away. False if nothing changed."""
-        text = text if text is not None and text.strip() else None
+        text = system_text(text)
         if text == self.system_prompt:
             return False
         first = self.root.shown_child

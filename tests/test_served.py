@@ -131,20 +131,25 @@ class WireRecorder:
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream.encode())
 
 
-@pytest.mark.parametrize("template, reply", [("qwen3", "<think>\nadd them\n</think>\n\nIt is 85"),
-                                             ("qwen2_5", "It is 85")])
-def test_continue_through_chat_messages_sends_the_reply_so_far_left_open(base_tokenizer, tmp_path, template, reply):
+def wired_engine(base_tokenizer, folder: Path, template: str, *replies: str) -> tuple[ServedEngine, WireRecorder]:
+    """A served engine on a tokenizer with `template`, whose requests a `WireRecorder` answers."""
     import httpx
     import openai
 
     from conftest import tokenizer_with_template
 
-    folder = tmp_path / "tokenizer"
     tokenizer_with_template(base_tokenizer, template).save_pretrained(folder)
     engine = ServedEngine("http://wire.invalid/v1", "m", tokenizer=str(folder), max_retries=0)
-    wire = WireRecorder(reply, ", since 47 + 38 = 85.")
+    wire = WireRecorder(*replies)
     engine.runtime.client = openai.OpenAI(base_url="http://wire.invalid/v1", api_key="none", max_retries=0,
                                           http_client=httpx.Client(transport=httpx.MockTransport(wire)))
+    return engine, wire
+
+
+@pytest.mark.parametrize("template, reply", [("qwen3", "<think>\nadd them\n</think>\n\nIt is 85"),
+                                             ("qwen2_5", "It is 85")])
+def test_continue_through_chat_messages_sends_the_reply_so_far_left_open(base_tokenizer, tmp_path, template, reply):
+    engine, wire = wired_engine(base_tokenizer, tmp_path, template, reply, ", since 47 + 38 = 85.")
     conv = engine.conversation("Be brief.")
     list(conv.send("What is 47 + 38?", max_new_tokens=16, do_sample=False))
     list(conv.continue_reply(max_new_tokens=16, do_sample=False))
@@ -294,17 +299,7 @@ def test_stop_ends_the_request_on_the_server(endless_server):
 
 def test_a_reply_that_stopped_while_thinking_is_not_continued_through_chat_messages(base_tokenizer, tmp_path):
     """The template would close the thought before the server went on; the app says so, sends nothing."""
-    import httpx
-    import openai
-
-    from conftest import tokenizer_with_template
-
-    folder = tmp_path / "tokenizer"
-    tokenizer_with_template(base_tokenizer, "qwen3").save_pretrained(folder)
-    engine = ServedEngine("http://wire.invalid/v1", "m", tokenizer=str(folder), max_retries=0)
-    wire = WireRecorder("<think>\nadd the tens, then")
-    engine.runtime.client = openai.OpenAI(base_url="http://wire.invalid/v1", api_key="none", max_retries=0,
-                                          http_client=httpx.Client(transport=httpx.MockTransport(wire)))
+    engine, wire = wired_engine(base_tokenizer, tmp_path, "qwen3", "<think>\nadd the tens, then")
     conv = engine.conversation()
     list(conv.send("What is 47 + 38?", max_new_tokens=16, do_sample=False))
     assert conv.messages[-1]["content"] == "" and conv.messages[-1]["reasoning_content"]

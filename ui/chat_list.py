@@ -25,7 +25,6 @@ import gradio as gr
 
 from chat import ChatError
 from chat import saved
-from chat.history import History
 from ui import views
 from ui.directory import BrowserChat
 from ui.handlers import ChatHandlers, client_of, page_of
@@ -286,15 +285,9 @@ class ChatList:
         except ChatError as error:
             gr.Warning(f"This conversation could not be opened: {error}")
             return outputs
-        outputs.chat = stored_chat(history)
+        outputs.chat = views.path_messages(history.entries, {})[0]
         outputs.system_prompt = history.system_prompt or ""
         return outputs
-
-
-def stored_chat(history: History) -> list[dict]:
-    path = history.entries
-    return views.chatbot_messages([node.message() for node in path], {}, views.reply_marks(path),
-                                  views.branch_navs(path))[0]
 
 
 def _entry(store: dict[str, Any], chat_id: Any) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_sessions.manager import SessionManager, TooManySessions
-from chat import ChatEngine, Conversation, ConversationBusyError, ServerBusyError
+from chat import ChatEngine, Conversation, ServerBusyError
 
 
 @dataclass

@@ -69,9 +69,7 @@ class ChatHandlers:
 
     @staticmethod
     def chatbot_messages(browser: BrowserChat) -> tuple[list[dict], list[int | None]]:
-        path = browser.conversation.history.entries
-        return views.chatbot_messages([node.message() for node in path], browser.thinking_by_index(),
-                                      views.reply_marks(path), views.branch_navs(path))
+        return views.path_messages(browser.conversation.history.entries, browser.thinking_by_index())
 
     def _generate(self, request: gr.Request | None, key: Any, values: tuple,
                   make: Callable[[], Operation]) -> Iterator[ChatOutputs]:

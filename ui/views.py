@@ -77,11 +77,16 @@ def branch_navs(entries: list[Any]) -> dict[int, Nav]:
     """The controls under each message of the shown path that has siblings, or is an earlier reply."""
     navs = {}
     for index, node in enumerate(entries):
-        shown, count = (node.parent.active or 0, len(node.parent.children)) if node.parent is not None else (0, 1)
+        shown, count = node.parent.branches() if node.parent is not None else (0, 1)
         retry = node.role == "assistant" and index < len(entries) - 1
         if count > 1 or retry:
             navs[index] = Nav(shown, count, retry)
     return navs
+
+
+def path_messages(path: list[Any], thinking_seconds: dict[int, float]) -> tuple[list[dict], list[int | None]]:
+    """`chatbot_messages` for a shown path of the history (its nodes), with its marks and controls."""
+    return chatbot_messages([node.message() for node in path], thinking_seconds, reply_marks(path), branch_navs(path))
 
 
 def reply_marks(entries: list[Any]) -> dict[int, str]:
