@@ -71,7 +71,6 @@ def main(argv: list[str] | None = None) -> dict:
     greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
     conv = build_conversation(engine, words, args.history, args.branches, args.message_words, args.max_new_tokens)
-    first_branch = conv.branches(2)
     held = conv.session.nbytes()
     segments = conv.session.segment_count()
     segment_bytes = 0

@@ -13,7 +13,6 @@ time to first token. `python -m benchmarks.served --base-url http://127.0.0.1:80
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time

@@ -6,12 +6,11 @@ is refused."""
 import json
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_sessions.manager import SessionManager
-from chat import ChatEngine, ConversationError, SavedConversationError
+from chat import ConversationError, SavedConversationError
 from chat.history import MAX_NODES, MAX_SIBLINGS
 from chat.saved import MAX_DEPTH, MAX_MESSAGE_CHARS
 from conftest import PLAIN_TEMPLATE, THINKING_TEMPLATE, count_forwards
