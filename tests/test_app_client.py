@@ -46,7 +46,8 @@ def client(app):
 
 
 def test_send_streams_and_every_button_works(client):
-    job = client.submit("Hello there!", *settings(), api_name="/send")
+    # a reply long enough to span several 40 ms updates (12 tokens of the demo take about 35 ms)
+    job = client.submit("Hello there!", *settings(max_new_tokens=64), api_name="/send")
     outputs = job.outputs()
     final = job.result()
     assert len(outputs) > 3  # streamed: several updates, not one
@@ -54,7 +55,7 @@ def test_send_streams_and_every_button_works(client):
     assert chat[0] == ("user", "Hello there!") and chat[1][0] == "assistant" and chat[1][1]
     cleared = outputs[0][1]  # the message box is cleared at once (a streamed update carries its other props too)
     assert "from the cache" in final[2] and (cleared == "" or cleared.get("value") == "")
-    first_reply = chat[1][1]
+    first_reply = chat[-1][1]  # its last message shown (the answer, after its thinking)
 
     regenerated = client.predict(*settings(temperature=1.5), api_name="/regenerate")
     assert "2 / 2" in regenerated[3]["value"]
