@@ -131,9 +131,9 @@ class Conversation:
             path = self.history.entries
             replaced = self.history.message_at(index, "assistant")
             version = ReplyVersion(text, "", None, None, replaced.reply.opens_reasoning, False, edited=True)
-            target = path[:index] + [Node("assistant", reply=version)]
-            self._leave(path, target, index)
-            self.history.add_reply(index, version)
+            written = self.history.node("assistant", reply=version)
+            self._leave(path, path[:index] + [written], index)
+            self.history.add_reply(index, written)
             self._revision += 1
 
     def switch_branch(self, index: int, branch: int) -> bool:
@@ -167,7 +167,7 @@ class Conversation:
         with self.exclusive():
             if text == self.history.system_prompt:
                 return False
-            self._leave(self.history.entries, [Node("system", text)] if text else [], 0)
+            self._leave(self.history.entries, [self.history.node("system", text)] if text else [], 0)
             self.history.set_system_prompt(text)
             self._revision += 1
             return True

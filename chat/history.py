@@ -10,7 +10,6 @@ tree as it was.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,7 +19,6 @@ Message = dict[str, Any]
 Role = Literal["system", "user", "assistant"]
 MAX_SIBLINGS = 32  # branches at one message
 MAX_NODES = 2000  # messages in the whole tree, every branch counted
-_node_ids = itertools.count()
 
 
 @dataclass
@@ -40,15 +38,18 @@ class ReplyVersion:
 
 @dataclass(eq=False)
 class Node:
-    """A message in the tree. `active` is the child shown (None: the shown path ends here)."""
+    """A message in the tree. `active` is the child shown (None: the shown path ends here).
+    `uid` is drawn from the tree's own counter (`History.node`): unique within the tree wherever
+    it travels (a ZeroGPU worker, a pickle), so branch states and thinking times keyed by it
+    never meet another branch's."""
 
     role: Literal["root", "system", "user", "assistant"]
+    uid: int
     content: str = ""  # system and user messages
     reply: ReplyVersion | None = None  # assistant messages
     parent: Node | None = field(default=None, repr=False)
     children: list[Node] = field(default_factory=list, repr=False)
     active: int | None = None
-    uid: int = field(default_factory=lambda: next(_node_ids))
 
     def message(self) -> Message:
         if self.role != "assistant":
@@ -86,16 +87,20 @@ def system_text(text: str | None) -> str | None:
     return text if text is not None and text.strip() else None
 
 
-def detached_copy(node: Node) -> Node:
-    return Node(node.role, node.content, node.reply)
-
-
 class History:
     def __init__(self, system_prompt: str | None = None):
-        self.root = Node("root")
+        self._next_uid = 1  # travels with the tree: ids stay unique whoever adds to it
+        self.root = Node("root", 0)
         self.size = 0  # nodes in the tree, the root left out
         if (text := system_text(system_prompt)) is not None:
-            self._attach(self.root, Node("system", text))
+            self._attach(self.root, self.node("system", text))
+
+    def node(self, role: Literal["system", "user", "assistant"], content: str = "",
+             reply: ReplyVersion | None = None) -> Node:
+        """A new, unattached message with the next id of this tree (a planned path's new nodes
+        draw theirs too, recorded or not: an id is never given twice)."""
+        uid, self._next_uid = self._next_uid, self._next_uid + 1
+        return Node(role, uid, content, reply)
 
     # ---- views -------------------------------------------------------------------------------
     @property
@@ -150,7 +155,7 @@ class History:
 
     # ---- the path an operation answers (nothing changes until it is recorded) ----------------
     def with_user_message(self, text: str) -> list[Node]:
-        return self.entries + [Node("user", text)]
+        return self.entries + [self.node("user", text)]
 
     def for_regeneration(self, index: Any = None) -> list[Node]:
         """The path the reply at `index` answered (default: the last reply, or a trailing user
@@ -167,7 +172,7 @@ class History:
 
     def with_edit(self, index: Any, text: str) -> list[Node]:
         self.message_at(index, "user", NotAUserMessageError)
-        return self.entries[:index] + [Node("user", text)]
+        return self.entries[:index] + [self.node("user", text)]
 
     def fork_of(self, path: list[Node]) -> int | None:
         """Where `path` and the reply recorded under it leave the shown path: the index of the
@@ -201,19 +206,20 @@ class History:
             if node.parent is parent:
                 parent.show(node)
             else:
-                node = self._attach(parent, node if node.parent is None else detached_copy(node))
+                copy = node if node.parent is None else self.node(node.role, node.content, node.reply)
+                node = self._attach(parent, copy)
             parent = node
-        return self._attach(parent, Node("assistant", reply=version))
+        return self._attach(parent, self.node("assistant", reply=version))
 
     def record_continuation(self, path: list[Node], version: ReplyVersion) -> None:
         """The last reply of `path` (the shown path), extended in place."""
         path[-1].reply = version
 
-    def add_reply(self, index: int, version: ReplyVersion) -> Node:
-        """A sibling of the reply at `index` (written by hand), shown."""
+    def add_reply(self, index: int, node: Node) -> Node:
+        """`node`, a reply written by hand (made by `node()`), as a sibling of the reply at `index`, shown."""
         self.message_at(index, "assistant")
         self._check_size(1)
-        return self._attach(self.parent_at(index), Node("assistant", reply=version))
+        return self._attach(self.parent_at(index), node)
 
     def set_system_prompt(self, text: str | None) -> bool:
         """A new branch at the root that starts with this system prompt (none: the next message
@@ -229,7 +235,7 @@ class History:
             self.root.active = None
             return True
         self._check_size(1)
-        self._attach(self.root, Node("system", text))
+        self._attach(self.root, self.node("system", text))
         return True
 
     def undo(self) -> int:

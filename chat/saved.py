@@ -113,14 +113,14 @@ def from_dict(data: Any) -> History:
             flags = [item.get(name, False) for name in ("stopped", "edited")]
             if not all(isinstance(flag, bool) for flag in flags):
                 fail(f"{where}.stopped and .edited must be true or false")
-            node = Node("assistant", reply=ReplyVersion(content, reasoning, None, None, False, *flags))
+            node = history.node("assistant", reply=ReplyVersion(content, reasoning, None, None, False, *flags))
             total_chars += len(reasoning)
         else:
             if set(item) & {"reasoning_content", "stopped", "edited"}:
                 fail(f"{where}: only replies have reasoning_content, stopped or edited")
             if not content.strip():
                 fail(f"{where}.content is empty")
-            node = Node(role, content)
+            node = history.node(role, content)
         total_chars += len(content)
         if total_chars > MAX_TOTAL_CHARS:
             fail(f"more than {MAX_TOTAL_CHARS} characters in all")

@@ -11,7 +11,8 @@ import pickle
 import pytest
 import torch
 
-from chat import ChatEngine, Continue, EmptyMessageError, NothingToRegenerateError, GenerationOptions, Regenerate, Send
+from chat import (ChatEngine, Continue, Edit, EmptyMessageError, GenerationOptions, NothingToRegenerateError, Regenerate,
+                  Send)
 from chat import remote
 from chat.remote import RemoteOperation
 from conftest import THINKING_TEMPLATE
@@ -127,3 +128,33 @@ def test_the_app_runs_every_operation_through_the_worker_on_zerogpu(engine, monk
     assert messages(last.chat)[0]["content"] == "Edited?"
     assert calls == ["reply", "reply", "continue", "reply"]
     assert {t.device.type for t in conv.session.tensors()} == {"cpu"}
+
+
+def test_message_ids_stay_unique_through_the_worker_and_the_saved_copy_restores_exact(engine, models, tokenizers):
+    """Send, Regenerate, Edit, a switch and Continue, each through fork + pickle: the tree's ids
+    stay unique (a process-wide counter gave the worker and the server the same ones), so the
+    saved copy restores, and its branches switch with their kept states, exactly."""
+    model, tokenizer = models["hybrid"], tokenizers[THINKING_TEMPLATE]
+    runner = fake_spaces_gpu(remote.run_plan)
+    conv = engine.conversation("System.")
+    for operation in (Send("First?"), Regenerate(), Send("Second?"), Edit(1, "First, edited?"), Continue()):
+        list(RemoteOperation(conv, runner, operation, GREEDY))
+        uids = [node.uid for node in conv.history.nodes()]
+        assert len(uids) == len(set(uids)), uids
+    assert conv.switch_branch(1, 0)  # back to the first question's branch, on the server
+    list(RemoteOperation(conv, runner, Send("Third?"), GREEDY))
+    check_exact(conv, model, tokenizer, max_new_tokens=8)
+    uids = [node.uid for node in conv.history.nodes()]
+    assert len(uids) == len(set(uids)), uids
+
+    restored = engine.restore(conv.to_dict())
+    assert restored.to_dict() == conv.to_dict()
+    list(restored.send("Fourth?", max_new_tokens=8, do_sample=False))
+    check_exact(restored, model, tokenizer, max_new_tokens=8)
+    shown = restored.messages
+    list(restored.edit(1, "Another first?", max_new_tokens=8, do_sample=False))
+    assert restored.switch_branch(1, 0) is True  # the kept states are put back
+    assert restored.messages == shown
+    check_exact(restored, model, tokenizer, max_new_tokens=8, generated=False)
+    list(restored.send("Fifth?", max_new_tokens=8, do_sample=False))
+    check_exact(restored, model, tokenizer, max_new_tokens=8)

@@ -74,16 +74,18 @@ def test_the_stats_line_speaks_plainly_and_keeps_details_a_click_away():
 
 
 def test_a_reply_says_which_version_it_is_and_whether_it_was_stopped():
-    from chat.history import Node, ReplyVersion
+    from chat.history import History, ReplyVersion
     from ui import views
 
-    def version(text, stopped=False):
-        return Node("assistant", reply=ReplyVersion(text, "", [1], [2], False, stopped))
+    tree = History()
 
-    question = Node("user", "Q1")
+    def version(text, stopped=False):
+        return tree.node("assistant", reply=ReplyVersion(text, "", [1], [2], False, stopped))
+
+    question = tree.node("user", "Q1")
     question.add_child(version("A"))
     question.add_child(version("B", stopped=True))
-    later = question.shown_child.add_child(Node("user", "Q2"))
+    later = question.shown_child.add_child(tree.node("user", "Q2"))
     entries = [question, question.shown_child, later, later.add_child(version("C"))]
     shown, index_of = views.chatbot_messages([e.message() for e in entries], {}, views.reply_marks(entries),
                                              views.branch_navs(entries))
