@@ -276,7 +276,11 @@ def load_engine(config: AppConfig) -> Any:
     engine = ChatEngine.load(config.model, device="cuda" if ON_ZERO_GPU else config.device, dtype=config.dtype,
                              max_checkpoints=config.max_checkpoints, offload_sessions=ON_ZERO_GPU,
                              max_batch_size=config.max_batch, prefill_chunk=config.prefill_chunk,
+                             cache_budget_bytes=int(config.cache_budget_mb * 2**20),
                              **(dict(shared_prefixes=0) if ON_ZERO_GPU else {}))
+    if ON_ZERO_GPU:  # each reply runs in the worker process `spaces.GPU` forks (chat/remote.py)
+        remote.ENGINE = engine
+        engine.run_replies_in(spaces.GPU(duration=120)(remote.run_in_worker))
     model = engine.model
     print(f"rewind-chat: model {config.model} ({type(model).__name__}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) on {model.device}, "
@@ -301,13 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as error:
         print(f"rewind-chat: {error}", file=sys.stderr)
         return 1
-    directory = ChatDirectory(engine, budget_bytes=int(config.cache_budget_mb * 2**20),
-                              max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_min * 60,
+    directory = ChatDirectory(engine, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_min * 60,
                               max_per_client=config.max_per_client or None)
-    runner = None
-    if ON_ZERO_GPU and config.backend == "local":
-        remote.ENGINE = engine
-        runner = spaces.GPU(duration=120)(remote.run_plan)
     is_demo = config.model == "demo" and config.backend == "local"
     label = "`demo` (a toy model trained here: arithmetic and a few phrases)" if is_demo else f"`{config.model}`"
     if config.backend == "openai":
@@ -315,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = Limits(max_new_tokens=config.max_new_tokens, max_message_chars=config.max_message_chars,
                     max_system_chars=config.max_system_chars)
     metrics = Metrics(directory)
-    demo = build(ChatHandlers(engine, directory, runner=runner, limits=limits, metrics=metrics), model_label=label,
+    demo = build(ChatHandlers(engine, directory, limits=limits, metrics=metrics), model_label=label,
                  max_new_tokens=config.max_new_tokens, storage_secret=config.storage_secret,
                  **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
     demo.queue(default_concurrency_limit=config.streams, max_size=256)

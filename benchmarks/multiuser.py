@@ -40,7 +40,7 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(0.005):
-            self.peak_bytes = max(self.peak_bytes, self.engine.scheduler.batch_bytes())
+            self.peak_bytes = max(self.peak_bytes, self.engine.caches.stats().batch_bytes)
 
     def stop(self) -> int:
         self.done.set()

@@ -7,9 +7,11 @@ Module map:
   checkpoints.py  bounded-size snapshots at token positions, and the store that keeps them
   segments.py     the states a span of tokens added, cut out to be put back (reply versions)
   tensors.py      walking nested states: find, move and measure their tensors
+  branches.py     which messages a cache holds; keeping and putting back a branch's states
   batch.py        several sessions' caches as one batched cache for decode steps, and back (one row: its own)
   prefixes.py     shared prefilled prefixes (system prompts) for new sessions
-  manager.py      many sessions under one byte budget: LRU eviction of idle ones, limits, expiry
+  owner.py        the one owner of every session's states: applies each change on the loop, pins, budget
+  manager.py      sessions found by server-made keys: a count limit and idle expiry
 """
 
 from cache_sessions.checkpoints import Checkpoint, CheckpointStore

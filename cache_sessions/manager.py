@@ -1,10 +1,9 @@
-"""Many cache sessions on one model: a global byte budget, a session count, idle expiry.
+"""Many sessions on one server: found by keys this class makes (never by an id a client sends),
+held to a count, and expired when idle.
 
-Sessions are found by keys this class makes (never by an id a client sends). When the caches
-together exceed the budget, the segments idle sessions keep for branches not shown go first,
-oldest first (switching to such a branch then prefills it); then the least recently used *idle*
-session is released: its owner keeps everything else (a conversation keeps its messages) and
-its next turn rebuilds. A session in use (a generation running) is never touched.
+Each entry is an owner that says whether it is busy and closes itself (a browser's chat closes
+its conversation, which frees its cache once its operation ends). The memory the caches hold is
+the cache owner's to budget (cache_sessions/owner.py); this class never touches a cache.
 """
 
 from __future__ import annotations
@@ -12,70 +11,55 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
-
-from cache_sessions.prefixes import PrefixStore
-from cache_sessions.session import CacheSession
+from typing import Any, Callable, Protocol
 
 
-class HasCacheSession(Protocol):
-    session: CacheSession
+class Closable(Protocol):
+    @property
+    def busy(self) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 class TooManySessions(RuntimeError):
-    """Every session slot is held by a session in use."""
+    """Every session slot is held by a busy session."""
 
 
 @dataclass
 class _Slot:
     owner: Any
     last_used: float
-    in_use: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ManagerStats:
     sessions: int
-    in_use: int
-    cache_bytes: int
-    shared_prefix_bytes: int
-    evictions: int
+    busy: int
     expired: int
-    closed_for_room: int = 0
-    budget_bytes: int | None = None
-    segments_freed: int = 0
+    closed_for_room: int
 
 
 class SessionManager:
-    def __init__(self, *, budget_bytes: int | None = None, max_sessions: int | None = None,
-                 idle_timeout_s: float | None = None, prefix_store: PrefixStore | None = None,
-                 clock: Callable[[], float] = time.monotonic, on_close: Callable[[str], None] | None = None,
-                 extra_bytes: Callable[[], int] | None = None):
+    def __init__(self, *, max_sessions: int | None = None, idle_timeout_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, on_close: Callable[[str], None] | None = None):
         """`on_close(key)` is told of every key that stops being valid (closed, expired, made room
-        for), so whoever mapped something to it can forget it. `extra_bytes()`: memory held for
-        the sessions elsewhere (a batched copy of the decoding caches), counted in the budget."""
-        self.budget_bytes = budget_bytes
+        for), so whoever mapped something to it can forget it."""
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
-        self.prefix_store = prefix_store
         self._clock = clock
         self._on_close = on_close
-        self._extra_bytes = extra_bytes
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.RLock()
-        self.evictions = 0
         self.expired = 0
         self.closed_for_room = 0
-        self.segments_freed = 0
 
-    def open(self, owner: HasCacheSession) -> str:
+    def open(self, owner: Closable) -> str:
         """Register `owner` and return the new key that finds it."""
         with self._lock:
             self.expire_idle()
             if self.max_sessions is not None and len(self._slots) >= self.max_sessions:
-                idle = [key for key, slot in self._slots.items() if not slot.in_use]
+                idle = [key for key, slot in self._slots.items() if not slot.owner.busy]
                 if not idle:
                     raise TooManySessions(f"all {self.max_sessions} sessions are busy; try again shortly")
                 self.close(min(idle, key=lambda key: self._slots[key].last_used))
@@ -93,29 +77,12 @@ class SessionManager:
             slot.last_used = self._clock()
             return slot.owner
 
-    @contextmanager
-    def using(self, key: str) -> Iterator[Any]:
-        """Mark the session busy (not evictable) while the block runs, then hold the budget."""
-        with self._lock:
-            slot = self._slots.get(key)
-            if slot is None:
-                raise KeyError("no such session")
-            slot.in_use += 1
-        try:
-            yield slot.owner
-        finally:
-            with self._lock:
-                slot.in_use -= 1
-                slot.last_used = self._clock()
-            self.enforce_budget()
-
     def close(self, key: str | None) -> None:
         with self._lock:
             slot = self._slots.pop(key, None) if isinstance(key, str) else None
         if slot is None:
             return
-        if not slot.in_use:
-            slot.owner.session.release()
+        slot.owner.close()
         if self._on_close is not None:
             self._on_close(key)
 
@@ -124,43 +91,14 @@ class SessionManager:
             return []
         with self._lock:
             now = self._clock()
-            stale = [k for k, s in self._slots.items() if not s.in_use and now - s.last_used > self.idle_timeout_s]
+            for slot in self._slots.values():
+                if slot.owner.busy:  # in use now: its idle time starts when it ends
+                    slot.last_used = now
+            stale = [key for key, slot in self._slots.items() if now - slot.last_used > self.idle_timeout_s]
             for key in stale:
                 self.close(key)
             self.expired += len(stale)
             return stale
-
-    def total_bytes(self) -> int:
-        with self._lock:
-            owners = [slot.owner for slot in self._slots.values()]
-        shared = self.prefix_store.nbytes() if self.prefix_store is not None else 0
-        extra = self._extra_bytes() if self._extra_bytes is not None else 0
-        return shared + extra + sum(owner.session.nbytes() for owner in owners)
-
-    def enforce_budget(self) -> list[str]:
-        """Free kept branch segments of idle sessions (oldest first), then release idle sessions
-        (least recently used first), then shared prefixes, until within budget."""
-        if self.budget_bytes is None:
-            return []
-        released: list[str] = []
-        with self._lock:
-            while self.total_bytes() > self.budget_bytes:
-                keeping = [slot.owner.session for slot in self._slots.values()
-                           if not slot.in_use and slot.owner.session.segment_count()]
-                if keeping:
-                    min(keeping, key=lambda session: session.oldest_segment_age()).drop_oldest_segment()
-                    self.segments_freed += 1
-                    continue
-                idle = [key for key, slot in self._slots.items()
-                        if not slot.in_use and slot.owner.session.nbytes() > 0 and key not in released]
-                if idle:
-                    key = min(idle, key=lambda k: self._slots[k].last_used)
-                    self._slots[key].owner.session.release()
-                    released.append(key)
-                    self.evictions += 1
-                elif self.prefix_store is None or not self.prefix_store.evict_one():
-                    break  # only sessions in use are left: they finish first
-        return released
 
     def __contains__(self, key: object) -> bool:
         return key in self._slots
@@ -170,14 +108,5 @@ class SessionManager:
 
     def stats(self) -> ManagerStats:
         with self._lock:
-            return ManagerStats(
-                sessions=len(self._slots),
-                in_use=sum(1 for slot in self._slots.values() if slot.in_use),
-                cache_bytes=self.total_bytes(),
-                shared_prefix_bytes=self.prefix_store.nbytes() if self.prefix_store is not None else 0,
-                evictions=self.evictions,
-                expired=self.expired,
-                closed_for_room=self.closed_for_room,
-                budget_bytes=self.budget_bytes,
-                segments_freed=self.segments_freed,
-            )
+            return ManagerStats(sessions=len(self._slots), busy=sum(1 for s in self._slots.values() if s.owner.busy),
+                                expired=self.expired, closed_for_room=self.closed_for_room)

@@ -8,7 +8,7 @@ system prompt) is a segment that starts at 0.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterator
 
 import torch
@@ -21,6 +21,7 @@ class Segment:
     start: int  # the cache held `start` tokens when the segment began
     token_ids: list[int]  # the tokens it covers, positions [start, start + len)
     states: list[Any]  # one entry per LayerKind
+    labels: list[Hashable] = field(default_factory=list)  # the messages it covers (cache_sessions/branches.py)
 
     @property
     def end(self) -> int:

@@ -145,19 +145,26 @@ class CacheSession(CacheStates):
         self._check_invariant()
 
     # ---- segments: cut a span of states out, put it back later without a forward pass -------
-    def stash_segment(self, key: Hashable, start: int) -> bool:
+    def stash_segment(self, key: Hashable, start: int, labels: Sequence[Hashable] = ()) -> bool:
         """Keep the states from `start` to the end under `key` (replacing what it held), to come
-        back to them later; False when the cache holds nothing past `start`."""
+        back to them later, with the labels of the messages they cover; False when the cache
+        holds nothing past `start`."""
         if not 0 <= start < len(self.token_ids):
             return False
-        self._segments.put(key, self.cut_segment(start))
+        segment = self.cut_segment(start)
+        segment.labels = list(labels)
+        self._segments.put(key, segment)
         return True
 
-    def restore_segment(self, key: Hashable) -> bool:
+    def restore_segment(self, key: Hashable, labels_before: Sequence[Hashable] = ()) -> bool:
         """Put back the segment kept under `key`, which is then no longer kept apart (it is in the
-        cache). False when there is none or the cache cannot reach its start (it is dropped)."""
+        cache); the ledger's labels become `labels_before` and the segment's. False when there is
+        none or the cache cannot reach its start (it is dropped)."""
         segment = self._segments.pop(key)
-        return segment is not None and self.append_segment(segment)
+        if segment is None or not self.append_segment(segment):
+            return False
+        self.labels = list(labels_before) + segment.labels
+        return True
 
     def segment_start(self, key: Hashable) -> int | None:
         segment = self._segments.get(key)

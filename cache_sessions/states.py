@@ -5,7 +5,7 @@ memory and device moves live here; `CacheSession` adds the prompt-driven path on
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Hashable, Iterator
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -31,6 +31,9 @@ class CacheStates:
         self.model = model
         self.max_checkpoints = max_checkpoints
         self.token_ids: list[int] = []
+        # The ids of the messages whose tokens the ledger holds, in order, as its owner names
+        # them (cache_sessions/branches.py): what to keep and put back, never what is exact.
+        self.labels: list[Hashable] = []
         self._segments = SegmentStore()
         self._states_lost = False
         self._fork: int | None = None  # where the last prompt parted from the cache, if not reached yet
@@ -44,6 +47,7 @@ class CacheStates:
         self._uses_checkpoints = needs_checkpoints(self._kinds)
         self.checkpoints = CheckpointStore(self.max_checkpoints if self._uses_checkpoints else 0)
         self.token_ids = []
+        self.labels = []
 
     @property
     def kinds(self) -> tuple[LayerKind, ...]:
@@ -55,6 +59,12 @@ class CacheStates:
         state = self.__dict__.copy()
         state["model"] = None
         return state
+
+    def take_state_of(self, other: "CacheStates") -> None:
+        """Become `other` (this session, updated in a worker process), keeping this one's model."""
+        model = self.model
+        self.__dict__.update(other.__dict__)
+        self.model = model
 
     def rollback_to(self, target: int) -> RollbackResult:
         """Go back to `target` tokens, or to the closest exact point before it."""

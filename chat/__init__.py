@@ -4,20 +4,23 @@ Module map:
   engine.py        ChatEngine: a loaded model + tokenizer; makes conversations
   config.py        EngineConfig: the engine's limits, each default once
   runtime.py       Runtime: the narrow part of an engine a conversation uses
-  conversation.py  Conversation: plans and runs operations over one cache session
+  conversation.py  Conversation: plans operations, has its reply source make them, records them
   operations.py    Send / Regenerate / Edit / Continue: operations as checked values
   options.py       GenerationOptions: what a user sets per reply
   history.py       the canonical messages as a tree of branches; one path is shown
   saved.py         a conversation as JSON-safe data, and the checked way back (restore)
-  plans.py         planning an operation: history, prompt ids, context check (no changes)
-  turns.py         one reply being made: submit, stream deltas, then reply and stats
-  scheduler.py     continuous batching: chunked prefill and one batched decode step for all replies
+  plans.py         planning an operation: history, prompt ids, context fitted (no changes)
+  fitting.py       leaving the oldest turns out to fit the context, in time bounded by the context
+  sources.py       where replies come from: ReplyRequest in, deltas and a Reply out (a protocol)
+  local.py         replies from the embedded engine (the scheduler and the cache owner)
+  served.py        replies from an OpenAI-compatible server
+  remote.py        replies from a ZeroGPU worker process
+  scheduler.py     the one loop: cache commands, chunked prefill and one batched decode step for all replies
   sampling.py      the next token of one row: transformers' logits processors, greedy or seeded sampling
   detokenizer.py   streamed token ids to text deltas, whole characters only
   templates.py     rendering history to prompt ids with the tokenizer's chat template
   reasoning.py     splitting <think> reasoning from the answer, as a stream
   worker.py        the compute thread every forward pass runs on
-  remote.py        running a planned operation in another process (Hugging Face ZeroGPU)
   loading.py       from_pretrained with automatic device and dtype; the "demo" model
   demo.py          where the trained demo model lies; the tests' tokenizer, trained in code
   models.py        the table of model shapes built in code (demo, tests, benchmarks)
@@ -46,7 +49,7 @@ from chat.operations import Continue, Edit, Operation, Regenerate, Send
 from chat.options import GenerationOptions
 from chat.reasoning import Delta
 from chat.saved import SavedConversationError
-from chat.turns import ReplyStream, TurnStats
+from chat.sources import ReplyStream, TurnStats
 
 __all__ = [
     "ChatEngine",

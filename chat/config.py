@@ -17,18 +17,19 @@ class EngineConfig:
     `context_limit`: prompt + reply tokens allowed (None: the model's max_position_embeddings).
     `shared_prefixes`: distinct system-prompt prefixes kept prefilled for new conversations.
     `offload_sessions`: keep caches on the CPU between operations (ZeroGPU, where GPU memory
-    does not survive between calls). `compute_threads`: generations that can run at once; more
-    than one only pays off on a GPU (see chat/worker.py). `max_batch_size`: replies decoded together
-in one forward per step; more wait for a free row. `prefill_chunk`: prompt tokens a newcomer
-prefills per step while others decode (what a long prompt can delay them by, per step)."""
+    does not survive between calls). `max_batch_size`: replies decoded together in one forward
+    per step; more wait for a free row. `prefill_chunk`: prompt tokens a newcomer prefills per
+    step while others decode (what a long prompt can delay them by, per step).
+    `cache_budget_bytes`: every cache together (None: no limit); over it, kept branches of idle
+    conversations go first, then idle conversations' caches (cache_sessions/owner.py)."""
 
     max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS
     context_limit: int | None = None
     shared_prefixes: int = DEFAULT_MAX_ENTRIES
     offload_sessions: bool = False
-    compute_threads: int = 1
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    cache_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_checkpoints < 0:
@@ -37,9 +38,9 @@ prefills per step while others decode (what a long prompt can delay them by, per
             raise ValueError("context_limit must be at least 2 tokens")
         if self.shared_prefixes < 0:
             raise ValueError("shared_prefixes must be >= 0")
-        if self.compute_threads < 1:
-            raise ValueError("compute_threads must be at least 1")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
+        if self.cache_budget_bytes is not None and self.cache_budget_bytes < 0:
+            raise ValueError("cache_budget_bytes must be >= 0")

@@ -1,69 +1,48 @@
-"""A conversation: the canonical history (a tree of branches) and the one cache session that serves it.
+"""A conversation: the canonical history (a tree of branches) and the reply source that serves it.
 
-Every operation is planned first (validated, prompt rendered, context checked: chat/plans.py)
-and only then run (chat/turns.py), so bad input raises before anything changes. Running means:
-roll the cache back to where the new prompt diverges, prefill the rest, stream the reply,
-record it in the history (chat/history.py).
+Every operation is planned first (validated, prompt rendered, context fitted: chat/plans.py) and
+only then run, so bad input raises before anything changes. Running means: the source makes the
+reply (chat/sources.py: the embedded engine, a model server, a ZeroGPU worker) and the reply is
+recorded in the history (chat/history.py). A branch switch, an undo or a hand-edited reply tells
+the source how the shown path changes, so it can keep and put back its states.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from dataclasses import replace
+from typing import Any, Callable, Iterator
 
-from cache_sessions.session import CacheSession, common_prefix_length
+from cache_sessions.branches import BranchMove
+from cache_sessions.session import CacheSession
 from chat import saved
 from chat.errors import ConversationBusyError, ConversationError, StalePlanError
 from chat.history import History, Message, Node, ReplyVersion, system_text
 from chat.operations import Continue, Edit, Operation, Regenerate, Send, checked_text
 from chat.options import GenerationOptions
-from chat.plans import Plan, plan_operation, reply_tokens
+from chat.plans import Plan, Planner
 from chat.reasoning import Delta
-from chat.runtime import Runtime
-from chat.turns import ReplyStream, Turn, TurnStats
+from chat.sources import Reply, ReplySource, ReplyStream, TurnStats
+
+Cancelled = Callable[[], bool]  # True once whoever asked for the operation went away
 
 
 class Conversation:
-    def __init__(self, runtime: Runtime, system_prompt: str | None = None, history: History | None = None,
-                 session: CacheSession | None = None):
-        """`session`: what holds the cache (by default a new `CacheSession` on the runtime's model)."""
-        self._runtime = runtime
-        self.session = session or CacheSession(runtime.model, max_checkpoints=runtime.config.max_checkpoints)
+    def __init__(self, planner: Planner, source: ReplySource, history: History | None = None,
+                 system_prompt: str | None = None):
+        self.planner, self.source = planner, source
         self.history = history or History(system_prompt)
         self.stats: TurnStats | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._revision = 0
-        # The messages (node ids) whose tokens the cache ledger holds, and those of each kept
-        # segment: the cache may lag the shown path (switches and undo are lazy).
-        self._cached_path: list[int] = []
-        self._segment_paths: dict[int, list[int]] = {}
-
-    # ---- moving between processes (ZeroGPU runs each call in a forked worker) ---------------
-    def __getstate__(self) -> dict[str, Any]:
-        """Everything but the runtime, locks and events: a conversation travels without its model."""
-        state = self.__dict__.copy()
-        for name in ("_runtime", "_lock", "_stop"):
-            del state[name]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._runtime = None  # type: ignore[assignment]  # attach() gives it one
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-
-    def attach(self, runtime: Runtime) -> None:
-        """Serve this conversation with `runtime` (after it crossed a process boundary)."""
-        self._runtime = runtime
-        self.session.model = runtime.model
-
-    def take_state_of(self, other: "Conversation") -> None:
-        """Become `other` (the same conversation, updated in a worker process)."""
-        self.__dict__.update(other.__getstate__())
-        self.session.model = self._runtime.model
 
     # ---- read-only views -------------------------------------------------------------------
+    @property
+    def session(self) -> CacheSession | None:
+        """The cache states kept here for this conversation (None: a model server keeps them)."""
+        return self.source.session
+
     @property
     def messages(self) -> list[Message]:
         """The shown path."""
@@ -72,7 +51,7 @@ class Conversation:
     @property
     def reply_ids(self) -> list[int]:
         path = self.history.entries
-        return reply_tokens(self._runtime, path)[1] if path and path[-1].role == "assistant" else []
+        return self.planner.reply_tokens(path)[1] if path and path[-1].role == "assistant" else []
 
     def branches(self, index: int) -> tuple[int, int]:
         """(shown, count) of the siblings at message `index` of `messages`; (0, 1) if it has none."""
@@ -89,14 +68,15 @@ class Conversation:
         return self.history.system_prompt
 
     @property
-    def is_generating(self) -> bool:
+    def is_busy(self) -> bool:
+        """An operation runs (a reply, a switch, an undo...): the one meaning of busy."""
         return self._lock.locked()
 
     def to_dict(self) -> dict[str, Any]:
         """The whole tree and the shown path, JSON-safe (`engine.restore` takes it back)."""
         return saved.to_dict(self.history)
 
-    # ---- operations ------------------------------------------------------------------------
+    # ---- operations that make a reply ----------------------------------------------------------
     def send(self, text: str, *, fit_context: bool = False, **options: Any) -> ReplyStream:
         """Add a user message and stream the reply (see `operations.Send` for `fit_context`)."""
         return self.start(Send(text, fit_context), GenerationOptions.from_kwargs(**options))
@@ -113,16 +93,42 @@ class Conversation:
         """Extend the last reply in the same turn: the cache goes on from where it stopped."""
         return self.start(Continue(), GenerationOptions.from_kwargs(**options))
 
-    def start(self, operation: Operation, options: GenerationOptions | None = None) -> ReplyStream:
+    def start(self, operation: Operation, options: GenerationOptions | None = None,
+              cancelled: Cancelled = lambda: False) -> ReplyStream:
         """Plan `operation` now (raising before anything changes) and return its stream."""
-        plan = self.plan(operation, options or GenerationOptions())
+        plan = self.plan(operation, options or GenerationOptions(), cancelled)
         return ReplyStream(self.run(plan), plan.dropped_turns)
 
-    def plan(self, operation: Operation, options: GenerationOptions) -> Plan:
-        if self.is_generating:
+    def plan(self, operation: Operation, options: GenerationOptions, cancelled: Cancelled = lambda: False) -> Plan:
+        if self.is_busy:
             raise ConversationBusyError("a reply is still being generated; stop it first")
-        return plan_operation(operation, self.history, self._runtime, options, self._revision)
+        plan = self.planner.plan(operation, self.history, options, self._revision, cancelled)
+        self.source.check(plan.request)
+        return plan
 
+    def run(self, plan: Plan) -> Iterator[Delta]:
+        """Stream the reply of a plan made by `plan()`; refused if the conversation changed since."""
+        with self.exclusive():
+            if plan.revision != self._revision:
+                raise StalePlanError("the conversation changed after this operation was planned")
+            self._stop.clear()
+            run = self.source.reply(plan.request, self._stop)
+            try:
+                yield from run
+            finally:
+                reply = run.result()
+                if reply is not None:
+                    self._record(plan, reply)
+
+    def _record(self, plan: Plan, reply: Reply) -> None:
+        if plan.reply is None:
+            self.history.record_continuation(plan.history, reply.version)
+        else:
+            self.history.record_reply(plan.history, plan.reply, reply.version)
+        self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
+        self._revision += 1
+
+    # ---- operations that change what is shown --------------------------------------------------
     def edit_reply(self, index: int, text: str) -> None:
         """A new sibling of the reply at `index` with this text (nothing generated); the next turn
         or Continue goes on from it."""
@@ -132,7 +138,7 @@ class Conversation:
             replaced = self.history.message_at(index, "assistant")
             version = ReplyVersion(text, "", None, None, replaced.reply.opens_reasoning, False, edited=True)
             written = self.history.node("assistant", reply=version)
-            self._leave(path, path[:index] + [written], index)
+            self._move(path, path[:index] + [written], index)
             self.history.add_reply(index, written)
             self._revision += 1
 
@@ -144,11 +150,11 @@ class Conversation:
             path = self.history.entries
             arriving = self.history.sibling(index, branch)
             if arriving is path[index]:
-                return self._holds(path[: index + 1])
+                return self._move(path, path, index)  # nothing changes: are its states held?
             target = path[:index] + [arriving]
             while target[-1].shown_child is not None:
                 target.append(target[-1].shown_child)
-            restored = self._leave(path, target, index)
+            restored = self._move(path, target, index)
             self.history.parent_at(index).show(arriving)
             self._revision += 1
             return restored
@@ -167,7 +173,7 @@ class Conversation:
         with self.exclusive():
             if text == self.history.system_prompt:
                 return False
-            self._leave(self.history.entries, [self.history.node("system", text)] if text else [], 0)
+            self._move(self.history.entries, [self.history.node("system", text)] if text else [], 0)
             self.history.set_system_prompt(text)
             self._revision += 1
             return True
@@ -178,97 +184,44 @@ class Conversation:
         with self.exclusive():
             path = self.history.entries
             index = self.history.undo()
-            self._leave(path, path[:index], index)
+            self._move(path, path[:index], index)
             self._revision += 1
 
     def stop(self) -> None:
         """End the running stream early; safe from any thread. The partial reply is kept."""
         self._stop.set()
 
-    # ---- running -----------------------------------------------------------------------------
-    def run(self, plan: Plan) -> Iterator[Delta]:
-        """Stream the reply of a plan made by `plan()`; refused if the conversation changed since."""
-        with self.exclusive():
-            if plan.revision != self._revision:
-                raise StalePlanError("the conversation changed after this operation was planned")
-            turn = Turn(self._runtime, self.session, plan, self._stop, before=lambda: self._before_turn(plan))
-            try:
-                yield from turn.deltas()
-            finally:
-                try:
-                    if turn.generation is not None:
-                        self._record(plan, *turn.finish())
-                finally:
-                    self._runtime.worker.run(self._after_turn)
+    def close(self) -> None:
+        """The conversation is gone: its reply (if one runs) stopped, its states freed after it."""
+        self.stop()
+        self.source.close()
 
-    def _record(self, plan: Plan, version: ReplyVersion, stats: TurnStats) -> None:
-        if plan.kind == "continue":
-            self.history.record_continuation(plan.history, version)
-        else:
-            self.history.record_reply(plan.history, version)
-        self._cached_path = [node.uid for node in self.history.entries]
-        self.stats = stats
-        self._revision += 1
-
-    # ---- keeping each branch's cache states ----------------------------------------------------
-    def _leave(self, shown: list[Node], target: list[Node], index: int) -> bool:
-        """The shown path is about to become `target`, which differs from message `index` on:
-        keep the cache states of the shown branch there and put back those of the target's,
-        where kept. No forward pass, so it works wherever the cache lies (between ZeroGPU calls
-        too). True when the cache then holds the target's branch."""
-        target_ids = self._runtime.template.render_history([node.message() for node in target]) if target else []
-        return self._runtime.worker.run(self._move_cache, shown, target, index, target_ids)
-
-    def _move_cache(self, shown: list[Node], target: list[Node], index: int, target_ids: list[int]) -> bool:
-        arriving = target[index] if index < len(target) else None
-        start = common_prefix_length(self.session.token_ids, target_ids)
-        if arriving is not None and (kept := self.session.segment_start(arriving.uid)) is not None:
-            start = min(start, kept)  # restoring rolls back there: what is kept now must survive it
-        self._stash(shown, index, self.session.reachable(start))
-        if arriving is None:
-            return True
-        if self.session.restore_segment(arriving.uid):
-            self._cached_path = [node.uid for node in target[:index]] + self._segment_paths.pop(arriving.uid)
-            return True
-        self._segment_paths.pop(arriving.uid, None)
-        return self._holds(target[: index + 1])
-
-    def _stash(self, shown: list[Node], index: int, start: int) -> None:
-        """Keep the cache's states from token `start` on under the shown message `index`, if the
-        cache holds that branch."""
-        if index < len(shown) and self._holds(shown[: index + 1]):
-            if self.session.stash_segment(shown[index].uid, start):
-                self._segment_paths[shown[index].uid] = self._cached_path[index:]
-
-    def _holds(self, path: list[Node]) -> bool:
-        return self._cached_path[: len(path)] == [node.uid for node in path] and bool(self.session.token_ids)
-
-    # ---- on the compute thread -----------------------------------------------------------------
-    def _before_turn(self, plan: Plan) -> None:
-        if self._runtime.config.offload_sessions:
-            self.session.to(self._runtime.model.device)
-        if plan.fork is not None:  # keep the branch being replaced, to switch back to it
-            self._stash(self.history.entries, plan.fork,
-                        self.session.reachable(self.session.rollback_target(plan.prompt_ids)))
-
-    def _after_turn(self) -> None:
-        if self._runtime.config.offload_sessions:
-            self.session.to("cpu")
+    def _move(self, shown: list[Node], target: list[Node], index: int) -> bool:
+        """The shown path becomes `target` from message `index` on: the source keeps the branch
+        left and puts back the one arriving, where it can (no forward pass either way)."""
+        messages = [node.message() for node in target]
+        target_ids = self.planner.template.render_history(messages, about=self.planner.context_limit) \
+            if target else []
+        return self.source.move(BranchMove([n.uid for n in shown], [n.uid for n in target], index, target_ids))
 
     def exclusive(self) -> "_Exclusive":
-        """Hold the conversation for one operation (here or in a worker process)."""
-        return _Exclusive(self._lock)
+        """Hold the conversation (and its states, busy) for one operation."""
+        return _Exclusive(self._lock, self.source)
 
 
 class _Exclusive:
     """Holds the conversation lock for one operation; a second concurrent one is refused, not queued."""
 
-    def __init__(self, lock: threading.Lock):
-        self._lock = lock
+    def __init__(self, lock: threading.Lock, source: ReplySource):
+        self._lock, self._source = lock, source
 
     def __enter__(self) -> None:
         if not self._lock.acquire(blocking=False):
             raise ConversationBusyError("a reply is still being generated; stop it first")
+        self._source.hold()
 
     def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+        try:
+            self._source.let_go()
+        finally:
+            self._lock.release()

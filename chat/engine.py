@@ -8,13 +8,17 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from cache_sessions.owner import CacheOwner
 from cache_sessions.prefixes import PrefixStore
 from chat import saved
 from chat.config import EngineConfig
 from chat.conversation import Conversation
 from chat.loading import load_model_and_tokenizer
+from chat.local import LocalSource
+from chat.plans import Planner
 from chat.runtime import Runtime
 from chat.scheduler import DecodeScheduler, SchedulerStats
+from chat.sources import ReplySource
 from chat.templates import ChatTemplate
 from chat.worker import ModelWorker
 
@@ -23,45 +27,69 @@ class ChatEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig | None = None,
                  *, worker: ModelWorker | None = None, **settings: Any):
         """`config` (or its fields as keyword arguments, see chat/config.py) sets the limits.
-        `worker`: the compute threads the model was built on, if any (build it there for full CPU speed)."""
+        `worker`: the compute thread the model was built on, if any (build it there for full CPU speed)."""
         config = replace(config or EngineConfig(), **settings)
         self.config = config
         self.model = model.eval()
         self.tokenizer = tokenizer
-        worker = worker or ModelWorker(config.compute_threads)
-        self.runtime = Runtime(
-            model=self.model,
-            tokenizer=tokenizer,
-            template=ChatTemplate(tokenizer),
-            worker=worker,
-            scheduler=DecodeScheduler(self.model, worker, max_batch_size=config.max_batch_size,
-                                      prefill_chunk=config.prefill_chunk),
-            eos_token_ids=frozenset(_eos_token_ids(model, tokenizer)),
-            prefix_store=PrefixStore(config.shared_prefixes) if config.shared_prefixes else None,
-            config=config,
-            context_limit=config.context_limit or _context_limit(model),
-        )
+        template = ChatTemplate(tokenizer)
+        prefix_store = PrefixStore(config.shared_prefixes) if config.shared_prefixes else None
+        scheduler = DecodeScheduler(self.model, worker or ModelWorker(), max_batch_size=config.max_batch_size,
+                                    prefill_chunk=config.prefill_chunk, budget_bytes=config.cache_budget_bytes,
+                                    max_checkpoints=config.max_checkpoints, prefix_store=prefix_store,
+                                    offload=config.offload_sessions)
+        self.runtime = Runtime(model=self.model, tokenizer=tokenizer, template=template, scheduler=scheduler,
+                               eos_token_ids=frozenset(_eos_token_ids(model, tokenizer)), prefix_store=prefix_store,
+                               config=config)
+        self.planner = Planner(template, config.context_limit or _context_limit(model))
+        self._remote_runner: Any = None
 
     @classmethod
     def load(cls, name_or_path: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,
              config: EngineConfig | None = None, **settings: Any) -> "ChatEngine":
         """`name_or_path`: a hub id, a local folder, or "demo" (the toy model trained here, committed)."""
         config = replace(config or EngineConfig(), **settings)
-        worker = ModelWorker(config.compute_threads)
+        worker = ModelWorker()
         # Loaded on the compute thread: torch's CPU pool then lives on the thread that uses it.
         model, tokenizer = worker.run(load_model_and_tokenizer, name_or_path, device=device, dtype=dtype)
         return cls(model, tokenizer, config, worker=worker)
 
+    def run_replies_in(self, runner: Any) -> None:
+        """On ZeroGPU: replies of conversations made from now on run through `runner`
+        (`spaces.GPU(chat.remote.run_in_worker)`), in its worker process (chat/remote.py)."""
+        self._remote_runner = runner
+
     def conversation(self, system_prompt: str | None = None) -> Conversation:
-        return Conversation(self.runtime, system_prompt)
+        return Conversation(self.planner, self._source(), system_prompt=system_prompt)
 
     def restore(self, data: Any) -> Conversation:
         """A conversation from `Conversation.to_dict()` output, which may come from anywhere (a
         browser, a file): checked whole first; a `ConversationError` names what is wrong."""
-        conversation = Conversation(self.runtime, history=saved.from_dict(data))
-        if conversation.messages:
-            conversation.session.mark_rebuilt()  # its first turn computes what a cache once held
-        return conversation
+        history = saved.from_dict(data)
+        return Conversation(self.planner, self._source(rebuilt=bool(history.entries)), history)
+
+    def _source(self, rebuilt: bool = False) -> ReplySource:
+        local = LocalSource(self.runtime, rebuilt=rebuilt)
+        if self._remote_runner is None:
+            return local
+        from chat.remote import RemoteSource
+
+        return RemoteSource(local, self._remote_runner)
+
+    def status(self) -> dict[str, Any]:
+        """What an operator reads of the engine (aggregates only): the batch, the caches, planning."""
+        batch, caches = self.batch_stats(), self.caches.stats()
+        return {"backend": "local",
+                "planning": self.planner.planning,
+                "generating": batch.waiting + batch.prefilling + batch.decoding,
+                "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,
+                          "max_batch_size": batch.max_batch_size, "largest_batch": batch.largest_batch,
+                          "decode_steps": batch.steps, "batch_bytes": batch.batch_bytes,
+                          "join_wait_mean_s": round(batch.join_wait_mean_s, 4),
+                          "join_wait_max_s": round(batch.join_wait_max_s, 4)},
+                "cache_bytes": caches.cache_bytes, "cache_budget_bytes": caches.budget_bytes,
+                "shared_prefix_bytes": caches.shared_prefix_bytes, "busy_caches": caches.busy,
+                "evictions": caches.evictions, "branch_segments_freed": caches.segments_freed}
 
     # what callers read of an engine
     @property
@@ -70,11 +98,15 @@ class ChatEngine:
 
     @property
     def worker(self) -> ModelWorker:
-        return self.runtime.worker
+        return self.runtime.scheduler.worker
 
     @property
     def scheduler(self) -> DecodeScheduler:
         return self.runtime.scheduler
+
+    @property
+    def caches(self) -> CacheOwner:
+        return self.runtime.caches
 
     def batch_stats(self) -> SchedulerStats:
         """The running batch: its size, prefills in progress, waits to join."""
@@ -90,7 +122,7 @@ class ChatEngine:
 
     @property
     def context_limit(self) -> int | None:
-        return self.runtime.context_limit
+        return self.planner.context_limit
 
 
 def _context_limit(model: PreTrainedModel) -> int | None:

@@ -44,6 +44,10 @@ class ContextOverflowError(ConversationError):
         self.context_limit = context_limit
 
 
+class PlanningCancelled(ChatError):
+    """The caller went away while its operation was being planned; nothing changed."""
+
+
 class ConversationBusyError(ChatError, RuntimeError):
     """A second operation while one is streaming; the running one is not disturbed."""
 

@@ -198,18 +198,20 @@ class History:
         self._check_size(new_nodes)
 
     # ---- changes -----------------------------------------------------------------------------
-    def record_reply(self, path: list[Node], version: ReplyVersion) -> Node:
-        """Attach `path` (new nodes, or copies of nodes from elsewhere when turns were left out to
-        fit the context) and the reply under it, and show it; returns the reply's node."""
+    def record_reply(self, path: list[Node], reply: Node, version: ReplyVersion) -> Node:
+        """Attach `path` (existing nodes, and new ones: copies where turns were left out to fit the
+        context) and `reply` (made by `node()`) with its version under it, and show it."""
         parent = self.root
         for node in path:
             if node.parent is parent:
                 parent.show(node)
+            elif node.parent is None:
+                self._attach(parent, node)
             else:
-                copy = node if node.parent is None else self.node(node.role, node.content, node.reply)
-                node = self._attach(parent, copy)
+                raise ValueError("a planned path leaves the tree: plan it again")
             parent = node
-        return self._attach(parent, self.node("assistant", reply=version))
+        reply.reply = version
+        return self._attach(parent, reply)
 
     def record_continuation(self, path: list[Node], version: ReplyVersion) -> None:
         """The last reply of `path` (the shown path), extended in place."""

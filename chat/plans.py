@@ -1,116 +1,135 @@
-"""Planning an operation: validate it, render the prompt, check the context. No state changes.
+"""Planning an operation: validate it, render the prompt, fit it to the context. Nothing changes
+but the ids new messages draw from the tree.
 
-A plan is plain data (it crosses to a ZeroGPU worker with its conversation): the history the
-reply answers, the prompt token ids, and what recording the reply will need.
+A plan holds the path the reply answers (existing nodes, and new ones made here), the node the
+reply will be, and the `ReplyRequest` a reply source takes (plain data). Planning runs on the
+request's thread, costs what the context holds rather than what the history holds
+(chat/fitting.py), is counted while it runs (`Planner.planning`, shown in /status) and stops
+when its caller says it went away.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
+from cache_sessions.branches import BranchKeep
 from cache_sessions.session import common_prefix_length
 from chat.errors import ContextOverflowError, NothingToRegenerateError
-from chat.history import History, Node, oldest_turn
+from chat.fitting import fit_to_context
+from chat.history import History, Node
 from chat.operations import Continue, Edit, Operation, Regenerate, Send
 from chat.options import GenerationOptions
-from chat.runtime import Runtime
-
-PlanKind = Literal["reply", "continue"]
+from chat.sources import ReplyKind, ReplyRequest
+from chat.templates import ChatTemplate
 
 
 @dataclass(frozen=True)
 class Plan:
-    kind: PlanKind  # "reply": a new reply (send, regenerate, edit); "continue": extend the last one
+    request: ReplyRequest
     history: list[Node]  # the path answered: "reply": ends with the user message; "continue": with the reply
-    prompt_ids: list[int]
-    opens_reasoning: bool  # the prompt leaves a <think> block open
-    options: GenerationOptions
+    reply: Node | None  # "reply": the new reply's node (its version is set when it is recorded)
     revision: int  # the conversation's revision when planned; a changed one refuses the plan
     fork: int | None = None  # the shown message the new path replaces (its branch is kept)
     dropped_turns: int = 0  # oldest turns left out to fit the context
-    shared_prefix_length: int = 0  # prompt tokens of the system turn, shared between sessions
-    earlier_ids: list[int] = field(default_factory=list)  # "continue": the reply's tokens so far
+
+    @property
+    def kind(self) -> ReplyKind:
+        return self.request.kind
 
 
-def plan_operation(operation: Operation, history: History, runtime: Runtime, options: GenerationOptions,
-                   revision: int) -> Plan:
-    match operation:
-        case Send(text=text, fit_context=fit):
-            return _plan_reply(history.with_user_message(text), history, runtime, options, revision, fit)
-        case Regenerate(index=index):
-            return _plan_reply(history.for_regeneration(index), history, runtime, options, revision, False)
-        case Edit(index=index, text=text):
-            return _plan_reply(history.with_edit(index, text), history, runtime, options, revision, False)
-        case Continue():
-            return _plan_continue(history, runtime, options, revision)
-    raise TypeError(f"not an operation: {operation!r}")
+class Planner:
+    """One engine's way from an operation to a plan: its template and context, shared by all
+    its conversations."""
 
+    def __init__(self, template: ChatTemplate, context_limit: int | None):
+        self.template, self.context_limit = template, context_limit
+        self._lock = threading.Lock()
+        self._planning = 0
 
-def _plan_reply(entries: list[Node], history: History, runtime: Runtime, options: GenerationOptions,
-                revision: int, fit_context: bool) -> Plan:
-    dropped = 0
-    while True:
-        messages = [entry.message() for entry in entries]
-        prompt = runtime.template.render(messages, enable_thinking=options.enable_thinking)
+    @property
+    def planning(self) -> int:
+        """Operations being planned now."""
+        return self._planning
+
+    def plan(self, operation: Operation, history: History, options: GenerationOptions, revision: int,
+             cancelled: Callable[[], bool] = lambda: False) -> Plan:
+        with self._counted():
+            match operation:
+                case Send(text=text, fit_context=fit):
+                    return self._reply(history.with_user_message(text), history, options, revision, fit, cancelled)
+                case Regenerate(index=index):
+                    return self._reply(history.for_regeneration(index), history, options, revision, False, cancelled)
+                case Edit(index=index, text=text):
+                    return self._reply(history.with_edit(index, text), history, options, revision, False, cancelled)
+                case Continue():
+                    return self._continue(history, options, revision, cancelled)
+        raise TypeError(f"not an operation: {operation!r}")
+
+    def _reply(self, path: list[Node], history: History, options: GenerationOptions, revision: int,
+               fit_context: bool, cancelled: Callable[[], bool]) -> Plan:
+        fitted = fit_to_context(self.template, [node.message() for node in path], context_limit=self.context_limit,
+                                max_new_tokens=options.max_new_tokens, enable_thinking=options.enable_thinking,
+                                may_drop=fit_context, cancelled=cancelled)
+        if fitted.dropped_turns:  # the kept turns move under the system prompt: copies, the originals stay
+            cut = next(i for i, index in enumerate(fitted.kept) if index != i)
+            path = [path[i] for i in fitted.kept[:cut]] + [
+                history.node(node.role, node.content, node.reply) if node.parent is not None else node
+                for node in (path[i] for i in fitted.kept[cut:])]
+        history.check_room(path)
+        reply, fork = history.node("assistant"), history.fork_of(path)
+        keep = BranchKeep([node.uid for node in history.entries], fork) if fork is not None else None
+        request = ReplyRequest("reply", [node.message() for node in path], fitted.prompt.ids,
+                               fitted.prompt.opens_reasoning, options, (*(node.uid for node in path), reply.uid),
+                               keep=keep)
+        return Plan(request, path, reply, revision, fork, fitted.dropped_turns)
+
+    def _continue(self, history: History, options: GenerationOptions, revision: int,
+                  cancelled: Callable[[], bool]) -> Plan:
+        last = history.last_reply()
+        if last is None or last.reply is None:
+            raise NothingToRegenerateError("there is no reply to continue")
+        entries = history.entries
+        messages = [node.message() for node in entries]
+        # the prompt without the reply must fit (refused before a long history is rendered whole)
+        fit_to_context(self.template, messages[:-1], context_limit=self.context_limit,
+                       max_new_tokens=options.max_new_tokens, enable_thinking=None, may_drop=False,
+                       cancelled=cancelled)
+        prompt, reply_ids = self.reply_tokens(entries)
+        self.check_context(len(prompt) + len(reply_ids), options)
+        request = ReplyRequest("continue", messages, prompt + reply_ids, last.reply.opens_reasoning, options,
+                               tuple(node.uid for node in entries), earlier_ids=reply_ids)
+        return Plan(request, entries, None, revision)
+
+    def reply_tokens(self, path: list[Node]) -> tuple[list[int], list[int]]:
+        """(prompt ids, reply ids) of the reply ending `path`: as generated, or, for a reply written
+        by hand or restored from text, rendered with the template and the reply left open."""
+        reply = path[-1].reply
+        assert reply is not None
+        if reply.prompt_ids is not None and reply.reply_ids is not None:
+            return list(reply.prompt_ids), list(reply.reply_ids)
+        messages = [node.message() for node in path]
+        whole = self.template.render_continuation(messages)
+        prompt = self.template.render(messages[:-1]).ids
+        split = min(common_prefix_length(whole, prompt), len(whole))
+        return whole[:split], whole[split:]
+
+    def check_context(self, prompt_tokens: int, options: GenerationOptions) -> None:
+        limit = self.context_limit
+        if limit is not None and prompt_tokens + options.max_new_tokens > limit:
+            raise ContextOverflowError(
+                f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({options.max_new_tokens}) "
+                f"exceeds the model's context of {limit} tokens",
+                prompt_tokens=prompt_tokens, max_new_tokens=options.max_new_tokens, context_limit=limit)
+
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        with self._lock:
+            self._planning += 1
         try:
-            check_context(runtime, len(prompt.ids), options)
-            break
-        except ContextOverflowError:
-            turn = oldest_turn(entries)
-            if not fit_context or turn is None:
-                raise
-            del entries[turn[0]:turn[1]]
-            dropped += 1
-    history.check_room(entries)
-    return Plan("reply", entries, prompt.ids, prompt.opens_reasoning, options, revision, history.fork_of(entries),
-                dropped, _shared_prefix_length(runtime, entries, prompt.ids))
-
-
-def _plan_continue(history: History, runtime: Runtime, options: GenerationOptions, revision: int) -> Plan:
-    last = history.last_reply()
-    if last is None:
-        raise NothingToRegenerateError("there is no reply to continue")
-    entries = history.entries
-    prompt, reply_ids = reply_tokens(runtime, entries)
-    prompt_ids = prompt + reply_ids
-    check_context(runtime, len(prompt_ids), options)
-    return Plan("continue", entries, prompt_ids, last.reply.opens_reasoning, options, revision,
-                shared_prefix_length=_shared_prefix_length(runtime, entries, prompt_ids),
-                earlier_ids=reply_ids)
-
-
-def reply_tokens(runtime: Runtime, path: list[Node]) -> tuple[list[int], list[int]]:
-    """(prompt ids, reply ids) of the reply ending `path`: as generated, or, for a reply written
-    by hand or restored from text, rendered with the template and the reply left open."""
-    reply = path[-1].reply
-    assert reply is not None
-    if reply.prompt_ids is not None and reply.reply_ids is not None:
-        return list(reply.prompt_ids), list(reply.reply_ids)
-    messages = [node.message() for node in path]
-    whole = runtime.template.render_continuation(messages)
-    prompt = runtime.template.render(messages[:-1]).ids
-    split = min(common_prefix_length(whole, prompt), len(whole))
-    return whole[:split], whole[split:]
-
-
-def check_context(runtime: Runtime, prompt_tokens: int, options: GenerationOptions) -> None:
-    limit = runtime.context_limit
-    if limit is not None and prompt_tokens + options.max_new_tokens > limit:
-        raise ContextOverflowError(
-            f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({options.max_new_tokens}) "
-            f"exceeds the model's context of {limit} tokens",
-            prompt_tokens=prompt_tokens,
-            max_new_tokens=options.max_new_tokens,
-            context_limit=limit,
-        )
-
-
-def _shared_prefix_length(runtime: Runtime, entries: list[Node], prompt_ids: list[int]) -> int:
-    """Tokens of the system prompt turn, when the template renders it as a prompt prefix."""
-    if runtime.prefix_store is None or not runtime.template.accepts_system:
-        return 0
-    if not entries or entries[0].role != "system":
-        return 0
-    prefix = runtime.template.render_history([entries[0].message()])
-    return len(prefix) if prompt_ids[: len(prefix)] == prefix else 0
+            yield
+        finally:
+            with self._lock:
+                self._planning -= 1

@@ -1,11 +1,13 @@
-"""Running a conversation operation in another process: what Hugging Face ZeroGPU does.
+"""Replies made in another process: what Hugging Face ZeroGPU does.
 
 On ZeroGPU, a `spaces.GPU` function runs in a forked worker process: its arguments are pickled
-there and what it yields is pickled back, so nothing it changes in place reaches the server. The
-conversation therefore travels as data with the plan made on the server: it goes to the worker
-(its cache on the CPU), is attached to the worker's copy of the engine, runs the plan with the
-cache on the GPU, and comes back with its cache on the CPU again (GPU memory does not survive
-between calls). A stop request crosses as a file, since the worker cannot see the server's memory.
+there and what it yields is pickled back, so nothing it changes in place reaches the server. So
+only plain data crosses: the conversation's cache session (on the CPU between calls) and the
+`ReplyRequest` go to the worker, which makes the reply on its copy of the engine with the states
+on the GPU; the deltas come back as they stream, then the reply and the session (on the CPU
+again), which the server's cache owner adopts. The history never leaves the server (its message
+ids come from one place), and branch moves run there, on the CPU (no forward pass). A stop
+crosses as a file, since the worker cannot see the server's memory.
 """
 
 from __future__ import annotations
@@ -13,65 +15,111 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from chat.conversation import Conversation
-from chat.engine import ChatEngine
-from chat.operations import Operation
-from chat.options import GenerationOptions
-from chat.plans import Plan
+from cache_sessions.branches import BranchMove
+from cache_sessions.session import CacheSession
+from chat.local import LocalSource
 from chat.reasoning import Delta
+from chat.sources import Reply, ReplyRequest
 
-ENGINE: ChatEngine | None = None  # set at start-up; forked workers inherit it
-Runner = Callable[[Conversation, Plan, str], Iterator[tuple[str, Any]]]
+if TYPE_CHECKING:
+    from chat.engine import ChatEngine
+
+ENGINE: "ChatEngine | None" = None  # set at start-up; forked workers inherit it
+Runner = Callable[[CacheSession, ReplyRequest, str], Iterator[tuple[str, Any]]]
+STOP_POLL_S = 0.05
 
 
-def run_plan(conversation: Conversation, plan: Plan, stop_file: str) -> Iterator[tuple[str, Any]]:
-    """In the worker: ("delta", Delta) while streaming, then ("conversation", the updated one)."""
+def run_in_worker(session: CacheSession, request: ReplyRequest, stop_file: str) -> Iterator[tuple[str, Any]]:
+    """In the worker: ("delta", Delta) while streaming, then ("reply", (Reply | None, the session))."""
     assert ENGINE is not None, "chat.remote.ENGINE is not set"
-    conversation.attach(ENGINE.runtime)
-    finished = threading.Event()
+    session.model = ENGINE.model
+    stop, finished = threading.Event(), threading.Event()
 
     def watch_stop() -> None:
-        while not finished.wait(0.05):
+        while not finished.wait(STOP_POLL_S):
             if os.path.exists(stop_file):
-                conversation.stop()
+                stop.set()
 
     threading.Thread(target=watch_stop, daemon=True).start()
+    run = LocalSource(ENGINE.runtime, session).reply(request, stop)
     try:
-        for delta in conversation.run(plan):
+        for delta in run:
             yield "delta", delta
+        yield "reply", (run.result(), session)
     finally:
         finished.set()
-    yield "conversation", conversation
 
 
-class RemoteOperation:
-    """The server's side: plans here (bad input fails at once, nothing runs twice), runs the plan
-    in the worker, takes the updated conversation back. Iterate it like a reply stream;
-    `stop()` reaches the worker."""
+class RemoteSource:
+    """A `ReplySource` whose replies run through a runner (ZeroGPU's `spaces.GPU`); everything
+    else is the server's own local source, its states resting on the CPU."""
 
-    def __init__(self, conversation: Conversation, runner: Runner, operation: Operation,
-                 options: GenerationOptions | None = None):
-        self.plan = conversation.plan(operation, options or GenerationOptions())
-        self.dropped_turns = self.plan.dropped_turns
-        self.conversation = conversation
-        self._runner = runner
-        handle, self._stop_file = tempfile.mkstemp(prefix="rewind-chat-stop-")
-        os.close(handle)
-        os.unlink(self._stop_file)
+    def __init__(self, local: LocalSource, runner: Runner):
+        self.local, self.runner = local, runner
+        self.session = local.session
 
-    def stop(self) -> None:
-        open(self._stop_file, "w").close()
+    def check(self, request: ReplyRequest) -> None:
+        self.local.check(request)
+
+    def reply(self, request: ReplyRequest, stop: threading.Event) -> "RemoteReply":
+        return RemoteReply(self.local, self.runner, request, stop)
+
+    def move(self, move: BranchMove) -> bool:
+        return self.local.move(move)
+
+    def hold(self) -> None:
+        self.local.hold()
+
+    def let_go(self) -> None:
+        self.local.let_go()
+
+    def close(self) -> None:
+        self.local.close()
+
+
+class RemoteReply:
+    def __init__(self, local: LocalSource, runner: Runner, request: ReplyRequest, stop: threading.Event):
+        self.local, self.runner, self.request, self.stop = local, runner, request, stop
+        self._reply: Reply | None = None
 
     def __iter__(self) -> Iterator[Delta]:
+        handle, stop_file = tempfile.mkstemp(prefix="rewind-chat-stop-")
+        os.close(handle)
+        os.unlink(stop_file)
+        finished = threading.Event()
+        threading.Thread(target=self._pass_stop_on, args=(stop_file, finished), daemon=True).start()
+        items = self.runner(self.local.session, self.request, stop_file)
         try:
-            with self.conversation.exclusive():
-                for kind, value in self._runner(self.conversation, self.plan, self._stop_file):
-                    if kind == "delta":
-                        yield value
-                    else:
-                        self.conversation.take_state_of(value)
+            for kind, value in items:
+                if kind == "delta":
+                    yield value
+                else:
+                    self._adopt(*value)
+        except GeneratorExit:  # the reader went away: as Stop, and the reply so far comes back
+            open(stop_file, "w").close()
+            for kind, value in items:
+                if kind == "reply":
+                    self._adopt(*value)
+            raise
         finally:
-            if os.path.exists(self._stop_file):
-                os.unlink(self._stop_file)
+            finished.set()
+            if os.path.exists(stop_file):
+                os.unlink(stop_file)
+
+    def result(self) -> Reply | None:
+        return self._reply
+
+    def _adopt(self, reply: Reply | None, session: CacheSession) -> None:
+        runtime = self.local.runtime
+        runtime.scheduler.call(runtime.caches.adopt_state, self.local.session, session)
+        self._reply = reply
+
+    def _pass_stop_on(self, stop_file: str, finished: threading.Event) -> None:
+        """The server's Stop, written where the worker looks."""
+        while not finished.is_set():
+            if self.stop.wait(STOP_POLL_S):
+                if not finished.is_set():
+                    open(stop_file, "w").close()
+                return

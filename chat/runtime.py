@@ -1,5 +1,6 @@
-"""What a conversation needs of its engine, and nothing more: the model and where it runs, the
-template, the end-of-turn ids, the shared-prefix store and the limits."""
+"""What a reply from the embedded engine needs, and nothing more: the model and the loop that
+serves it, the cache owner, the template, the end-of-turn ids, the shared-prefix store and the
+settings."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from cache_sessions.owner import CacheOwner
 from cache_sessions.prefixes import PrefixStore
 from chat.config import EngineConfig
 from chat.scheduler import DecodeScheduler
 from chat.templates import ChatTemplate
-from chat.worker import ModelWorker
 
 
 @dataclass(frozen=True)
@@ -19,9 +20,12 @@ class Runtime:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     template: ChatTemplate
-    worker: ModelWorker
-    scheduler: DecodeScheduler  # on `worker`: every reply decodes there, batched with the others
+    scheduler: DecodeScheduler  # the loop: every reply decodes there, batched with the others
     eos_token_ids: frozenset[int]
     prefix_store: PrefixStore | None
     config: EngineConfig
-    context_limit: int | None  # the config's, else the model's own
+
+    @property
+    def caches(self) -> CacheOwner:
+        """The one owner of every cache session's states (it applies what the loop decides)."""
+        return self.scheduler.caches

@@ -1,13 +1,15 @@
-"""Continuous batching on the compute thread: every reply being generated decodes in one
-batched forward per step.
+"""The engine's one update loop, on the compute thread: every reply being generated decodes in one
+batched forward per step, and every other change to a cache runs between steps.
 
-One step: end requests stopped while they waited; admit waiting requests while rows are free;
-roll back newcomers and prefill them within a budget of `prefill_chunk` tokens (so a long pasted
-prompt delays the running replies by one chunk a step, not by its whole prefill); then one
-decode forward for every row. A request joins the batch once only its last prompt token is left
-to feed, and leaves at an end token, its token limit, a stop, or an error: its own (a raising
-logits processor) ends it alone, a failed forward ends every row of that step. A step re-submits itself, so the
-engine's other compute jobs (a version switch, a new conversation) run between steps.
+One step: run the commands other threads posted (a branch switch, a close, a worker's result);
+end requests stopped while they waited; admit waiting requests while rows are free; roll back
+newcomers and prefill them within a budget of `prefill_chunk` tokens (so a long pasted prompt
+delays the running replies by one chunk a step, not by its whole prefill); one decode forward
+for every row; then the cache owner settles (measures, frees closed sessions, keeps the budget).
+The scheduler decides; the cache owner (cache_sessions/owner.py) applies every change to the
+sessions. A request joins the batch once only its last prompt token is left to feed, and leaves
+at an end token, its token limit, a stop, or an error: its own (a raising logits processor) ends
+it alone, a failed forward ends every row of that step.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
 import torch
 from transformers import PreTrainedModel
 
-from cache_sessions.batch import BatchedCache, SingleRow, decode_batch
+from cache_sessions.branches import BranchKeep
+from cache_sessions.owner import CacheOwner
 from cache_sessions.prefixes import PrefixStore
 from cache_sessions.session import CacheSession, PrefillResult
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK
@@ -31,7 +35,19 @@ from chat.options import GenerationOptions
 from chat.sampling import TokenChooser
 from chat.worker import ModelWorker
 
+T = TypeVar("T")
 _END = object()
+
+
+@dataclass(frozen=True)
+class CacheWork:
+    """What a reply asks of the cache beside its prompt: the shared system-prompt prefix, the
+    branch it replaces (kept to switch back to), and the messages the cache holds after it."""
+
+    prefix_store: PrefixStore | None = None
+    shared_prefix_length: int = 0
+    keep: BranchKeep | None = None
+    labels: tuple[Hashable, ...] = ()
 
 
 class GenerationRequest:
@@ -39,11 +55,9 @@ class GenerationRequest:
     then call `finish()`, which stops it first if it still runs."""
 
     def __init__(self, session: CacheSession, prompt_ids: Sequence[int], options: GenerationOptions,
-                 stop: threading.Event, prefix_store: PrefixStore | None, shared_prefix_length: int,
-                 before: Callable[[], None] | None):
-        self.session, self.options, self.stop, self.before = session, options, stop, before
+                 stop: threading.Event, work: CacheWork):
+        self.session, self.options, self.stop, self.work = session, options, stop, work
         self.prompt_ids = list(prompt_ids)
-        self.prefix_store, self.shared_prefix_length = prefix_store, shared_prefix_length
         self.sequence = list(prompt_ids)  # prompt, then each token as it is chosen
         self.prefill: PrefillResult | None = None  # set once it was admitted and rolled back
         self.chooser: TokenChooser | None = None
@@ -54,6 +68,7 @@ class GenerationRequest:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.token_count = 0
+        self.cache_tokens = self.cache_bytes = 0  # the session when it ended (read on the loop)
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
 
@@ -110,80 +125,117 @@ class SchedulerStats:
 
 class DecodeScheduler:
     def __init__(self, model: PreTrainedModel, worker: ModelWorker, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **cache_settings: Any):
+        """`cache_settings`: the cache owner's (budget_bytes, max_checkpoints, prefix_store, offload)."""
         if max_batch_size < 1 or prefill_chunk < 1:
             raise ValueError("max_batch_size and prefill_chunk must be at least 1")
         self.model, self.worker = model, worker
         self.max_batch_size, self.prefill_chunk = max_batch_size, prefill_chunk
+        self.caches = CacheOwner(model, self, **cache_settings)
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
+        self._commands: deque[tuple[Future, Callable[[], Any]]] = deque()
         self._waiting: deque[GenerationRequest] = deque()
         self._prefilling: list[GenerationRequest] = []
         self._decoding: list[GenerationRequest] = []
-        self._batch: BatchedCache | SingleRow | None = None
         self._scheduled = False
         self._steps = 0
         self._joined = 0
         self._largest_batch = 0
-        self._batch_bytes = 0
         self._join_waits: deque[float] = deque(maxlen=32)
+        self.caches.reset()
 
+    # ---- any thread -----------------------------------------------------------------------------
     def submit(self, session: CacheSession, prompt_ids: Sequence[int], options: GenerationOptions,
-               stop: threading.Event, *, prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0,
-               before: Callable[[], None] | None = None) -> GenerationRequest:
-        """Queue a reply; the cache is rolled back and prefilled on the compute thread, in turn.
-        `before` runs there first, when the request is admitted (its owner's own cache work)."""
-        if self.worker.on_compute_thread():  # it would wait for tokens from a job queued behind itself
+               stop: threading.Event, work: CacheWork = CacheWork()) -> GenerationRequest:
+        """Queue a reply; the cache is rolled back and prefilled on the compute thread, in turn."""
+        if self.on_loop():  # it would wait for tokens from a job queued behind itself
             raise RuntimeError("stream a reply from outside the engine's compute thread")
         if not prompt_ids:
             raise ValueError("cannot generate from an empty prompt")
-        request = GenerationRequest(session, prompt_ids, options, stop, prefix_store, shared_prefix_length, before)
+        request = GenerationRequest(session, prompt_ids, options, stop, work)
         with self._lock:
             self._waiting.append(request)
-            if not self._scheduled:
-                self._scheduled = True
-                self.worker.submit(self._step)
+            self._wake()
         return request
+
+    def post(self, function: Callable[[], Any]) -> "Future[Any]":
+        """Run `function` on the loop before the next step (its result or error in the future)."""
+        future: Future = Future()
+        with self._lock:
+            self._commands.append((future, function))
+            self._wake()
+        return future
+
+    def call(self, function: Callable[..., T], *args: Any) -> T:
+        """Run `function(*args)` on the loop and wait for it (at once if already there)."""
+        if self.on_loop():
+            return function(*args)
+        return self.post(lambda: function(*args)).result()
+
+    def on_loop(self) -> bool:
+        return self.worker.on_compute_thread()
 
     def stats(self) -> SchedulerStats:
         with self._lock:
             waits = list(self._join_waits)
             return SchedulerStats(
                 max_batch_size=self.max_batch_size, decoding=len(self._decoding), prefilling=len(self._prefilling),
-                waiting=len(self._waiting), steps=self._steps, batch_bytes=self._batch_bytes, joined=self._joined,
-                largest_batch=self._largest_batch,
+                waiting=len(self._waiting), steps=self._steps, batch_bytes=self.caches.stats().batch_bytes,
+                joined=self._joined, largest_batch=self._largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0))
 
-    def batch_bytes(self) -> int:
-        """Bytes the batched copy holds now (the session manager counts them in its budget)."""
-        return self._batch_bytes
+    def _wake(self) -> None:
+        """Under the lock: make sure a step is coming."""
+        if not self._scheduled:
+            self._scheduled = True
+            self.worker.submit(self._step)
 
     # ---- one step, on the compute thread ------------------------------------------------------
     @torch.no_grad()
     def _step(self) -> None:
         try:
+            self._run_commands()
             self._admit()
             self._prefill_chunks()
             self._decode_once()
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
             for request in self._drop_everyone():
-                request._end(error)
+                self._finish(request, error)
         finally:
+            try:
+                self.caches.settle()
+            finally:
+                with self._lock:
+                    self._scheduled = False
+                    if self._commands or self._waiting or self._prefilling or self._decoding:
+                        self._wake()
+
+    def _run_commands(self) -> None:
+        while True:
             with self._lock:
-                self._scheduled = bool(self._waiting or self._prefilling or self._decoding)
-                if self._scheduled:
-                    self.worker.submit(self._step)
+                if not self._commands:
+                    return
+                future, function = self._commands.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function())
+            except BaseException as error:  # handed to whoever waits on it
+                future.set_exception(error)
 
     def _admit(self) -> None:
         with self._lock:
-            for request in [r for r in self._waiting if r.stop.is_set()]:
+            stopped = [r for r in self._waiting if r.stop.is_set()]
+            for request in stopped:
                 self._waiting.remove(request)
-                request._end()  # stopped before it started: its cache was not touched
             while self._waiting and len(self._prefilling) + len(self._decoding) < self.max_batch_size:
                 self._prefilling.append(self._waiting.popleft())
+        for request in stopped:
+            self._finish(request)  # stopped before it started: its cache was not touched
 
     def _prefill_chunks(self) -> None:
         """Roll newcomers back and prefill them, oldest first, `prefill_chunk` tokens in all per
@@ -192,25 +244,22 @@ class DecodeScheduler:
         for request in list(self._prefilling):
             if budget == 0:
                 return
-            held = len(request.session.token_ids)
+            session, work = request.session, request.work
+            held = len(session.token_ids)
             try:
                 if request.prefill is None:
                     request.started_at = time.perf_counter()
-                    if request.before is not None:
-                        request.before()
                     request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
-                    request.prefill = request.session.prepare(
-                        request.prompt_ids, prefix_store=request.prefix_store,
-                        shared_prefix_length=request.shared_prefix_length, prefill=False)
-                    held = len(request.session.token_ids)
-                ready = request.stop.is_set() or request.session.prefill(
-                    request.prompt_ids, budget=budget, prefix_store=request.prefix_store,
-                    shared_prefix_length=request.shared_prefix_length)
+                    request.prefill = self.caches.begin(session, request.prompt_ids, work.keep, work.prefix_store,
+                                                        work.shared_prefix_length)
+                    held = len(session.token_ids)
+                ready = request.stop.is_set() or self.caches.prefill(
+                    session, request.prompt_ids, budget, work.prefix_store, work.shared_prefix_length)
             except BaseException as error:
                 self._leave_prefill(request, error)
                 continue
             if budget is not None:
-                budget = max(0, budget - (len(request.session.token_ids) - held))
+                budget = max(0, budget - (len(session.token_ids) - held))
             if request.stop.is_set():
                 self._leave_prefill(request)
             elif ready:
@@ -232,16 +281,15 @@ class DecodeScheduler:
                 self._join_waits.append(now - request.submitted_at)
         inputs = [request.next_input for request in rows]
         try:
-            batch = self._batch_for(rows)
-            logits = self.model(**batch.inputs(inputs), logits_to_keep=1).logits[:, -1]
-        except BaseException as error:  # the batched states are unusable (turns release the sessions)
-            self._batch = None
+            model_inputs = self.caches.decode_inputs([request.session for request in rows], inputs)
+            logits = self.model(**model_inputs, logits_to_keep=1).logits[:, -1]
+        except BaseException as error:  # the batched states are unusable (their sessions are released)
+            self.caches.drop_batch()
             self._leave(rows, error, scatter=False)
             return
-        batch.fed(inputs)
+        self.caches.decoded(inputs)
         self._steps += 1
         self._largest_batch = max(self._largest_batch, len(rows))
-        self._batch_bytes = batch.nbytes()
         ended: list[GenerationRequest] = []
         for row, request in enumerate(rows):
             assert request.chooser is not None
@@ -257,30 +305,33 @@ class DecodeScheduler:
         if ended:
             self._leave(ended)
 
-    def _batch_for(self, rows: list[GenerationRequest]) -> BatchedCache | SingleRow:
-        sessions = [request.session for request in rows]
-        if self._batch is None or self._batch.sessions != sessions:
-            if self._batch is not None:
-                self._batch.scatter()
-            self._batch = decode_batch(self.model, sessions)
-        return self._batch
-
     def _leave(self, requests: list[GenerationRequest], error: BaseException | None = None,
                scatter: bool = True) -> None:
-        """Take `requests` out of the batch: every row's states go back to its session first."""
-        if scatter and self._batch is not None:
-            self._batch.scatter()
-        self._batch = None  # the next step builds one for the rows left
-        self._batch_bytes = 0
+        """Take `requests` out of the batch: every row's states go back to its session first
+        (the next step builds a batch for the rows left)."""
+        if scatter:
+            self.caches.scatter()
         with self._lock:
             for request in requests:
                 self._decoding.remove(request)
         for request in requests:
-            request._end(error)
+            self._finish(request, error)
 
     def _leave_prefill(self, request: GenerationRequest, error: BaseException | None = None) -> None:
         with self._lock:
             self._prefilling.remove(request)
+        self._finish(request, error)
+
+    def _finish(self, request: GenerationRequest, error: BaseException | None = None) -> None:
+        """The request is out: the owner checks and rests its session, then its turn is told."""
+        error = request.error or error
+        try:
+            self.caches.end(request.session, request.sequence if request.started else None,
+                            request.work.labels, failed=error is not None)
+        except BaseException as mismatch:  # the ledger did not match what was fed (released)
+            error = error or mismatch
+        request.cache_tokens = len(request.session.token_ids)
+        request.cache_bytes = request.session.nbytes()
         request._end(error)
 
     def _drop_everyone(self) -> list[GenerationRequest]:
@@ -288,5 +339,5 @@ class DecodeScheduler:
             everyone = list(self._waiting) + self._prefilling + self._decoding
             self._waiting.clear()
             self._prefilling, self._decoding = [], []
-            self._batch, self._batch_bytes = None, 0
+        self.caches.drop_batch()
         return everyone

@@ -17,6 +17,7 @@ the conversation on the replica that holds its prefix). Neither is the app's ses
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -24,17 +25,16 @@ from typing import Any, Iterator
 import openai
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from cache_sessions.branches import BranchMove
 from chat import saved
 from chat.conversation import Conversation
-from chat.errors import ChatError, ConversationError, ModelLoadError, StalePlanError
-from chat.history import History, Node, ReplyVersion
-from chat.operations import Continue, Operation
+from chat.errors import ChatError, ConversationError, ModelLoadError
+from chat.history import ReplyVersion
 from chat.options import GenerationOptions
-from chat.plans import Plan
+from chat.plans import Planner
 from chat.reasoning import Delta, ReasoningSplitter
-from chat.scheduler import SchedulerStats
+from chat.sources import Reply, ReplyRequest, TurnStats
 from chat.templates import ChatTemplate
-from chat.turns import TurnStats
 
 AFFINITY_HEADER = "X-Session-Affinity"
 PROMPT_FORMATS = ("messages", "text", "token-ids")
@@ -52,89 +52,77 @@ class ServerError(ChatError):
 
 @dataclass
 class ServedRuntime:
-    """What a served conversation needs (the fields planning reads are those of `Runtime`)."""
+    """What served replies share: the client, the served model's name, the tokenizer and template
+    this app renders with, and what the server was found to refuse."""
 
     client: openai.OpenAI
     model_name: str
     tokenizer: PreTrainedTokenizerBase
     template: ChatTemplate
-    context_limit: int | None
-    prefix_store: None = None  # the server shares prefixes itself
     prompt_format: str = "messages"  # "messages" (chat completions), "text" or "token-ids" (completions)
     refused_fields: set[str] = field(default_factory=set)  # extra fields the server said it does not take
 
 
-class NoLocalCache:
-    """A served conversation holds no cache here: nothing to measure, free or keep."""
+class ServedSource:
+    """A `ReplySource` on an OpenAI-compatible server. It keeps no states here: what a switch or
+    an edit reuses is up to the server's prefix cache."""
 
-    token_ids: list[int] = []
+    session = None
 
-    def nbytes(self) -> int:
-        return 0
-
-    def release(self) -> None:
-        pass
-
-    def segment_count(self) -> int:
-        return 0
-
-
-class ServedConversation(Conversation):
-    def __init__(self, runtime: ServedRuntime, system_prompt: str | None = None, history: History | None = None):
-        # planning reads the same runtime fields as a local conversation's
-        super().__init__(runtime, system_prompt, history, session=NoLocalCache())  # type: ignore[arg-type]
+    def __init__(self, runtime: ServedRuntime):
+        self.runtime = runtime
         self.cache_salt = secrets.token_urlsafe(16)
         self.affinity = secrets.token_hex(12)
 
-    def plan(self, operation: Operation, options: GenerationOptions) -> Plan:
-        runtime: ServedRuntime = self._runtime  # type: ignore[assignment]
-        last = self.history.last_reply()
-        if isinstance(operation, Continue) and runtime.prompt_format == "messages" and last is not None:
-            if runtime.refused_fields & CONTINUE_FIELDS.keys():
-                raise ConversationError(CANNOT_CONTINUE)
-            if last.reply is not None and not last.reply.content:
-                # the server would close the thought before going on: only a prompt rendered here continues it
-                raise ConversationError("this reply stopped while thinking; chat messages can only continue an "
-                                        "answer (--prompt-format text or token-ids continues a thought); use Retry")
-        return super().plan(operation, options)
+    def check(self, request: ReplyRequest) -> None:
+        if request.kind != "continue" or self.runtime.prompt_format != "messages":
+            return
+        if self.runtime.refused_fields & CONTINUE_FIELDS.keys():
+            raise ConversationError(CANNOT_CONTINUE)
+        if not request.messages[-1]["content"]:
+            # the server would close the thought before going on: only a prompt rendered here continues it
+            raise ConversationError("this reply stopped while thinking; chat messages can only continue an "
+                                    "answer (--prompt-format text or token-ids continues a thought); use Retry")
 
-    def _leave(self, shown: list[Node], target: list[Node], index: int) -> bool:
-        return False  # no states here to keep or put back: the server's prefix cache decides
+    def reply(self, request: ReplyRequest, stop: threading.Event) -> "ServedReply":
+        return ServedReply(self, request, stop)
 
-    def run(self, plan: Plan) -> Iterator[Delta]:
-        with self.exclusive():
-            if plan.revision != self._revision:
-                raise StalePlanError("the conversation changed after this operation was planned")
-            self._stop.clear()
-            yield from self._stream(plan)
+    def move(self, move: BranchMove) -> bool:
+        return False  # no states here to keep or put back
 
-    def _stream(self, plan: Plan) -> Iterator[Delta]:
-        runtime: ServedRuntime = self._runtime  # type: ignore[assignment]
+    def hold(self) -> None:
+        """Nothing kept here is busy."""
+
+    def let_go(self) -> None:
+        """Nothing kept here is busy."""
+
+    def close(self) -> None:
+        """Nothing kept here to free."""
+
+
+class ServedReply:
+    def __init__(self, source: ServedSource, request: ReplyRequest, stop: threading.Event):
+        self.source, self.runtime, self.request, self.stop = source, source.runtime, request, stop
+        self._reply: Reply | None = None
+
+    def result(self) -> Reply | None:
+        return self._reply
+
+    def __iter__(self) -> Iterator[Delta]:
+        runtime, request = self.runtime, self.request
         started = time.perf_counter()
-        stream = self._open(runtime, plan)
-        splitter = ReasoningSplitter(starts_in_reasoning=plan.opens_reasoning and runtime.prompt_format != "messages")
-        if plan.kind == "continue":  # the reply so far: context for the split, not shown again
-            splitter.feed(runtime.tokenizer.decode(plan.earlier_ids, skip_special_tokens=False))
-        server_reasoning, usage, first_at, last_at, chunks = "", None, None, None, 0
+        stream = self._open()
+        here = runtime.prompt_format != "messages"  # rendered here: a <think> the prompt opened is ours
+        splitter = ReasoningSplitter(starts_in_reasoning=request.opens_reasoning and here)
+        if request.kind == "continue":  # the reply so far: context for the split, not shown again
+            splitter.feed(runtime.tokenizer.decode(request.earlier_ids, skip_special_tokens=False))
+        progress = _Progress(started)
         stopped = failed = False
         try:
             for chunk in stream:
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                if not chunk.choices:
-                    continue
-                choice = chunk.choices[0]
-                if runtime.prompt_format == "messages":
-                    text = choice.delta.content or ""
-                    thought = getattr(choice.delta, "reasoning_content", None) or ""
-                else:
-                    text, thought = choice.text or "", ""
-                server_reasoning += thought
-                pieces = ([Delta("reasoning", thought)] if thought else []) + splitter.feed(text)
-                if pieces:
-                    first_at, last_at, chunks = first_at or time.perf_counter(), time.perf_counter(), chunks + 1
+                pieces = progress.take(chunk, splitter, runtime.prompt_format)
                 yield from pieces
-                if self._stop.is_set():
+                if self.stop.is_set():
                     stopped = True
                     break
             yield from splitter.finish()
@@ -148,34 +136,36 @@ class ServedConversation(Conversation):
             stream.close()  # the server cancels a request whose stream closed
             if not failed:
                 content, reasoning = splitter.message_fields()
-                if server_reasoning:  # split by the server: cleaned as the splitter cleans its own
-                    content, reasoning = content.lstrip(), (server_reasoning + reasoning).strip("\n")
-                version = ReplyVersion(content, reasoning, None, None, plan.opens_reasoning, stopped)
-                self._record_served(plan, version, usage, started, first_at, last_at, chunks)
+                if progress.server_reasoning:  # split by the server: cleaned as the splitter cleans its own
+                    content, reasoning = content.lstrip(), (progress.server_reasoning + reasoning).strip("\n")
+                version = ReplyVersion(content, reasoning, None, None, request.opens_reasoning, stopped)
+                self._reply = Reply(version, progress.stats(request, stopped))
 
-    def _open(self, runtime: ServedRuntime, plan: Plan) -> Any:
+    def _open(self) -> Any:
         """The streaming request: chat completions with the messages, or completions with the
         prompt rendered here (as text, or as token ids). Fields beyond OpenAI's (`cache_salt`,
         `top_k`, ...) are sent until the server refuses one by name (`transformers serve` takes
         none of them); then the request goes again without it, and later ones leave it out."""
-        wanted = request_options(plan.options) | {"cache_salt": self.cache_salt}
+        runtime, request = self.runtime, self.request
+        wanted = request_options(request.options) | {"cache_salt": self.source.cache_salt}
         required: dict[str, Any] = {}  # fields without which the request means something else
         if runtime.prompt_format == "messages":
-            messages = runtime.template.template_messages([node.message() for node in plan.history])
-            create, request = runtime.client.chat.completions.create, {"messages": messages}
-            if plan.kind == "continue":  # the last message is the reply so far, left open (vLLM, SGLang)
+            messages = runtime.template.template_messages(request.messages)
+            create, body = runtime.client.chat.completions.create, {"messages": messages}
+            if request.kind == "continue":  # the last message is the reply so far, left open (vLLM, SGLang)
                 required = dict(CONTINUE_FIELDS)
         else:
             wanted.pop("chat_template_kwargs", None)  # the template ran here
-            prompt: Any = plan.prompt_ids if runtime.prompt_format == "token-ids" else \
-                runtime.tokenizer.decode(plan.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            create, request = runtime.client.completions.create, {"prompt": prompt}
+            prompt: Any = request.prompt_ids if runtime.prompt_format == "token-ids" else runtime.tokenizer.decode(
+                request.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            create, body = runtime.client.completions.create, {"prompt": prompt}
+        affinity = self.source.affinity
         while True:
             extra = {name: value for name, value in wanted.items() if name not in runtime.refused_fields} | required
             try:
                 return create(model=runtime.model_name, stream=True, stream_options={"include_usage": True},
-                              user=self.affinity, extra_headers={AFFINITY_HEADER: self.affinity}, extra_body=extra,
-                              **request, **sampling(plan.options))
+                              user=affinity, extra_headers={AFFINITY_HEADER: affinity}, extra_body=extra,
+                              **body, **sampling(request.options))
             except openai.APIStatusError as error:
                 refused = {name for name in extra if error.status_code in (400, 422) and name in error.response.text}
                 if not refused:
@@ -186,25 +176,48 @@ class ServedConversation(Conversation):
             except openai.APIError as error:
                 raise ServerError(describe(error)) from error
 
-    def _record_served(self, plan: Plan, version: ReplyVersion, usage: Any, started: float, first_at: float | None,
-                       last_at: float | None, chunks: int) -> None:
-        if plan.kind == "continue":
-            self.history.record_continuation(plan.history, version)
+
+class _Progress:
+    """What a served stream said so far: text pieces, the server's own reasoning, its usage."""
+
+    def __init__(self, started: float):
+        self.started, self.server_reasoning, self.usage = started, "", None
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.chunks = 0
+
+    def take(self, chunk: Any, splitter: ReasoningSplitter, prompt_format: str) -> list[Delta]:
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if not chunk.choices:
+            return []
+        choice = chunk.choices[0]
+        if prompt_format == "messages":
+            text = choice.delta.content or ""
+            thought = getattr(choice.delta, "reasoning_content", None) or ""
         else:
-            self.history.record_reply(plan.history, version)
-        prompt = getattr(usage, "prompt_tokens", None) or len(plan.prompt_ids)
-        generated = getattr(usage, "completion_tokens", None) or chunks
-        details = getattr(usage, "prompt_tokens_details", None)
-        cached = getattr(details, "cached_tokens", None)
+            text, thought = choice.text or "", ""
+        self.server_reasoning += thought
+        pieces = ([Delta("reasoning", thought)] if thought else []) + splitter.feed(text)
+        if pieces:
+            self.first_at, self.last_at = self.first_at or time.perf_counter(), time.perf_counter()
+            self.chunks += 1
+        return pieces
+
+    def stats(self, request: ReplyRequest, stopped: bool) -> TurnStats:
+        """What the server reported (its cached prompt tokens, if it says), else what was seen here."""
+        usage = self.usage
+        prompt = getattr(usage, "prompt_tokens", None) or len(request.prompt_ids)
+        generated = getattr(usage, "completion_tokens", None) or self.chunks
+        cached = getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", None)
         now = time.perf_counter()
-        span = (last_at or now) - (first_at or now)
-        self.stats = TurnStats(
+        span = (self.last_at or now) - (self.first_at or now)
+        return TurnStats(
             reused_tokens=cached or 0, prefilled_tokens=prompt - (cached or 0), generated_tokens=generated,
-            rebuilt=False, ttft_s=(first_at or now) - started,
+            rebuilt=False, ttft_s=(self.first_at or now) - self.started,
             decode_tokens_per_s=(generated - 1) / span if generated > 1 and span > 0 else 0.0,
-            cache_tokens=0, cache_bytes=0, prompt_tokens=prompt, stopped=version.stopped,
+            cache_tokens=0, cache_bytes=0, prompt_tokens=prompt, stopped=stopped,
             cache_reuse_known=cached is not None)
-        self._revision += 1
 
 
 def sampling(options: GenerationOptions) -> dict[str, Any]:
@@ -240,20 +253,10 @@ def describe(error: openai.APIError) -> str:
     return f"the model server's reply broke off: {str(error)[:200]}"
 
 
-class NoLocalBatch:
-    """The server batches; nothing is batched here."""
-
-    def batch_bytes(self) -> int:
-        return 0
-
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
-
-
 class ServedEngine:
-    """`ChatEngine`'s face for the app, with replies from an OpenAI-compatible server. The
-    tokenizer (for the template and the context check) is loaded here from `tokenizer` or the
-    served model's name."""
+    """An engine whose replies come from an OpenAI-compatible server: the same conversations,
+    plans and branch tree, with a `ServedSource` for each. The tokenizer (for the template and
+    the context check) is loaded here from `tokenizer` or the served model's name."""
 
     def __init__(self, base_url: str, model_name: str, *, api_key: str | None = None, tokenizer: str | None = None,
                  timeout_s: float = 60.0, max_retries: int = 2, context_limit: int | None = None,
@@ -269,15 +272,13 @@ class ServedEngine:
             raise ModelLoadError(f"cannot load the tokenizer of {tokenizer or model_name!r} (give --tokenizer a "
                                  f"local folder or a hub id): {str(error).splitlines()[0]}") from error
         self.tokenizer = loaded
-        self.model = None
         self.model_name = model_name
         self.base_url = base_url
-        self.prefix_store = None
-        self.scheduler = NoLocalBatch()
         client = openai.OpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_s,
                                max_retries=max_retries)
-        self.runtime = ServedRuntime(client, model_name, loaded, ChatTemplate(loaded), context_limit,
-                                     prompt_format=prompt_format)
+        template = ChatTemplate(loaded)
+        self.runtime = ServedRuntime(client, model_name, loaded, template, prompt_format=prompt_format)
+        self.planner = Planner(template, context_limit)
 
     @property
     def template(self) -> ChatTemplate:
@@ -285,13 +286,15 @@ class ServedEngine:
 
     @property
     def context_limit(self) -> int | None:
-        return self.runtime.context_limit
+        return self.planner.context_limit
 
-    def conversation(self, system_prompt: str | None = None) -> ServedConversation:
-        return ServedConversation(self.runtime, system_prompt)
+    def conversation(self, system_prompt: str | None = None) -> Conversation:
+        return Conversation(self.planner, ServedSource(self.runtime), system_prompt=system_prompt)
 
-    def restore(self, data: Any) -> ServedConversation:
-        return ServedConversation(self.runtime, history=saved.from_dict(data))
+    def restore(self, data: Any) -> Conversation:
+        return Conversation(self.planner, ServedSource(self.runtime), saved.from_dict(data))
 
-    def batch_stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+    def status(self) -> dict[str, Any]:
+        """What an operator reads: where replies come from (the server batches and caches)."""
+        return {"backend": "openai", "planning": self.planner.planning, "model_server": self.base_url,
+                "served_model": self.model_name}

@@ -62,8 +62,8 @@ class ChatTemplate:
             converted.append(item)
         return converted
 
-    def _render_text(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool,
-                     enable_thinking: bool | None) -> str:
+    def render_text(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool,
+                    enable_thinking: bool | None) -> str:
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         try:
             return self.tokenizer.apply_chat_template(
@@ -76,10 +76,24 @@ class ChatTemplate:
         except TemplateError as error:  # the template's own rule (roles must alternate, ...)
             raise ConversationError(f"the model's chat template refused this history: {error}") from error
 
-    def render_history(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Token ids of `messages` alone, without a generation prompt (e.g. a system turn)."""
-        text = self._render_text(messages, add_generation_prompt=False, enable_thinking=None)
+    def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+
+    def render_history(self, messages: Sequence[dict[str, Any]], *, about: int | None = None) -> list[int]:
+        """Token ids of `messages` alone, without a generation prompt (e.g. a system turn). With
+        `about`, only roughly the first `about` of them: a long history costs what the context
+        holds, not what it says (the last ids of a cut rendering may differ from the whole's)."""
+        text = self.render_text(messages, add_generation_prompt=False, enable_thinking=None)
+        chars = 4 * (about + 16) if about is not None else len(text)
+        while chars < len(text):
+            ids = self.encode(text[:chars])
+            if len(ids) > about + 8:
+                return ids[:-4]  # the cut may have split the last few
+            chars *= 2
+        return self.encode(text)
 
     def render_continuation(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Token ids of `messages` with the last (an assistant reply) left open to be continued."""
@@ -92,11 +106,10 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[dict[str, Any]], *, enable_thinking: bool | None = None) -> RenderedPrompt:
         """The prompt for the next reply, and whether it leaves a <think> block open."""
-        text = self._render_text(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        history = self._render_text(messages, add_generation_prompt=False, enable_thinking=enable_thinking)
+        text = self.render_text(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+        history = self.render_text(messages, add_generation_prompt=False, enable_thinking=enable_thinking)
         suffix = text[len(history):] if text.startswith(history) else ""
-        return RenderedPrompt(text=text, ids=list(ids), opens_reasoning=_opens_reasoning(suffix))
+        return RenderedPrompt(text=text, ids=self.encode(text), opens_reasoning=_opens_reasoning(suffix))
 
 
 def _opens_reasoning(text: str) -> bool:

@@ -47,9 +47,9 @@ class Reply:
         return int(numbers[-1]) if numbers else None
 
 
-def reply_of(conv, thinking: bool) -> Reply:
+def reply_of(conv, tokenizer, thinking: bool) -> Reply:
     last = conv.history.entries[-1].reply
-    raw = conv._runtime.tokenizer.decode(last.reply_ids, skip_special_tokens=False)
+    raw = tokenizer.decode(last.reply_ids, skip_special_tokens=False)
     ended = conv.stats.generated_tokens == len(last.reply_ids) + 1  # the end token is not kept
     return Reply(last.content, last.reasoning_content, "</think>" in raw or not thinking, ended)
 
@@ -59,7 +59,7 @@ def ask(engine: ChatEngine, turns: list[str], system: str | None, thinking: bool
     replies = []
     for text in turns:
         list(conv.send(text, max_new_tokens=MAX_NEW_TOKENS, enable_thinking=thinking, **options))
-        replies.append(reply_of(conv, thinking))
+        replies.append(reply_of(conv, engine.tokenizer, thinking))
     return replies
 
 
@@ -106,9 +106,9 @@ def run(engine: ChatEngine, questions: int, seed: int, workers: int) -> dict:
     def sampled(text):  # a sampled reply, then Regenerate: two versions of the same reply
         conv = engine.conversation(None)
         list(conv.send(text, max_new_tokens=MAX_NEW_TOKENS))
-        first = reply_of(conv, True)
+        first = reply_of(conv, engine.tokenizer, True)
         list(conv.regenerate(max_new_tokens=MAX_NEW_TOKENS))
-        return first, reply_of(conv, True)
+        return first, reply_of(conv, engine.tokenizer, True)
 
     with ThreadPoolExecutor(workers) as pool:
         sampled_results = list(pool.map(sampled, samples))

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_sessions.manager import SessionManager
 from chat import ConversationError, SavedConversationError
 from chat.history import MAX_NODES, MAX_SIBLINGS
 from chat.saved import MAX_DEPTH, MAX_MESSAGE_CHARS
@@ -169,29 +168,24 @@ def test_limits_refuse_with_nothing_changed(make_engine):
 
 def test_kept_branches_are_freed_first_under_the_budget_oldest_first(make_engine):
     engine = make_engine("full")
-
-    class Owner:
-        def __init__(self, conv):
-            self.conversation, self.session = conv, conv.session
-
     convs = [engine.conversation("Be brief.") for _ in range(2)]
     for conv in convs:
         list(conv.send("A question?", **GREEDY))
         for _ in range(2):
             list(conv.regenerate(max_new_tokens=MAX_NEW, do_sample=True))
     assert [c.session.segment_count() for c in convs] == [2, 2]
-    manager = SessionManager()
-    keys = [manager.open(Owner(conv)) for conv in convs]
+    caches = engine.caches
     oldest = convs[0].session.oldest_segment_age()
-    total, one_segment = manager.total_bytes(), convs[0].session.nbytes()
-    manager.budget_bytes = total - 1  # one segment over
-    assert manager.enforce_budget() == []  # no conversation released: a kept branch went instead
-    assert sorted(c.session.segment_count() for c in convs) == [1, 2] and manager.stats().segments_freed == 1
+    total, one_segment = caches.stats().cache_bytes, convs[0].session.nbytes()
+    caches.budget_bytes = total - 1  # one segment over
+    caches.enforce_budget()
+    assert caches.stats().evictions == 0  # no conversation released: a kept branch went instead
+    assert sorted(c.session.segment_count() for c in convs) == [1, 2] and caches.stats().segments_freed == 1
     assert convs[0].session.oldest_segment_age() != oldest  # the oldest of all went first
-    manager.budget_bytes = total - one_segment  # more than all the segments
-    manager.enforce_budget()
-    assert [c.session.segment_count() for c in convs] == [0, 0] and manager.stats().segments_freed == 4
-    assert sum(1 for c in convs if c.session.token_ids) >= 1 and len(manager) == 2 and keys
+    caches.budget_bytes = total - one_segment  # more than all the segments
+    caches.enforce_budget()
+    assert [c.session.segment_count() for c in convs] == [0, 0] and caches.stats().segments_freed == 4
+    assert sum(1 for c in convs if c.session.token_ids) >= 1
 
 
 # ---- saved conversations ---------------------------------------------------------------------------

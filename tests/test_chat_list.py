@@ -93,7 +93,7 @@ def test_new_chat_during_a_reply_stops_it_and_keeps_the_partial_reply(make_engin
     kept = result[STORE]["chats"][0]["data"]
     last = kept["messages"][kept["path"][-1]]
     assert last["role"] == "assistant" and last["stopped"] is True and result[STORE]["current"] is None
-    assert len(outputs) >= 3 and not handlers.directory.find(key).conversation.is_generating
+    assert len(outputs) >= 3 and not handlers.directory.find(key).conversation.is_busy
 
 
 def test_export_then_import_gives_the_same_conversation(make_engine, tmp_path):

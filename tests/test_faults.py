@@ -24,10 +24,10 @@ def test_a_client_that_drops_its_stream_stops_the_reply_and_frees_the_conversati
     stream.close()  # what Gradio does when the connection drops or the client cancels
     chat = handlers.directory.find(key)
     conv = chat.conversation
-    assert not conv.is_generating and chat.running is None
+    assert not conv.is_busy
     assert conv.stats.stopped and conv.stats.generated_tokens < 400  # stopped, its partial reply kept
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant"]
-    assert engine.batch_stats().decoding == 0 and handlers.directory.manager.stats().in_use == 0
+    assert engine.batch_stats().decoding == 0 and handlers.directory.manager.stats().busy == 0
     short = Settings(system_prompt="S.", max_new_tokens=4, temperature=0.0).values()
     *_, last = handlers.send(None, "Next.", key, *short)
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user", "assistant"]

@@ -1,4 +1,5 @@
-"""The session manager: budget, LRU eviction of idle sessions only, limits, expiry, device moves."""
+"""The cache owner's budget (LRU eviction of idle sessions only, the batch counted), the session
+manager's keys, limits and expiry, and device moves."""
 
 import pytest
 import torch
@@ -19,9 +20,30 @@ class Clock:
         return self.now
 
 
+class Chat:
+    """What the session manager holds: something that says whether it is busy and closes itself."""
+
+    def __init__(self, conversation):
+        self.conversation = conversation
+
+    @property
+    def busy(self):
+        return self.conversation.is_busy
+
+    def close(self):
+        self.conversation.close()
+
+
+def streaming(conv, **options):
+    """A reply begun (its first delta read) and left open: the conversation is busy until drained."""
+    stream = conv.send("Generating for a while...", **options)
+    next(stream)
+    return stream
+
+
 def test_keys_are_made_by_the_server_and_unknown_keys_find_nothing(make_engine):
     manager = SessionManager()
-    key = manager.open(make_engine("full").conversation())
+    key = manager.open(Chat(make_engine("full").conversation()))
     assert isinstance(key, str) and len(key) >= 20
     assert manager.get(key) is not None
     for forged in ("0", "", None, key[:-1], 12):
@@ -31,68 +53,65 @@ def test_keys_are_made_by_the_server_and_unknown_keys_find_nothing(make_engine):
 @pytest.mark.parametrize("arch", ["full", "hybrid"])
 def test_over_budget_the_least_recently_used_idle_session_is_released(make_engine, models, tokenizers, arch):
     engine = make_engine(arch)
-    clock = Clock()
-    manager = SessionManager(budget_bytes=10**9, clock=clock)
-    keys, convs = [], []
-    for i in range(3):
-        convs.append(engine.conversation())
-        keys.append(manager.open(convs[-1]))
-        clock.now += 1
-        with manager.using(keys[-1]) as conv:
-            list(conv.send(f"Question number {i}?", **GREEDY))
+    convs = [engine.conversation() for _ in range(3)]
+    for i, conv in enumerate(convs):
+        list(conv.send(f"Question number {i}?", **GREEDY))
     sizes = [conv.session.nbytes() for conv in convs]
-    manager.get(keys[0])  # touched: now the most recent; keys[1] is the oldest
-    clock.now += 1
-    manager.budget_bytes = sum(sizes) - 1
-    released = manager.enforce_budget()
-    assert released == [keys[1]]
+    assert engine.caches.stats().cache_bytes == sum(sizes)
+    convs[0].switch_branch(1, 0)  # an operation: now the most recently used; convs[1] is the oldest
+    engine.caches.budget_bytes = sum(sizes) - 1
+    engine.caches.enforce_budget()
     assert convs[1].session.nbytes() == 0 and len(convs[1].messages) == 2  # its messages are kept
     assert convs[0].session.nbytes() == sizes[0] and convs[2].session.nbytes() == sizes[2]
-    assert manager.total_bytes() <= manager.budget_bytes
+    stats = engine.caches.stats()
+    assert stats.cache_bytes <= stats.budget_bytes and stats.evictions == 1
 
     # the evicted conversation answers again, rebuilt, exactly
-    with manager.using(keys[1]) as conv:
-        list(conv.send("After eviction?", **GREEDY))
-    assert conv.stats.rebuilt
-    check_exact(conv, models[arch], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
+    engine.caches.budget_bytes = None
+    list(convs[1].send("After eviction?", **GREEDY))
+    assert convs[1].stats.rebuilt
+    check_exact(convs[1], models[arch], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
 
 
-def test_a_session_in_use_is_never_released(make_engine):
-    engine = make_engine("full")
-    manager = SessionManager()
-    busy, idle = manager.open(engine.conversation()), manager.open(engine.conversation())
-    with manager.using(idle) as conv:
-        list(conv.send("Idle soon.", **GREEDY))
-    manager.budget_bytes = 1
-    with manager.using(busy) as conv:
-        stream = conv.send("Generating...", max_new_tokens=12, do_sample=False)
-        next(stream)
-        assert manager.enforce_budget() == [idle]
-        assert conv.session.nbytes() > 0  # over budget, but running: kept
-        list(stream)
-        assert conv.session.nbytes() > 0
-    assert manager.get(busy).session.nbytes() == 0  # released once idle
+def test_a_busy_session_is_never_released_and_a_close_waits_for_its_reply(make_engine):
+    engine = make_engine("full", cache_budget_bytes=10**9)
+    busy, idle = engine.conversation(), engine.conversation()
+    list(idle.send("Idle soon.", **GREEDY))
+    stream = streaming(busy, max_new_tokens=12, do_sample=False)
+    engine.caches.budget_bytes = 1
+    engine.caches.enforce_budget()
+    assert idle.session.nbytes() == 0  # over budget: the idle one goes
+    assert busy.session.token_ids and busy.is_busy  # running: kept
+    busy.close()  # closed while its reply runs (a tab that went away): freed when the reply ends
+    list(stream)
+    engine.caches.enforce_budget()
+    assert busy.session.nbytes() == 0 and not busy.is_busy
+    assert engine.caches.stats().sessions == 1  # the closed one is forgotten; the idle one stays known
 
 
 def test_max_sessions_closes_the_oldest_idle_one_or_refuses(make_engine):
     engine = make_engine("full")
     clock = Clock()
     manager = SessionManager(max_sessions=2, clock=clock)
-    first = manager.open(engine.conversation())
+    first = manager.open(Chat(engine.conversation()))
     clock.now += 1
-    second = manager.open(engine.conversation())
+    second, third = Chat(engine.conversation()), Chat(engine.conversation())
+    second_key = manager.open(second)
     clock.now += 1
-    third = manager.open(engine.conversation())
-    assert first not in manager and second in manager and third in manager
-    with manager.using(second), manager.using(third):
-        with pytest.raises(TooManySessions):
-            manager.open(engine.conversation())
+    third_key = manager.open(third)
+    assert first not in manager and second_key in manager and third_key in manager
+    streams = [streaming(chat.conversation, max_new_tokens=20, do_sample=False) for chat in (second, third)]
+    with pytest.raises(TooManySessions):
+        manager.open(Chat(engine.conversation()))
+    for stream in streams:
+        stream.close()
+    assert manager.open(Chat(engine.conversation())) in manager and manager.stats().closed_for_room == 2
 
 
 def test_idle_sessions_expire(make_engine):
     clock = Clock()
     manager = SessionManager(idle_timeout_s=60, clock=clock)
-    key = manager.open(make_engine("full").conversation())
+    key = manager.open(Chat(make_engine("full").conversation()))
     clock.now += 59
     assert manager.get(key) is not None
     clock.now += 61
@@ -136,17 +155,21 @@ def test_offloaded_engine_round_trips_through_cuda(models, tokenizers):
         model.to("cpu")
 
 
-def test_the_batched_copy_counts_in_the_budget(make_engine):
+def test_the_batched_copy_counts_in_the_budget(make_engine, models, monkeypatch):
     """Bytes held outside the sessions (the decode batch's copy) push idle sessions out too."""
+    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)  # replies run to their limit
     engine = make_engine("full")
-    held = {"bytes": 0}
-    manager = SessionManager(budget_bytes=10**9, extra_bytes=lambda: held["bytes"])
-    conv = engine.conversation()
-    key = manager.open(conv)
-    with manager.using(key):
-        list(conv.send("Hello?", **GREEDY))
-    manager.budget_bytes = conv.session.nbytes() + 10
-    assert manager.enforce_budget() == []
-    held["bytes"] = 11
-    assert manager.total_bytes() == conv.session.nbytes() + 11
-    assert manager.enforce_budget() == [key] and conv.session.nbytes() == 0
+    idle = engine.conversation()
+    list(idle.send("Hello?", **GREEDY))
+    one, two = engine.conversation(), engine.conversation()
+    streams = [streaming(conv, max_new_tokens=200, do_sample=False) for conv in (one, two)]
+    for stream in streams:  # both are decoding now: one batch of two rows
+        next(stream)
+    stats = engine.caches.stats()
+    own = sum(conv.session.nbytes() for conv in (idle, one, two))
+    assert stats.batch_bytes > 0 and stats.cache_bytes >= own - 10**6  # (the rows' own caches lag a step)
+    engine.caches.budget_bytes = stats.cache_bytes - stats.batch_bytes // 2  # only over because of the batch
+    engine.caches.enforce_budget()
+    assert idle.session.nbytes() == 0 and engine.caches.stats().evictions == 1
+    for stream in streams:
+        stream.close()

@@ -1,7 +1,7 @@
 """ZeroGPU's way of running: each operation in a forked worker, arguments and results pickled.
 
 `fake_spaces_gpu` does what `spaces.GPU` does on ZeroGPU (a forked process; what crosses is
-pickled), so the conversation must travel to the worker and back with its cache intact.
+pickled), so a conversation's cache session must travel to the worker and back intact.
 """
 
 import multiprocessing
@@ -11,10 +11,9 @@ import pickle
 import pytest
 import torch
 
-from chat import (ChatEngine, Continue, Edit, EmptyMessageError, GenerationOptions, NothingToRegenerateError, Regenerate,
-                  Send)
+from chat import (ChatEngine, Continue, Edit, EmptyMessageError, GenerationOptions, NothingToRegenerateError,
+                  Regenerate, Send)
 from chat import remote
-from chat.remote import RemoteOperation
 from conftest import THINKING_TEMPLATE
 from reference import check_exact
 
@@ -60,57 +59,64 @@ def engine(models, tokenizers, monkeypatch):
     return engine
 
 
-def test_a_conversation_runs_in_a_forked_worker_and_comes_back_exact(engine, models, tokenizers):
-    runner = fake_spaces_gpu(remote.run_plan)
+@pytest.fixture
+def worker_calls(engine):
+    """Every reply of the engine's conversations runs in a forked worker; the kinds are listed."""
+    calls, forked = [], fake_spaces_gpu(remote.run_in_worker)
+
+    def runner(session, request, stop_file):
+        calls.append(request.kind)
+        yield from forked(session, request, stop_file)
+
+    engine.run_replies_in(runner)
+    return calls
+
+
+def test_a_conversation_runs_in_a_forked_worker_and_comes_back_exact(engine, models, tokenizers, worker_calls):
     conv = engine.conversation("System.")
-    deltas = list(RemoteOperation(conv, runner, Send("Hello over there?"), GREEDY))
+    deltas = list(conv.send("Hello over there?", max_new_tokens=8, do_sample=False))
     assert deltas and conv.messages[-1]["role"] == "assistant" and conv.session.token_ids
     check_exact(conv, models["hybrid"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
 
-    list(RemoteOperation(conv, runner, Regenerate(), GREEDY))
+    list(conv.regenerate(max_new_tokens=8, do_sample=False))
     assert conv.stats.prefilled_tokens == 1 and conv.versions == (1, 2)  # the cache made the round trip
     check_exact(conv, models["hybrid"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
     assert conv.select_version(0)  # switching happens on the server, without a forward pass
-    list(RemoteOperation(conv, runner, Send("And then?"), GREEDY))
+    list(conv.send("And then?", max_new_tokens=8, do_sample=False))
     check_exact(conv, models["hybrid"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
+    assert worker_calls == ["reply", "reply", "reply"]
+    assert {t.device.type for t in conv.session.tensors()} == {"cpu"}
 
 
 def test_bad_input_fails_on_the_server_before_any_worker_runs(engine):
     def runner(*args):
         raise AssertionError("the worker must not be called")
 
+    engine.run_replies_in(runner)
     conv = engine.conversation()
     with pytest.raises(EmptyMessageError):
-        RemoteOperation(conv, runner, Send("  "), GREEDY)
+        conv.send("  ", **GREEDY.generate_kwargs())
     with pytest.raises(NothingToRegenerateError):
-        RemoteOperation(conv, runner, Continue(), GREEDY)
+        conv.continue_reply()
 
 
-def test_stop_reaches_the_worker(engine):
-    runner = fake_spaces_gpu(remote.run_plan)
+def test_stop_reaches_the_worker(engine, worker_calls):
     conv = engine.conversation()
-    operation = RemoteOperation(conv, runner, Send("A long one."), GenerationOptions(max_new_tokens=400, do_sample=False))
-    for index, _ in enumerate(operation):
+    stream = conv.send("A long one.", max_new_tokens=400, do_sample=False)
+    for index, _ in enumerate(stream):
         if index == 0:
-            operation.stop()
+            conv.stop()
     assert conv.stats.stopped and conv.stats.generated_tokens < 400
-    list(RemoteOperation(conv, runner, Send("Next."), GREEDY))
+    list(conv.send("Next.", max_new_tokens=8, do_sample=False))
     assert conv.messages[-2]["content"] == "Next."
 
 
-def test_the_app_runs_every_operation_through_the_worker_on_zerogpu(engine, monkeypatch):
+def test_the_app_runs_every_operation_through_the_worker_on_zerogpu(engine, worker_calls):
     from ui.directory import ChatDirectory
     from ui.handlers import ChatHandlers
     from ui.outputs import Settings
 
-    calls = []
-    forked = fake_spaces_gpu(remote.run_plan)
-
-    def runner(conversation, plan, stop_file):
-        calls.append(plan.kind)
-        yield from forked(conversation, plan, stop_file)
-
-    handlers = ChatHandlers(engine, ChatDirectory(engine), runner=runner)
+    handlers = ChatHandlers(engine, ChatDirectory(engine))
     settings = Settings(system_prompt="System.", max_new_tokens=8, temperature=0.0).values()
     outputs = list(handlers.send(None, "Hello?", None, *settings))
     key, last = outputs[0].key, outputs[-1]  # the first update names the conversation
@@ -126,23 +132,23 @@ def test_the_app_runs_every_operation_through_the_worker_on_zerogpu(engine, monk
     assert unmarked(messages(last.chat)[-1]["content"]).startswith(unmarked(before)) and len(messages(last.chat)) == 2
     *_, last = handlers.edit(None, 1, "Edited?", key, *settings)
     assert messages(last.chat)[0]["content"] == "Edited?"
-    assert calls == ["reply", "reply", "continue", "reply"]
+    assert worker_calls == ["reply", "reply", "continue", "reply"]
     assert {t.device.type for t in conv.session.tensors()} == {"cpu"}
 
 
-def test_message_ids_stay_unique_through_the_worker_and_the_saved_copy_restores_exact(engine, models, tokenizers):
+def test_message_ids_stay_unique_through_the_worker_and_the_saved_copy_restores_exact(engine, models, tokenizers,
+                                                                                      worker_calls):
     """Send, Regenerate, Edit, a switch and Continue, each through fork + pickle: the tree's ids
     stay unique (a process-wide counter gave the worker and the server the same ones), so the
     saved copy restores, and its branches switch with their kept states, exactly."""
     model, tokenizer = models["hybrid"], tokenizers[THINKING_TEMPLATE]
-    runner = fake_spaces_gpu(remote.run_plan)
     conv = engine.conversation("System.")
     for operation in (Send("First?"), Regenerate(), Send("Second?"), Edit(1, "First, edited?"), Continue()):
-        list(RemoteOperation(conv, runner, operation, GREEDY))
+        list(conv.start(operation, GREEDY))
         uids = [node.uid for node in conv.history.nodes()]
         assert len(uids) == len(set(uids)), uids
     assert conv.switch_branch(1, 0)  # back to the first question's branch, on the server
-    list(RemoteOperation(conv, runner, Send("Third?"), GREEDY))
+    list(conv.start(Send("Third?"), GREEDY))
     check_exact(conv, model, tokenizer, max_new_tokens=8)
     uids = [node.uid for node in conv.history.nodes()]
     assert len(uids) == len(set(uids)), uids

@@ -28,6 +28,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+import cache_sessions.owner
 import chat.scheduler
 from chat import ChatEngine, ConversationBusyError, ConversationError
 from chat.sampling import TokenChooser
@@ -128,13 +129,13 @@ def hooks(monkeypatch):
 def batches(monkeypatch):
     """Every batch composition the scheduler builds, as tuples of session ids."""
     built: list[tuple[int, ...]] = []
-    original = chat.scheduler.decode_batch
+    original = cache_sessions.owner.decode_batch
 
     def recording(model, sessions):
         built.append(tuple(id(session) for session in sessions))
         return original(model, sessions)
 
-    monkeypatch.setattr(chat.scheduler, "decode_batch", recording)
+    monkeypatch.setattr(cache_sessions.owner, "decode_batch", recording)
     return built
 
 
@@ -207,7 +208,7 @@ def test_arrival_stop_and_failure_leave_the_others_exact(make_engine, models, to
         consumer.join(60)
     assert consumer_a.error is consumer_b.error is consumer_c.error is consumer_e.error is None
     assert isinstance(consumer_d.error, RuntimeError) and "processor failed" in str(consumer_d.error)
-    assert d.messages == d_messages and not d.is_generating
+    assert d.messages == d_messages and not d.is_busy
     assert any(id(a.session) in rows and id(e.session) in rows for rows in batches)  # E joined A's batch
     check_exact(a, model, tokenizer, max_new_tokens=PAUSES_AT_THIRD_TOKEN)
     for conv in (b, e):

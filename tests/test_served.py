@@ -185,7 +185,7 @@ def test_a_server_that_dies_mid_reply_leaves_the_conversation_as_it_was(server, 
         for index, _ in enumerate(conv.send("What is 3 + 4?", max_new_tokens=400, do_sample=False)):
             if index == 2:
                 server.kill()
-    assert conv.to_dict() == before and not conv.is_generating
+    assert conv.to_dict() == before and not conv.is_busy
     with pytest.raises(ServerError, match="cannot be reached"):
         list(conv.send("Anyone there?", **GREEDY))
     assert conv.to_dict() == before

@@ -52,7 +52,7 @@ def test_a_new_system_prompt_is_a_new_branch_of_the_same_conversation(make_engin
 def test_a_full_server_says_so_in_the_one_error_family(make_engine):
     directory = ChatDirectory(make_engine("full"), max_sessions=1)
     key, chat, _ = directory.chat(None, "")
-    with directory.manager.using(key):
+    with chat.conversation.exclusive():  # an operation runs: busy
         with pytest.raises(ServerBusyError):
             directory.chat(None, "")
 

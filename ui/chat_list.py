@@ -252,9 +252,9 @@ class ChatList:
         if chat is None:
             return
         chat.shown = False
-        self.handlers.stop_running(chat)
+        chat.conversation.stop()
         deadline = time.monotonic() + STOP_WAIT_S
-        while chat.conversation.is_generating and time.monotonic() < deadline:
+        while chat.conversation.is_busy and time.monotonic() < deadline:
             time.sleep(0.02)
         self._save(store, chat)
         if store["current"] is not None:

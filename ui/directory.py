@@ -14,22 +14,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_sessions.manager import SessionManager, TooManySessions
-from chat import ChatEngine, Conversation, ServerBusyError
+from chat import Conversation, ServerBusyError
 
 
 @dataclass
 class BrowserChat:
-    """What one browser owns: its conversation, how long each reply thought, the running stream."""
+    """What one browser owns: its conversation and how long each of its replies thought."""
 
     conversation: Conversation
     thinking_seconds: dict[int, float] = field(default_factory=dict)  # by message (node) id
-    running: Any = None  # the operation streaming now, to stop it
     client: str | None = None  # the address that opened it
     shown: bool = True  # False while the page shows another conversation of its list
 
     @property
-    def session(self):  # what the session manager measures and releases
-        return self.conversation.session
+    def busy(self) -> bool:  # what the session manager asks before it closes one for room
+        return self.conversation.is_busy
+
+    def close(self) -> None:
+        """Its reply (if one runs) stopped; its cache freed once the reply ended."""
+        self.conversation.close()
 
     def thinking_by_index(self) -> dict[int, float]:
         """How long each shown reply thought, by its index in the shown path."""
@@ -38,15 +41,14 @@ class BrowserChat:
 
 
 class ChatDirectory:
-    def __init__(self, engine: ChatEngine, *, budget_bytes: int | None = None, max_sessions: int | None = None,
-                 idle_timeout_s: float | None = None, max_per_client: int | None = None):
-        """`max_per_client`: conversations one address may hold; at the limit its own least
-        recently used idle one is closed to make room (never someone else's)."""
+    def __init__(self, engine: Any, *, max_sessions: int | None = None, idle_timeout_s: float | None = None,
+                 max_per_client: int | None = None):
+        """`engine`: a `ChatEngine` or a `ServedEngine` (the same face). `max_per_client`:
+        conversations one address may hold; at the limit its own least recently used idle one is
+        closed to make room (never someone else's). The caches' memory budget is the engine's."""
         self.engine = engine
         self.max_per_client = max_per_client
-        self.manager = SessionManager(budget_bytes=budget_bytes, max_sessions=max_sessions,
-                                      idle_timeout_s=idle_timeout_s, prefix_store=engine.prefix_store,
-                                      on_close=self._forget, extra_bytes=engine.scheduler.batch_bytes)
+        self.manager = SessionManager(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, on_close=self._forget)
         self._keys_of_page: dict[str, set[str]] = {}
         self._keys_of_client: dict[str, list[str]] = {}  # oldest first
         self._lock = threading.Lock()
@@ -81,9 +83,6 @@ class ChatDirectory:
 
     def close(self, key: Any) -> None:
         """Free a conversation (New chat, a closed tab); a reply still running is stopped first."""
-        chat = self.manager.get(key)
-        if chat is not None:
-            chat.conversation.stop()
         self.manager.close(key)
 
     def page_closed(self, page: str) -> None:
@@ -116,8 +115,7 @@ class ChatDirectory:
             held = list(self._keys_of_client.get(client, []))
         if len(held) < self.max_per_client:
             return
-        idle = [key for key in held if (chat := self.manager.get(key)) is not None
-                and not chat.conversation.is_generating]
+        idle = [key for key in held if (chat := self.manager.get(key)) is not None and not chat.busy]
         if not idle:
             raise ServerBusyError(f"you already have {len(held)} conversations generating; wait for one to end")
         self.manager.close(idle[0])  # this client's own oldest

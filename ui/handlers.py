@@ -10,8 +10,7 @@ from typing import Any, Callable, Iterator
 
 import gradio as gr
 
-from chat import ChatEngine, ChatError, Continue, Edit, Operation, Regenerate, Send
-from chat.remote import RemoteOperation, Runner
+from chat import ChatError, Continue, Edit, Operation, Regenerate, Send
 from ui import views
 from ui import inputs
 from ui.directory import BrowserChat, ChatDirectory
@@ -21,13 +20,12 @@ from ui.outputs import ChatOutputs, Settings
 
 
 class ChatHandlers:
-    def __init__(self, engine: ChatEngine, directory: ChatDirectory, *, runner: Runner | None = None,
-                 limits: Limits = Limits(), metrics: Metrics | None = None):
-        """`runner`: on ZeroGPU, `spaces.GPU(chat.remote.run_plan)`; operations then run in its
-        worker process (see chat/remote.py). None: they run here. `limits`: what a request may be."""
+    def __init__(self, engine: Any, directory: ChatDirectory, *, limits: Limits = Limits(),
+                 metrics: Metrics | None = None):
+        """`engine`: whatever makes conversations (the embedded engine, a model server's, ZeroGPU's:
+        the handlers cannot tell). `limits`: what a request may be."""
         self.engine = engine
         self.directory = directory
-        self.runner = runner
         self.limits = limits
         self.metrics = metrics  # fed after every reply (ui/operator.py)
 
@@ -100,15 +98,12 @@ class ChatHandlers:
             yield ChatOutputs()
             return
         try:
-            if self.runner is None:
-                stream = chat.conversation.start(operation, settings.options())
-            else:
-                stream = RemoteOperation(chat.conversation, self.runner, operation, settings.options())
+            gone = lambda: key not in self.directory.manager or not chat.shown  # noqa: E731  (the page moved on)
+            stream = chat.conversation.start(operation, settings.options(), cancelled=gone)
         except ChatError as error:
             gr.Warning(str(error))
             yield self.view(key, chat)  # the message stays in the box
             return
-        chat.running = stream
         if stream.dropped_turns:
             gr.Warning(f"The conversation was too long for the model's context: the {stream.dropped_turns} "
                        "oldest turn(s) were dropped (the system prompt is kept).")
@@ -141,32 +136,28 @@ class ChatHandlers:
         shown_at = 0.0  # when the last update went out: at most one per UPDATE_INTERVAL_S
         deltas = iter(stream)
         try:
-            with self.directory.manager.using(key):
-                try:
-                    for delta in deltas:
-                        if delta.kind == "reasoning":
-                            thinking_since = thinking_since or time.perf_counter()
-                            reasoning += delta.text
-                        else:
-                            if thinking_since and thought_for is None:
-                                thought_for = time.perf_counter() - thinking_since
-                            answer += delta.text
-                        if key not in self.directory.manager or not chat.shown:  # the page shows another
-                            # conversation (New chat, the list), or the tab closed: the page
-                            self._abandon(chat, deltas)  # has moved on; write nothing over it
-                            return
-                        if time.perf_counter() - shown_at < UPDATE_INTERVAL_S:
-                            continue  # each update resends the chat: coalesce fast tokens
-                        first, shown_at = shown_at == 0.0, time.perf_counter()
-                        # the first update shows Stop and the busy line; later ones carry only the chat
-                        yield ChatOutputs(chat=base + views.reply_messages(reasoning, answer, thought_for),
-                                          **({"stats": views.GENERATING, **_BUSY} if first else {}))
-                except GeneratorExit:  # the client went away (closed tab, dropped connection, cancel)
-                    self._abandon(chat, deltas)
-                    raise
-        except KeyError:  # closed before its first token: nothing to show
-            self._abandon(chat, deltas)
-            return
+            try:
+                for delta in deltas:
+                    if delta.kind == "reasoning":
+                        thinking_since = thinking_since or time.perf_counter()
+                        reasoning += delta.text
+                    else:
+                        if thinking_since and thought_for is None:
+                            thought_for = time.perf_counter() - thinking_since
+                        answer += delta.text
+                    if key not in self.directory.manager or not chat.shown:  # the page shows another
+                        # conversation (New chat, the list), or the tab closed: the page
+                        self._abandon(chat, deltas)  # has moved on; write nothing over it
+                        return
+                    if time.perf_counter() - shown_at < UPDATE_INTERVAL_S:
+                        continue  # each update resends the chat: coalesce fast tokens
+                    first, shown_at = shown_at == 0.0, time.perf_counter()
+                    # the first update shows Stop and the busy line; later ones carry only the chat
+                    yield ChatOutputs(chat=base + views.reply_messages(reasoning, answer, thought_for),
+                                      **({"stats": views.GENERATING, **_BUSY} if first else {}))
+            except GeneratorExit:  # the client went away (closed tab, dropped connection, cancel)
+                self._abandon(chat, deltas)
+                raise
         except ChatError as error:
             failed = True
             gr.Warning(str(error))
@@ -174,7 +165,6 @@ class ChatHandlers:
             failed = True
             gr.Warning(f"Generation failed: {error}")
         finally:
-            chat.running = None
             if self.metrics is not None:
                 self.metrics.reply_done(operation, chat.conversation.stats, failed)
         path = chat.conversation.history.entries
@@ -186,7 +176,7 @@ class ChatHandlers:
     def _abandon(self, chat: BrowserChat, deltas: Iterator[Any]) -> None:
         """Stop a reply nobody reads any more and let it end as Stop ends it: the partial reply
         kept, the conversation free for the next message (within a decode step or two)."""
-        self.stop_running(chat)
+        chat.conversation.stop()
         try:
             for _ in deltas:
                 pass
@@ -286,13 +276,7 @@ class ChatHandlers:
     def stop(self, key: Any) -> None:
         chat = self.directory.find(key)
         if chat is not None:
-            self.stop_running(chat)
-
-    @staticmethod
-    def stop_running(chat: BrowserChat) -> None:
-        if isinstance(chat.running, RemoteOperation):
-            chat.running.stop()
-        chat.conversation.stop()
+            chat.conversation.stop()
 
 
 class PageEvents:

@@ -17,17 +17,11 @@ from ui.directory import ChatDirectory
 
 
 def server_status(directory: ChatDirectory) -> dict:
-    stats, batch = directory.manager.stats(), directory.engine.batch_stats()
-    return {"conversations": stats.sessions, "generating": stats.in_use,
-            "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,
-                      "max_batch_size": batch.max_batch_size, "largest_batch": batch.largest_batch,
-                      "decode_steps": batch.steps, "batch_bytes": batch.batch_bytes,
-                      "join_wait_mean_s": round(batch.join_wait_mean_s, 4),
-                      "join_wait_max_s": round(batch.join_wait_max_s, 4)},
-            "cache_bytes": stats.cache_bytes, "cache_budget_bytes": stats.budget_bytes,
-            "shared_prefix_bytes": stats.shared_prefix_bytes, "evictions": stats.evictions,
-            "expired": stats.expired, "closed_for_room": stats.closed_for_room,
-            "branch_segments_freed": stats.segments_freed}
+    """The conversations held, and what the engine says of itself (its batch and caches, or its
+    model server): `busy` counts conversations with an operation running (a reply, a switch...)."""
+    stats = directory.manager.stats()
+    return {"conversations": stats.sessions, "busy": stats.busy, "generating": stats.busy, "expired": stats.expired,
+            "closed_for_room": stats.closed_for_room, **directory.engine.status()}
 
 
 class Metrics:
@@ -68,21 +62,24 @@ class _Gauges:
 
     def collect(self) -> Iterator:
         status = server_status(self.directory)
-        batch = status["batch"]
+        batch = status.get("batch", {})  # a model server's engine has no batch or caches here
         for name, value, text in (
             ("rewind_conversations", status["conversations"], "Conversations held"),
             ("rewind_generating", status["generating"], "Replies being generated"),
-            ("rewind_cache_bytes", status["cache_bytes"], "Bytes of every cache, checkpoint and shared prefix"),
-            ("rewind_cache_budget_bytes", status["cache_budget_bytes"] or 0, "The cache byte budget (0: none)"),
-            ("rewind_batch_size", batch["decoding"], "Rows in the running decode batch"),
-            ("rewind_batch_waiting", batch["waiting"], "Replies waiting for a free row"),
-            ("rewind_batch_bytes", batch["batch_bytes"], "Bytes of the batched copy of decoding caches"),
+            ("rewind_planning", status["planning"], "Operations being planned"),
+            ("rewind_cache_bytes", status.get("cache_bytes", 0), "Bytes of every cache, checkpoint and shared prefix"),
+            ("rewind_cache_budget_bytes", status.get("cache_budget_bytes") or 0, "The cache byte budget (0: none)"),
+            ("rewind_batch_size", batch.get("decoding", 0), "Rows in the running decode batch"),
+            ("rewind_batch_waiting", batch.get("waiting", 0), "Replies waiting for a free row"),
+            ("rewind_batch_bytes", batch.get("batch_bytes", 0), "Bytes of the batched copy of decoding caches"),
         ):
             yield GaugeMetricFamily(name, text, value=value)
-        for name, value, text in (("rewind_evictions", status["evictions"], "Idle caches released for the budget"),
-                                  ("rewind_expired", status["expired"], "Conversations freed after idling"),
-                                  ("rewind_branch_segments_freed", status["branch_segments_freed"],
-                                   "Kept states of branches not shown, freed for the budget")):
+        for name, value, text in (
+            ("rewind_evictions", status.get("evictions", 0), "Idle caches released for the budget"),
+            ("rewind_expired", status["expired"], "Conversations freed after idling"),
+            ("rewind_branch_segments_freed", status.get("branch_segments_freed", 0),
+             "Kept states of branches not shown, freed for the budget"),
+        ):
             yield CounterMetricFamily(name, text, value=value)
 
 

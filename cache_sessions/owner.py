@@ -1,0 +1,268 @@
+"""The one owner of every conversation's cache: each change to a session's states is applied
+here, on the engine's loop thread, and nowhere else.
+
+vLLM's split at this scale: the scheduler (chat/scheduler.py) decides what runs each step, this
+owner applies it to the sessions (roll back, prefill, batch and scatter, commit, keep and put
+back branches, move between devices, release), and the model computes. Other threads never
+touch a session's tensors: they ask the loop (`Loop.call` / `Loop.post`) and read only the
+numbers kept here under a lock.
+
+"Busy" has one meaning: a session is pinned while an operation of its conversation runs (a reply
+queued or streaming, a switch, an undo, an edit). The budget never releases a pinned session,
+and a close while pinned releases it when the last pin goes. When the caches together exceed the
+budget, the segments idle sessions keep for branches not shown go first, oldest first; then the
+least recently used idle session is released (its conversation keeps its messages; its next
+turn rebuilds); then shared prefixes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence, TypeVar
+
+from transformers import PreTrainedModel
+
+from cache_sessions.batch import BatchedCache, SingleRow, decode_batch
+from cache_sessions.branches import BranchKeep, BranchMove, keep_before_reply, move_branch
+from cache_sessions.prefixes import PrefixStore
+from cache_sessions.session import CacheSession, PrefillResult
+from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
+
+T = TypeVar("T")
+
+
+class Loop(Protocol):
+    """The thread that owns the caches (the scheduler's): `post` queues work there, `call`
+    waits for its result, `on_loop` says whether the caller is that thread."""
+
+    def post(self, function: Callable[[], Any]) -> None: ...
+
+    def call(self, function: Callable[..., T], *args: Any) -> T: ...
+
+    def on_loop(self) -> bool: ...
+
+
+@dataclass
+class _Entry:
+    last_used: float
+    pins: int = 0
+    nbytes: int = 0
+    closing: bool = False
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    sessions: int
+    busy: int  # sessions pinned by an operation of their conversation
+    cache_bytes: int  # sessions, shared prefixes and the batched copy of the decoding rows
+    budget_bytes: int | None
+    shared_prefix_bytes: int
+    batch_bytes: int
+    evictions: int  # idle sessions released for the budget
+    segments_freed: int  # kept branch states freed for the budget
+
+
+class CacheOwner:
+    def __init__(self, model: PreTrainedModel, loop: Loop, *, budget_bytes: int | None = None,
+                 max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS, prefix_store: PrefixStore | None = None,
+                 offload: bool = False, clock: Callable[[], float] = time.monotonic):
+        """`offload`: sessions rest on the CPU and go to the model's device only while a reply
+        runs (ZeroGPU, where GPU memory does not survive between calls)."""
+        self.model, self.loop = model, loop
+        self.budget_bytes, self.max_checkpoints = budget_bytes, max_checkpoints
+        self.prefix_store, self.offload = prefix_store, offload
+        self._clock = clock
+        self._lock = threading.Lock()  # the entries' pins and numbers, read by other threads
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every session (a forked ZeroGPU worker starts with none of the server's)."""
+        self._entries: weakref.WeakKeyDictionary[CacheSession, _Entry] = weakref.WeakKeyDictionary()
+        self._batch: BatchedCache | SingleRow | None = None
+        self._batch_bytes = 0
+        self.evictions = self.segments_freed = 0
+
+    # ---- any thread ------------------------------------------------------------------------------
+    def new_session(self) -> CacheSession:
+        session = CacheSession(self.model, max_checkpoints=self.max_checkpoints)
+        with self._lock:
+            self._entry(session)
+        return session
+
+    def pin(self, session: CacheSession) -> None:
+        """Busy: an operation of its conversation runs; the budget leaves it alone."""
+        with self._lock:
+            entry = self._entry(session)
+            entry.pins += 1
+            entry.last_used = self._clock()
+
+    def unpin(self, session: CacheSession) -> None:
+        with self._lock:
+            entry = self._entry(session)
+            entry.pins -= 1
+            entry.last_used = self._clock()
+            idle = entry.pins == 0
+        if idle:
+            self.loop.post(self.settle)  # a close waiting for it, or a budget it may now give way to
+
+    def is_busy(self, session: CacheSession) -> bool:
+        with self._lock:
+            return self._entry(session).pins > 0
+
+    def close(self, session: CacheSession) -> None:
+        """Its conversation is gone: free it now if idle, else when its operation ends."""
+        with self._lock:
+            self._entry(session).closing = True
+        self.loop.post(self.settle)
+
+    def stats(self) -> CacheStats:
+        shared = self.prefix_store.nbytes() if self.prefix_store is not None else 0
+        with self._lock:
+            entries = list(self._entries.values())
+            return CacheStats(
+                sessions=len(entries), busy=sum(1 for entry in entries if entry.pins),
+                cache_bytes=shared + self._batch_bytes + sum(entry.nbytes for entry in entries),
+                budget_bytes=self.budget_bytes, shared_prefix_bytes=shared, batch_bytes=self._batch_bytes,
+                evictions=self.evictions, segments_freed=self.segments_freed)
+
+    def enforce_budget(self) -> None:
+        """Bring the caches within the budget now (after the budget changed, say)."""
+        self.loop.call(self.settle)
+
+    # ---- the loop: a reply ---------------------------------------------------------------------
+    def begin(self, session: CacheSession, prompt_ids: Sequence[int], keep: BranchKeep | None,
+              prefix_store: PrefixStore | None, shared_prefix_length: int) -> PrefillResult:
+        """A reply is admitted: its session to the model's device, the branch it replaces kept,
+        the cache rolled back to where the prompt parts from it."""
+        self._on_loop(session)
+        if self.offload:
+            session.to(self.model.device)
+        if keep is not None:
+            keep_before_reply(session, keep, prompt_ids)
+        return session.prepare(prompt_ids, prefix_store=prefix_store, shared_prefix_length=shared_prefix_length,
+                               prefill=False)
+
+    def prefill(self, session: CacheSession, prompt_ids: Sequence[int], budget: int | None,
+                prefix_store: PrefixStore | None, shared_prefix_length: int) -> bool:
+        self._on_loop(session)
+        try:
+            return session.prefill(prompt_ids, budget=budget, prefix_store=prefix_store,
+                                   shared_prefix_length=shared_prefix_length)
+        finally:
+            self._measure(session)
+
+    def decode_inputs(self, sessions: list[CacheSession], token_ids: list[int]) -> dict[str, Any]:
+        """Model inputs feeding one token to each of `sessions`, on their batch (built anew when
+        the rows changed: the old one's states go back to their sessions first)."""
+        if self._batch is None or self._batch.sessions != sessions:
+            self.scatter()
+            self._batch = decode_batch(self.model, sessions)
+        return self._batch.inputs(token_ids)
+
+    def decoded(self, token_ids: list[int]) -> None:
+        """The forward of `decode_inputs` ran: the rows now hold `token_ids` too."""
+        assert self._batch is not None
+        self._batch.fed(token_ids)
+        self._batch_bytes = self._batch.nbytes()
+
+    def scatter(self) -> None:
+        """Every row's new states back to its own session; no batch is held afterwards."""
+        if self._batch is not None:
+            self._batch.scatter()
+            for session in self._batch.sessions:
+                self._measure(session)
+        self.drop_batch()
+
+    def drop_batch(self) -> None:
+        """A failed forward: the batched states are unusable (their sessions are released)."""
+        self._batch, self._batch_bytes = None, 0
+
+    def end(self, session: CacheSession, sequence: Sequence[int] | None, labels: Sequence[Any],
+            failed: bool) -> None:
+        """A reply left the batch: check what was fed (`sequence`: prompt and chosen tokens; None:
+        it never began), name the messages the cache now holds, rest the session."""
+        self._on_loop(session)
+        if sequence is not None:
+            if failed:
+                session.release()  # states from a failed update cannot be trusted
+            else:
+                session.commit(sequence)  # releases and raises if the ledger does not match
+                session.labels = list(labels)
+        if self.offload:
+            session.to("cpu")
+        self._measure(session)
+
+    # ---- the loop: other changes ---------------------------------------------------------------
+    def move(self, session: CacheSession, move: BranchMove) -> bool:
+        """Keep the branch left and put back the one arriving (see cache_sessions/branches.py)."""
+        self._on_loop(session)
+        moved = move_branch(session, move)
+        self._measure(session)
+        return moved
+
+    def adopt_state(self, session: CacheSession, returned: CacheSession) -> None:
+        """`session` becomes `returned`: the same session, updated in a worker process."""
+        self._on_loop(session)
+        session.take_state_of(returned)
+        self._measure(session)
+
+    def release(self, session: CacheSession) -> None:
+        self._on_loop(session)
+        session.release()
+        self._measure(session)
+
+    def settle(self) -> None:
+        """After each step and command: free closed sessions, keep the budget."""
+        self._on_loop()
+        with self._lock:
+            closed = [session for session, entry in self._entries.items() if entry.closing and not entry.pins]
+            for session in closed:
+                del self._entries[session]
+        for session in closed:
+            session.release()
+        if self.budget_bytes is not None:
+            self._enforce_budget()
+
+    def _enforce_budget(self) -> None:
+        assert self.budget_bytes is not None
+        while self.stats().cache_bytes > self.budget_bytes:
+            with self._lock:
+                idle = [(session, entry) for session, entry in self._entries.items() if not entry.pins]
+            keeping = [(session, entry) for session, entry in idle if session.segment_count()]
+            holding = [(session, entry) for session, entry in idle if entry.nbytes]
+            if keeping:
+                session, entry = min(keeping, key=lambda item: item[0].oldest_segment_age())
+                session.drop_oldest_segment()
+                self.segments_freed += 1
+            elif holding:
+                session, entry = min(holding, key=lambda item: item[1].last_used)
+                session.release()
+                self.evictions += 1
+            elif self.prefix_store is None or not self.prefix_store.evict_one():
+                return  # only busy sessions are left: they finish first
+            else:
+                continue
+            self._measure(session)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _entry(self, session: CacheSession) -> _Entry:
+        entry = self._entries.get(session)
+        if entry is None:
+            entry = self._entries[session] = _Entry(self._clock())
+        return entry
+
+    def _measure(self, session: CacheSession) -> None:
+        """Its bytes, as `stats` and the budget count them (each storage once)."""
+        nbytes = session.nbytes()
+        with self._lock:
+            self._entry(session).nbytes = nbytes
+
+    def _on_loop(self, session: CacheSession | None = None) -> None:
+        if not self.loop.on_loop():
+            raise RuntimeError("a cache is changed only on the engine's loop thread")
+        if session is not None:
+            with self._lock:
+                self._entry(session)

@@ -1,0 +1,144 @@
+"""Fitting a long history into the model's context: the fewest oldest turns left out, found in
+time bounded by the context, not by the history.
+
+Dropping one turn at a time and rendering everything again each time is quadratic (100 turns of
+1,000 characters took 12.5 s). Here a history that may not fit is rendered once as a skeleton
+(markers in place of each message's text: what the template itself adds around every message),
+the texts are measured newest first and only until the context is full, the cut is chosen at a
+turn boundary from those sizes, and the template renders the kept messages for real. The prompt
+is always the template's own rendering of the kept messages, and the cut is checked on it: the
+kept ones fit, and one more turn would not. A history of any length costs one skeleton render
+plus the renders of about a context's worth of messages.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from chat.errors import ContextOverflowError, PlanningCancelled
+from chat.history import Message
+from chat.templates import ChatTemplate, RenderedPrompt
+
+_MARK = re.compile("\ue000([0-9]+)([cr])\ue001")  # private-use characters: in no real text
+CLEAR_MARGIN = 2  # a history measured at twice the room is refused without rendering it all
+QUICK_CHARS_PER_TOKEN = 8  # a history under `room * 8` characters is simply rendered whole
+
+
+@dataclass(frozen=True)
+class Fitted:
+    kept: list[int]  # indices of the messages kept, in order
+    prompt: RenderedPrompt
+    dropped_turns: int
+
+
+def fit_to_context(template: ChatTemplate, messages: list[Message], *, context_limit: int | None,
+                   max_new_tokens: int, enable_thinking: bool | None, may_drop: bool,
+                   cancelled: Callable[[], bool] = lambda: False) -> Fitted:
+    """The prompt for a reply to `messages`, leaving `max_new_tokens` of the context for the reply
+    (no limit: all of them). With `may_drop`, the oldest user turns (a user message and what
+    answered it) are left out until it fits; the messages before the first user message (a system
+    prompt) and the last user message always stay. Raises `ContextOverflowError` when it cannot."""
+    room = None if context_limit is None else context_limit - max_new_tokens
+    users = [i for i, message in enumerate(messages) if message["role"] == "user"]
+    droppable = max(0, len(users) - 1) if may_drop else 0
+
+    def kept(turns: int) -> list[int]:
+        return list(range(len(messages))) if not turns else \
+            list(range(users[0])) + list(range(users[turns], len(messages)))
+
+    def render(turns: int) -> RenderedPrompt:
+        if cancelled():
+            raise PlanningCancelled("planning was stopped")
+        return template.render([messages[i] for i in kept(turns)], enable_thinking=enable_thinking)
+
+    def overflow(tokens: int, exact: bool) -> ContextOverflowError:
+        assert context_limit is not None
+        return ContextOverflowError(
+            f"the prompt ({tokens if exact else f'about {tokens} or more'} tokens) plus max_new_tokens "
+            f"({max_new_tokens}) exceeds the model's context of {context_limit} tokens",
+            prompt_tokens=tokens, max_new_tokens=max_new_tokens, context_limit=context_limit)
+
+    turns = 0
+    if room is not None and _chars(messages) > room * QUICK_CHARS_PER_TOKEN:
+        estimate = _estimate(template, messages, users, room, enable_thinking, cancelled)
+        if droppable and estimate.fewest > CLEAR_MARGIN * room:
+            raise overflow(estimate.fewest, exact=False)
+        if not droppable and estimate.clearly_over is not None:
+            raise overflow(estimate.clearly_over, exact=False)
+        turns = min(estimate.turns, droppable)
+    prompt = render(turns)
+    while room is not None and len(prompt.ids) > room and turns < droppable:  # measured short: one more goes
+        turns += 1
+        prompt = render(turns)
+    if room is not None and len(prompt.ids) > room:
+        raise overflow(len(prompt.ids), exact=True)
+    while turns > 0:  # measured generously: turns come back while they fit
+        wider = render(turns - 1)
+        if room is not None and len(wider.ids) > room:
+            break
+        turns, prompt = turns - 1, wider
+    return Fitted(kept(turns), prompt, turns)
+
+
+@dataclass(frozen=True)
+class _Estimate:
+    turns: int  # oldest turns to leave out
+    fewest: int  # tokens of what always stays: the leading messages and the last user turn
+    clearly_over: int | None  # tokens measured once past CLEAR_MARGIN times the room, if it got there
+
+
+def _estimate(template: ChatTemplate, messages: list[Message], users: list[int], room: int,
+              enable_thinking: bool | None, cancelled: Callable[[], bool]) -> _Estimate:
+    """Message sizes newest first, from the skeleton's overhead and each text's own tokens, until
+    the measured part is clearly over the room (never more than that is tokenized)."""
+    overhead, fixed, rendered = _skeleton(template, messages, enable_thinking)
+
+    def size(index: int) -> int:
+        return overhead[index] + _text_tokens(template, messages[index], rendered[index])
+
+    total = fixed + sum(size(i) for i in range(users[0] if users else len(messages)))
+    fewest, turns, start = None, 0, len(messages)
+    for count, user in enumerate(reversed(users), start=1):
+        if cancelled():
+            raise PlanningCancelled("planning was stopped")
+        total, start = total + sum(size(i) for i in range(user, start)), user
+        fewest = total if fewest is None else fewest
+        if total > room and not turns:
+            turns = len(users) - count + 1  # this turn and the older ones go
+        if total > CLEAR_MARGIN * room:
+            return _Estimate(turns, fewest, total)
+    return _Estimate(turns, fewest if fewest is not None else total, None)
+
+
+def _skeleton(template: ChatTemplate, messages: list[Message],
+              enable_thinking: bool | None) -> tuple[list[int], int, list[set[str]]]:
+    """Per message: the template's own tokens around it; the tokens before the first and after the
+    last message (a preamble, the generation prompt); which of its texts the template renders."""
+    marked = [{**message, "content": f"\ue000{i}c\ue001",
+               **({"reasoning_content": f"\ue000{i}r\ue001"} if message.get("reasoning_content") else {})}
+              for i, message in enumerate(messages)]
+    text = template.render_text(marked, add_generation_prompt=True, enable_thinking=enable_thinking)
+    pieces, owners, rendered, last = [], [], [set() for _ in messages], 0
+    for match in _MARK.finditer(text):
+        index = int(match.group(1))
+        pieces.append(text[last:match.start()])
+        owners.append(index)
+        rendered[index].add(match.group(2))
+        last = match.end()
+    counts = template.encode_many(pieces + [text[last:]])
+    overhead = [0] * len(messages)
+    for index, ids in zip(owners, counts):
+        overhead[index] += len(ids)
+    return overhead, len(counts[-1]), rendered
+
+
+def _text_tokens(template: ChatTemplate, message: Message, rendered: set[str]) -> int:
+    texts = [message["content"] if "c" in rendered else "",
+             (message.get("reasoning_content") or "") if "r" in rendered else ""]
+    return sum(len(ids) for ids in template.encode_many([text for text in texts if text]))
+
+
+def _chars(messages: list[Message]) -> int:
+    return sum(len(m["content"]) + len(m.get("reasoning_content") or "") for m in messages)

@@ -1,0 +1,127 @@
+"""Replies from the embedded engine: the conversation's cache session, served by the scheduler's
+loop and changed only by the cache owner (cache_sessions/owner.py).
+
+A `LocalReply` submits the prompt to the scheduler (which rolls the cache back, prefills and
+decodes it, batched with the other conversations' replies), streams the tokens as
+reasoning/answer deltas, and at the end says what the reply and its statistics are.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+from cache_sessions.branches import BranchMove
+from cache_sessions.session import CacheSession, PrefillResult
+from chat.detokenizer import IncrementalDecoder
+from chat.history import ReplyVersion
+from chat.reasoning import Delta, ReasoningSplitter
+from chat.runtime import Runtime
+from chat.scheduler import CacheWork, GenerationRequest
+from chat.sources import Reply, ReplyRequest, TurnStats
+
+
+class LocalSource:
+    """A `ReplySource` on this process's engine."""
+
+    def __init__(self, runtime: Runtime, session: CacheSession | None = None, *, rebuilt: bool = False):
+        """`rebuilt`: its conversation was restored from saved text, so the states its first turn
+        computes were once held (its stats say so)."""
+        self.runtime = runtime
+        self.session: CacheSession = session or runtime.caches.new_session()
+        if rebuilt:
+            self.session.mark_rebuilt()  # a new session, not yet known to the loop
+
+    def check(self, request: ReplyRequest) -> None:
+        """The engine makes any reply it was asked for."""
+
+    def reply(self, request: ReplyRequest, stop: threading.Event) -> "LocalReply":
+        return LocalReply(self.runtime, self.session, request, stop)
+
+    def move(self, move: BranchMove) -> bool:
+        return self.runtime.scheduler.call(self.runtime.caches.move, self.session, move)
+
+    def hold(self) -> None:
+        self.runtime.caches.pin(self.session)
+
+    def let_go(self) -> None:
+        self.runtime.caches.unpin(self.session)
+
+    def close(self) -> None:
+        self.runtime.caches.close(self.session)
+
+
+class LocalReply:
+    def __init__(self, runtime: Runtime, session: CacheSession, request: ReplyRequest, stop: threading.Event):
+        self.runtime, self.session, self.request, self.stop = runtime, session, request, stop
+        self.generation: GenerationRequest | None = None
+        self._finished_stream = False
+        self._started = 0.0
+
+    def __iter__(self) -> Iterator[Delta]:
+        runtime, request = self.runtime, self.request
+        self._started = time.perf_counter()
+        work = CacheWork(runtime.prefix_store, self._shared_prefix_length(), request.keep, request.labels)
+        self.generation = runtime.scheduler.submit(self.session, request.prompt_ids, request.options, self.stop, work)
+        decoder = IncrementalDecoder(runtime.tokenizer, runtime.eos_token_ids, context_ids=request.earlier_ids)
+        splitter = ReasoningSplitter(starts_in_reasoning=request.opens_reasoning)
+        splitter.feed(decoder.context_text)
+        for token_id in self.generation.tokens():
+            yield from splitter.feed(decoder.push(token_id))
+        yield from splitter.feed(decoder.flush())
+        yield from splitter.finish()
+        self._finished_stream = True
+
+    def result(self) -> Reply | None:
+        """Stop the model if it still runs and describe the reply (the scheduler has checked what
+        it fed). Raises what generation raised (the cache was released: it cannot be trusted)."""
+        if self.generation is None:
+            return None
+        sequence = self.generation.finish()
+        stopped = not self._finished_stream or self.stop.is_set()
+        return Reply(self._version(sequence, stopped), self._stats(sequence, stopped))
+
+    def _shared_prefix_length(self) -> int:
+        """Tokens of the system prompt turn, when the template renders it as a prompt prefix."""
+        runtime, messages, prompt_ids = self.runtime, self.request.messages, self.request.prompt_ids
+        if runtime.prefix_store is None or not runtime.template.accepts_system:
+            return 0
+        if not messages or messages[0]["role"] != "system":
+            return 0
+        prefix = runtime.template.render_history(messages[:1])
+        return len(prefix) if prompt_ids[: len(prefix)] == prefix else 0
+
+    def _version(self, sequence: list[int], stopped: bool) -> ReplyVersion:
+        request, tokenizer = self.request, self.runtime.tokenizer
+        new_ids = [token for token in sequence[len(request.prompt_ids):] if token not in self.runtime.eos_token_ids]
+        reply_ids = request.earlier_ids + new_ids
+        splitter = ReasoningSplitter(starts_in_reasoning=request.opens_reasoning)
+        splitter.feed(tokenizer.decode(reply_ids, skip_special_tokens=False))
+        splitter.finish()
+        content, reasoning = splitter.message_fields()
+        prompt_ids = request.prompt_ids[: len(request.prompt_ids) - len(request.earlier_ids)]
+        return ReplyVersion(content, reasoning, reply_ids, prompt_ids, request.opens_reasoning, stopped)
+
+    def _stats(self, sequence: list[int], stopped: bool) -> TurnStats:
+        run = self.generation
+        assert run is not None
+        prefill = run.prefill or PrefillResult(0, 0, False, "none")
+        now = time.perf_counter()
+        first, last = run.first_token_at or now, run.last_token_at or now
+        decode_rate = (run.token_count - 1) / (last - first) if run.token_count > 1 and last > first else 0.0
+        return TurnStats(
+            reused_tokens=prefill.reused_tokens,
+            prefilled_tokens=prefill.prefilled_tokens,
+            generated_tokens=len(sequence) - len(self.request.prompt_ids),
+            rebuilt=prefill.rebuilt,
+            ttft_s=first - self._started,
+            decode_tokens_per_s=decode_rate,
+            cache_tokens=run.cache_tokens,
+            cache_bytes=run.cache_bytes,
+            prompt_tokens=len(self.request.prompt_ids),
+            rollback=prefill.rollback,
+            stopped=stopped,
+            shared_prefix_tokens=prefill.shared_prefix_tokens,
+            waited_s=(run.started_at or now) - run.submitted_at,
+        )

@@ -1,0 +1,112 @@
+"""Where a conversation's replies come from: a small protocol, three implementations.
+
+A `Conversation` plans (chat/plans.py) and records (chat/history.py); a `ReplySource` makes the
+reply and keeps whatever states it has: the embedded engine (chat/local.py: the scheduler and
+the cache owner), an OpenAI-compatible server (chat/served.py: no states here), or a ZeroGPU
+worker process (chat/remote.py: the engine's, in another process). What crosses between them is
+plain data: a `ReplyRequest` in, text deltas and a `Reply` out.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Literal, Protocol
+
+from cache_sessions.branches import BranchKeep, BranchMove
+from cache_sessions.rollback import RollbackHow
+from cache_sessions.session import CacheSession
+from chat.history import Message, ReplyVersion
+from chat.options import GenerationOptions
+from chat.reasoning import Delta
+
+ReplyKind = Literal["reply", "continue"]
+
+
+@dataclass(frozen=True)
+class ReplyRequest:
+    """One reply to make: plain data (it crosses to a ZeroGPU worker)."""
+
+    kind: ReplyKind  # "reply": a new reply (send, regenerate, edit); "continue": extend the last one
+    messages: list[Message]  # the path answered, as the template takes it ("continue": ends with the reply)
+    prompt_ids: list[int]
+    opens_reasoning: bool  # the prompt leaves a <think> block open
+    options: GenerationOptions
+    labels: tuple[int, ...]  # the message ids the cache holds once the reply exists (the reply's included)
+    earlier_ids: list[int] = field(default_factory=list)  # "continue": the reply's tokens so far
+    keep: BranchKeep | None = None  # the shown branch this reply replaces: its states are kept
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """What the last generating operation cost and reused."""
+
+    reused_tokens: int
+    prefilled_tokens: int
+    generated_tokens: int
+    rebuilt: bool
+    ttft_s: float
+    decode_tokens_per_s: float
+    cache_tokens: int
+    cache_bytes: int
+    prompt_tokens: int = 0
+    rollback: RollbackHow = "none"
+    stopped: bool = False
+    shared_prefix_tokens: int = 0
+    dropped_turns: int = 0
+    waited_s: float = 0.0  # from the request until its prefill began: waiting for other replies
+    cache_reuse_known: bool = True  # False: a model server that did not say how much of its cache it used
+
+
+@dataclass(frozen=True)
+class Reply:
+    version: ReplyVersion
+    stats: TurnStats
+
+
+class ReplyRun(Protocol):
+    """One reply being made: iterate its deltas (closing early stops it), then `result()`."""
+
+    def __iter__(self) -> Iterator[Delta]: ...
+
+    def result(self) -> Reply | None:
+        """The reply as far as it went (stopped or not); None when nothing began, so nothing is to
+        be recorded. Raises what generation raised."""
+
+
+class ReplySource(Protocol):
+    session: CacheSession | None  # the states kept here for the conversation, if any
+
+    def check(self, request: ReplyRequest) -> None:
+        """Refuse (a `ConversationError`), before anything runs, what this source cannot do."""
+
+    def reply(self, request: ReplyRequest, stop: threading.Event) -> ReplyRun: ...
+
+    def move(self, move: BranchMove) -> bool:
+        """The shown path changes: keep the branch left, put back the one arriving. True when the
+        states of the one arriving are held (no forward pass needed up to the change)."""
+
+    def hold(self) -> None:
+        """An operation of the conversation begins: its states are busy until `let_go`."""
+
+    def let_go(self) -> None: ...
+
+    def close(self) -> None:
+        """The conversation is gone: free its states (once its operation, if any, ended)."""
+
+
+class ReplyStream:
+    """The deltas of one reply; iterate it. `dropped_turns` is known before the first delta."""
+
+    def __init__(self, deltas: Iterator[Delta], dropped_turns: int):
+        self._deltas = deltas
+        self.dropped_turns = dropped_turns
+
+    def __iter__(self) -> "ReplyStream":
+        return self
+
+    def __next__(self) -> Delta:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()
