@@ -34,7 +34,7 @@ def history_of(turns: int, chars: int) -> History:
     history = History()
     for turn in range(turns):
         words = " ".join(WORDS[(turn + i) % len(WORDS)] for i in range(chars // 4))
-        path = history.with_user_message(words[:chars])
+        path = history.entries + [history.node("user", words[:chars])]
         version = ReplyVersion(words[:chars], "", None, None, False, False)
         history.record_reply(path, history.node("assistant"), version)
     return history

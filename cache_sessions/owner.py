@@ -17,14 +17,13 @@ turn rebuilds); then shared prefixes.
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 from transformers import PreTrainedModel
 
+from cache_sessions.accounts import Accounts
 from cache_sessions.batch import BatchedCache, SingleRow, decode_batch
 from cache_sessions.branches import BranchKeep, BranchMove, keep_before_reply, move_branch
 from cache_sessions.prefixes import PrefixStore
@@ -43,14 +42,6 @@ class Loop(Protocol):
     def call(self, function: Callable[..., T], *args: Any) -> T: ...
 
     def on_loop(self) -> bool: ...
-
-
-@dataclass
-class _Entry:
-    last_used: float
-    pins: int = 0
-    nbytes: int = 0
-    closing: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,13 +65,12 @@ class CacheOwner:
         self.model, self.loop = model, loop
         self.budget_bytes, self.max_checkpoints = budget_bytes, max_checkpoints
         self.prefix_store, self.offload = prefix_store, offload
-        self._clock = clock
-        self._lock = threading.Lock()  # the entries' pins and numbers, read by other threads
+        self.accounts = Accounts(clock)
         self.reset()
 
     def reset(self) -> None:
         """Forget every session (a forked ZeroGPU worker starts with none of the server's)."""
-        self._entries: weakref.WeakKeyDictionary[CacheSession, _Entry] = weakref.WeakKeyDictionary()
+        self.accounts.reset()
         self._batch: BatchedCache | SingleRow | None = None
         self._batch_bytes = 0
         self.evictions = self.segments_freed = 0
@@ -88,45 +78,28 @@ class CacheOwner:
     # ---- any thread ------------------------------------------------------------------------------
     def new_session(self) -> CacheSession:
         session = CacheSession(self.model, max_checkpoints=self.max_checkpoints)
-        with self._lock:
-            self._entry(session)
+        self.accounts.register(session)
         return session
 
     def pin(self, session: CacheSession) -> None:
         """Busy: an operation of its conversation runs; the budget leaves it alone."""
-        with self._lock:
-            entry = self._entry(session)
-            entry.pins += 1
-            entry.last_used = self._clock()
+        self.accounts.pin(session)
 
     def unpin(self, session: CacheSession) -> None:
-        with self._lock:
-            entry = self._entry(session)
-            entry.pins -= 1
-            entry.last_used = self._clock()
-            idle = entry.pins == 0
-        if idle:
+        if self.accounts.unpin(session):
             self.loop.post(self.settle)  # a close waiting for it, or a budget it may now give way to
-
-    def is_busy(self, session: CacheSession) -> bool:
-        with self._lock:
-            return self._entry(session).pins > 0
 
     def close(self, session: CacheSession) -> None:
         """Its conversation is gone: free it now if idle, else when its operation ends."""
-        with self._lock:
-            self._entry(session).closing = True
+        self.accounts.close(session)
         self.loop.post(self.settle)
 
     def stats(self) -> CacheStats:
         shared = self.prefix_store.nbytes() if self.prefix_store is not None else 0
-        with self._lock:
-            entries = list(self._entries.values())
-            return CacheStats(
-                sessions=len(entries), busy=sum(1 for entry in entries if entry.pins),
-                cache_bytes=shared + self._batch_bytes + sum(entry.nbytes for entry in entries),
-                budget_bytes=self.budget_bytes, shared_prefix_bytes=shared, batch_bytes=self._batch_bytes,
-                evictions=self.evictions, segments_freed=self.segments_freed)
+        sessions, busy, held = self.accounts.totals()
+        return CacheStats(sessions=sessions, busy=busy, cache_bytes=shared + self._batch_bytes + held,
+                          budget_bytes=self.budget_bytes, shared_prefix_bytes=shared, batch_bytes=self._batch_bytes,
+                          evictions=self.evictions, segments_freed=self.segments_freed)
 
     def enforce_budget(self) -> None:
         """Bring the caches within the budget now (after the budget changed, say)."""
@@ -209,60 +182,40 @@ class CacheOwner:
         session.take_state_of(returned)
         self._measure(session)
 
-    def release(self, session: CacheSession) -> None:
-        self._on_loop(session)
-        session.release()
-        self._measure(session)
-
     def settle(self) -> None:
         """After each step and command: free closed sessions, keep the budget."""
         self._on_loop()
-        with self._lock:
-            closed = [session for session, entry in self._entries.items() if entry.closing and not entry.pins]
-            for session in closed:
-                del self._entries[session]
-        for session in closed:
+        for session in self.accounts.take_closed():
             session.release()
         if self.budget_bytes is not None:
-            self._enforce_budget()
+            while self.stats().cache_bytes > self.budget_bytes and self._free_one():
+                pass
 
-    def _enforce_budget(self) -> None:
-        assert self.budget_bytes is not None
-        while self.stats().cache_bytes > self.budget_bytes:
-            with self._lock:
-                idle = [(session, entry) for session, entry in self._entries.items() if not entry.pins]
-            keeping = [(session, entry) for session, entry in idle if session.segment_count()]
-            holding = [(session, entry) for session, entry in idle if entry.nbytes]
-            if keeping:
-                session, entry = min(keeping, key=lambda item: item[0].oldest_segment_age())
-                session.drop_oldest_segment()
-                self.segments_freed += 1
-            elif holding:
-                session, entry = min(holding, key=lambda item: item[1].last_used)
-                session.release()
-                self.evictions += 1
-            elif self.prefix_store is None or not self.prefix_store.evict_one():
-                return  # only busy sessions are left: they finish first
-            else:
-                continue
-            self._measure(session)
-
-    # ---- internals -----------------------------------------------------------------------------
-    def _entry(self, session: CacheSession) -> _Entry:
-        entry = self._entries.get(session)
-        if entry is None:
-            entry = self._entries[session] = _Entry(self._clock())
-        return entry
+    def _free_one(self) -> bool:
+        """The least needed states of an idle session: a kept branch (the oldest of all), else a
+        whole session (the least recently used), else a shared prefix. False: only busy ones left."""
+        idle = self.accounts.idle()
+        keeping = [entry.session for entry in idle if entry.session.segment_count()]
+        holding = [entry for entry in idle if entry.nbytes]
+        if keeping:
+            session = min(keeping, key=lambda kept: kept.oldest_segment_age())
+            session.drop_oldest_segment()
+            self.segments_freed += 1
+        elif holding:
+            session = min(holding, key=lambda entry: entry.last_used).session
+            session.release()
+            self.evictions += 1
+        else:
+            return self.prefix_store is not None and self.prefix_store.evict_one()
+        self._measure(session)
+        return True
 
     def _measure(self, session: CacheSession) -> None:
         """Its bytes, as `stats` and the budget count them (each storage once)."""
-        nbytes = session.nbytes()
-        with self._lock:
-            self._entry(session).nbytes = nbytes
+        self.accounts.measured(session, session.nbytes())
 
     def _on_loop(self, session: CacheSession | None = None) -> None:
         if not self.loop.on_loop():
             raise RuntimeError("a cache is changed only on the engine's loop thread")
         if session is not None:
-            with self._lock:
-                self._entry(session)
+            self.accounts.register(session)

@@ -22,7 +22,7 @@ from chat.operations import Continue, Edit, Operation, Regenerate, Send, checked
 from chat.options import GenerationOptions
 from chat.plans import Plan, Planner
 from chat.reasoning import Delta
-from chat.sources import Reply, ReplySource, ReplyStream, TurnStats
+from chat.sources import ReplySource, ReplyStream, TurnStats
 
 Cancelled = Callable[[], bool]  # True once whoever asked for the operation went away
 
@@ -60,8 +60,7 @@ class Conversation:
     @property
     def versions(self) -> tuple[int, int]:
         """(shown, count) of the last reply's siblings; (0, 0) when the last message is no reply."""
-        path = self.history.entries
-        return self.history.branches(len(path) - 1) if path and path[-1].role == "assistant" else (0, 0)
+        return self.history.versions
 
     @property
     def system_prompt(self) -> str | None:
@@ -116,17 +115,13 @@ class Conversation:
             try:
                 yield from run
             finally:
-                reply = run.result()
-                if reply is not None:
-                    self._record(plan, reply)
-
-    def _record(self, plan: Plan, reply: Reply) -> None:
-        if plan.reply is None:
-            self.history.record_continuation(plan.history, reply.version)
-        else:
-            self.history.record_reply(plan.history, plan.reply, reply.version)
-        self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
-        self._revision += 1
+                if (reply := run.result()) is not None:  # recorded, stopped or not
+                    if plan.reply is None:
+                        self.history.record_continuation(plan.history, reply.version)
+                    else:
+                        self.history.record_reply(plan.history, plan.reply, reply.version)
+                    self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
+                    self._revision += 1
 
     # ---- operations that change what is shown --------------------------------------------------
     def edit_reply(self, index: int, text: str) -> None:
@@ -134,30 +129,21 @@ class Conversation:
         or Continue goes on from it."""
         text = checked_text(text)
         with self.exclusive():
-            path = self.history.entries
             replaced = self.history.message_at(index, "assistant")
             version = ReplyVersion(text, "", None, None, replaced.reply.opens_reasoning, False, edited=True)
             written = self.history.node("assistant", reply=version)
-            self._move(path, path[:index] + [written], index)
-            self.history.add_reply(index, written)
-            self._revision += 1
+            self._move(self.history.entries[:index] + [written], index, lambda: self.history.add_reply(index, written))
 
     def switch_branch(self, index: int, branch: int) -> bool:
         """Show sibling `branch` at message `index` and the path below it. True when its cache
         states were put back (or are held already) without a forward pass; otherwise the next
         turn prefills from the fork."""
         with self.exclusive():
-            path = self.history.entries
             arriving = self.history.sibling(index, branch)
-            if arriving is path[index]:
-                return self._move(path, path, index)  # nothing changes: are its states held?
-            target = path[:index] + [arriving]
-            while target[-1].shown_child is not None:
-                target.append(target[-1].shown_child)
-            restored = self._move(path, target, index)
-            self.history.parent_at(index).show(arriving)
-            self._revision += 1
-            return restored
+            target = self.history.path_through(index, arriving)
+            if arriving is self.history.entries[index]:
+                return self._move(target, index)  # nothing changes: are its states held?
+            return self._move(target, index, lambda: self.history.parent_at(index).show(arriving))
 
     def select_version(self, index: int) -> bool:
         """Show version `index` of the last reply (its branch): `switch_branch` on the last reply."""
@@ -173,19 +159,16 @@ class Conversation:
         with self.exclusive():
             if text == self.history.system_prompt:
                 return False
-            self._move(self.history.entries, [self.history.node("system", text)] if text else [], 0)
-            self.history.set_system_prompt(text)
-            self._revision += 1
+            target = [self.history.node("system", text)] if text else []
+            self._move(target, 0, lambda: self.history.set_system_prompt(text))
             return True
 
     def undo(self) -> None:
         """Step back before the last user message; the undone turn stays as a branch there.
         The cache is rolled back lazily, next turn."""
         with self.exclusive():
-            path = self.history.entries
-            index = self.history.undo()
-            self._move(path, path[:index], index)
-            self._revision += 1
+            index = self.history.last_user_index()
+            self._move(self.history.entries[:index], index, self.history.undo)
 
     def stop(self) -> None:
         """End the running stream early; safe from any thread. The partial reply is kept."""
@@ -196,13 +179,19 @@ class Conversation:
         self.stop()
         self.source.close()
 
-    def _move(self, shown: list[Node], target: list[Node], index: int) -> bool:
-        """The shown path becomes `target` from message `index` on: the source keeps the branch
-        left and puts back the one arriving, where it can (no forward pass either way)."""
+    def _move(self, target: list[Node], index: int, change: Callable[[], object] | None = None) -> bool:
+        """The shown path becomes `target` from message `index` on (`change` makes it so): the
+        source keeps the branch left and puts back the one arriving, where it can (no forward pass
+        either way). True when it then holds the target's states."""
         messages = [node.message() for node in target]
         target_ids = self.planner.template.render_history(messages, about=self.planner.context_limit) \
             if target else []
-        return self.source.move(BranchMove([n.uid for n in shown], [n.uid for n in target], index, target_ids))
+        shown = [node.uid for node in self.history.entries]
+        moved = self.source.move(BranchMove(shown, [node.uid for node in target], index, target_ids))
+        if change is not None:
+            change()
+            self._revision += 1
+        return moved
 
     def exclusive(self) -> "_Exclusive":
         """Hold the conversation (and its states, busy) for one operation."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from chat.errors import ConversationError, NotAUserMessageError, NothingToRegenerateError, NothingToUndoError
+from chat.errors import ConversationError, NothingToUndoError
 
 Message = dict[str, Any]
 Role = Literal["system", "user", "assistant"]
@@ -121,6 +121,26 @@ class History:
         first = self.root.shown_child
         return first.content if first is not None and first.role == "system" else None
 
+    @property
+    def versions(self) -> tuple[int, int]:
+        """(shown, count) of the last reply's siblings; (0, 0) when the last message is no reply."""
+        path = self.entries
+        return self.branches(len(path) - 1) if path and path[-1].role == "assistant" else (0, 0)
+
+    def path_through(self, index: int, node: Node) -> list[Node]:
+        """The path shown once `node`, a sibling at message `index`, is: it and its shown path below."""
+        path = self.entries[:index] + [node]
+        while path[-1].shown_child is not None:
+            path.append(path[-1].shown_child)
+        return path
+
+    def last_user_index(self) -> int:
+        """Where an undo steps back to: the last user message."""
+        users = [i for i, node in enumerate(self.entries) if node.role == "user"]
+        if not users:
+            raise NothingToUndoError("there is no user message to undo")
+        return users[-1]
+
     def last_reply(self) -> Node | None:
         path = self.entries
         return path[-1] if path and path[-1].role == "assistant" else None
@@ -153,36 +173,7 @@ class History:
             stack.extend(reversed(node.children))
         return order
 
-    # ---- the path an operation answers (nothing changes until it is recorded) ----------------
-    def with_user_message(self, text: str) -> list[Node]:
-        return self.entries + [self.node("user", text)]
-
-    def for_regeneration(self, index: Any = None) -> list[Node]:
-        """The path the reply at `index` answered (default: the last reply, or a trailing user
-        message left without one after a failure)."""
-        path = self.entries
-        if index is None:
-            if path and path[-1].role == "assistant":
-                return path[:-1]
-            if path and path[-1].role == "user":
-                return path
-            raise NothingToRegenerateError("there is no reply to regenerate")
-        self.message_at(index, "assistant", NothingToRegenerateError)
-        return path[:index]
-
-    def with_edit(self, index: Any, text: str) -> list[Node]:
-        self.message_at(index, "user", NotAUserMessageError)
-        return self.entries[:index] + [self.node("user", text)]
-
-    def fork_of(self, path: list[Node]) -> int | None:
-        """Where `path` and the reply recorded under it leave the shown path: the index of the
-        shown message they replace, if any."""
-        shown = self.entries
-        for index, node in enumerate(shown):
-            if index >= len(path) or path[index] is not node:
-                return index  # past the end: the new reply takes the shown one's place
-        return None
-
+    # ---- planning: whether a reply could be recorded (nothing changes until it is) ----------
     def check_room(self, path: list[Node]) -> None:
         """Refuse, before anything runs, a reply that could not be recorded."""
         parent, attached, new_nodes = self.root, True, 1  # the reply itself
@@ -240,15 +231,10 @@ class History:
         self._attach(self.root, self.node("system", text))
         return True
 
-    def undo(self) -> int:
-        """Step back before the last user message; the undone turn stays as a branch there.
-        Returns its index."""
-        path = self.entries
-        users = [i for i, node in enumerate(path) if node.role == "user"]
-        if not users:
-            raise NothingToUndoError("there is no user message to undo")
-        (path[users[-1] - 1] if users[-1] else self.root).active = None
-        return users[-1]
+    def undo(self) -> None:
+        """Step back before the last user message; the undone turn stays as a branch there."""
+        index = self.last_user_index()
+        (self.entries[index - 1] if index else self.root).active = None
 
     def sibling(self, index: int, branch: Any) -> Node:
         """Branch `branch` at the shown message `index`, checked to exist."""
@@ -267,10 +253,3 @@ class History:
             raise ConversationError(f"this conversation holds {self.size} messages in all its branches, the most "
                                     f"one may; start a new chat")
 
-
-def oldest_turn(path: list[Node]) -> tuple[int, int] | None:
-    """[start, end) of the oldest user turn and its reply, never the last user message."""
-    users = [i for i, node in enumerate(path) if node.role == "user"]
-    if len(users) < 2:
-        return None
-    return users[0], users[1]

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from cache_sessions.branches import BranchKeep
 from cache_sessions.session import common_prefix_length
-from chat.errors import ContextOverflowError, NothingToRegenerateError
+from chat.errors import ContextOverflowError, NotAUserMessageError, NothingToRegenerateError
 from chat.fitting import fit_to_context
 from chat.history import History, Node
 from chat.operations import Continue, Edit, Operation, Regenerate, Send
@@ -57,16 +57,10 @@ class Planner:
     def plan(self, operation: Operation, history: History, options: GenerationOptions, revision: int,
              cancelled: Callable[[], bool] = lambda: False) -> Plan:
         with self._counted():
-            match operation:
-                case Send(text=text, fit_context=fit):
-                    return self._reply(history.with_user_message(text), history, options, revision, fit, cancelled)
-                case Regenerate(index=index):
-                    return self._reply(history.for_regeneration(index), history, options, revision, False, cancelled)
-                case Edit(index=index, text=text):
-                    return self._reply(history.with_edit(index, text), history, options, revision, False, cancelled)
-                case Continue():
-                    return self._continue(history, options, revision, cancelled)
-        raise TypeError(f"not an operation: {operation!r}")
+            if isinstance(operation, Continue):
+                return self._continue(history, options, revision, cancelled)
+            fit = isinstance(operation, Send) and operation.fit_context
+            return self._reply(answered_path(operation, history), history, options, revision, fit, cancelled)
 
     def _reply(self, path: list[Node], history: History, options: GenerationOptions, revision: int,
                fit_context: bool, cancelled: Callable[[], bool]) -> Plan:
@@ -79,7 +73,7 @@ class Planner:
                 history.node(node.role, node.content, node.reply) if node.parent is not None else node
                 for node in (path[i] for i in fitted.kept[cut:])]
         history.check_room(path)
-        reply, fork = history.node("assistant"), history.fork_of(path)
+        reply, fork = history.node("assistant"), fork_of(history, path)
         keep = BranchKeep([node.uid for node in history.entries], fork) if fork is not None else None
         request = ReplyRequest("reply", [node.message() for node in path], fitted.prompt.ids,
                                fitted.prompt.opens_reasoning, options, (*(node.uid for node in path), reply.uid),
@@ -133,3 +127,32 @@ class Planner:
         finally:
             with self._lock:
                 self._planning -= 1
+
+
+def answered_path(operation: Operation, history: History) -> list[Node]:
+    """The path the new reply answers: existing nodes, then a new user message where there is
+    one (nothing is attached until the reply is recorded)."""
+    path = history.entries
+    match operation:
+        case Send(text=text):
+            return path + [history.node("user", text)]
+        case Edit(index=index, text=text):
+            history.message_at(index, "user", NotAUserMessageError)
+            return path[:index] + [history.node("user", text)]
+        case Regenerate(index=None):  # the last reply, or a trailing user message left without one
+            if path and path[-1].role in ("assistant", "user"):
+                return path[:-1] if path[-1].role == "assistant" else path
+            raise NothingToRegenerateError("there is no reply to regenerate")
+        case Regenerate(index=index):
+            history.message_at(index, "assistant", NothingToRegenerateError)
+            return path[:index]
+    raise TypeError(f"not an operation: {operation!r}")
+
+
+def fork_of(history: History, path: list[Node]) -> int | None:
+    """Where `path` and the reply recorded under it leave the shown path: the index of the shown
+    message they replace, if any."""
+    for index, node in enumerate(history.entries):
+        if index >= len(path) or path[index] is not node:
+            return index  # past the end: the new reply takes the shown one's place
+    return None

@@ -1,12 +1,12 @@
-"""The engine's one update loop, on the compute thread: every reply being generated decodes in one
-batched forward per step, and every other change to a cache runs between steps.
+"""Continuous batching on the engine's loop (chat/loop.py): every reply being generated decodes in
+one batched forward per step; every other change to a cache runs between steps.
 
-One step: run the commands other threads posted (a branch switch, a close, a worker's result);
+One step, after the commands other threads posted (a branch switch, a close, a worker's result):
 end requests stopped while they waited; admit waiting requests while rows are free; roll back
 newcomers and prefill them within a budget of `prefill_chunk` tokens (so a long pasted prompt
 delays the running replies by one chunk a step, not by its whole prefill); one decode forward
-for every row; then the cache owner settles (measures, frees closed sessions, keeps the budget).
-The scheduler decides; the cache owner (cache_sessions/owner.py) applies every change to the
+for every row; then the cache owner settles (frees closed sessions, keeps the budget). The
+scheduler decides; the cache owner (cache_sessions/owner.py) applies every change to the
 sessions. A request joins the batch once only its last prompt token is left to feed, and leaves
 at an end token, its token limit, a stop, or an error: its own (a raising logits processor) ends
 it alone, a failed forward ends every row of that step.
@@ -19,7 +19,6 @@ import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
@@ -31,6 +30,7 @@ from cache_sessions.owner import CacheOwner
 from cache_sessions.prefixes import PrefixStore
 from cache_sessions.session import CacheSession, PrefillResult
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK
+from chat.loop import Loop
 from chat.options import GenerationOptions
 from chat.sampling import TokenChooser
 from chat.worker import ModelWorker
@@ -123,6 +123,24 @@ class SchedulerStats:
     join_wait_max_s: float
 
 
+class _Counters:
+    """What the batch has done so far, for `stats` (read by other threads under the scheduler's lock)."""
+
+    def __init__(self) -> None:
+        self.steps = self.joined = self.largest_batch = 0
+        self.join_waits: deque[float] = deque(maxlen=32)  # from submit to the first decode step
+
+    def step(self, rows: list[GenerationRequest]) -> None:
+        now = time.perf_counter()
+        for request in rows:
+            if request.joined_at is None:
+                request.joined_at = now
+                self.joined += 1
+                self.join_waits.append(now - request.submitted_at)
+        self.steps += 1
+        self.largest_batch = max(self.largest_batch, len(rows))
+
+
 class DecodeScheduler:
     def __init__(self, model: PreTrainedModel, worker: ModelWorker, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **cache_settings: Any):
@@ -131,101 +149,61 @@ class DecodeScheduler:
             raise ValueError("max_batch_size and prefill_chunk must be at least 1")
         self.model, self.worker = model, worker
         self.max_batch_size, self.prefill_chunk = max_batch_size, prefill_chunk
-        self.caches = CacheOwner(model, self, **cache_settings)
+        self.loop = Loop(worker, self._step, self._has_work, lambda: self.caches.settle())
+        self.caches = CacheOwner(model, self.loop, **cache_settings)
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._commands: deque[tuple[Future, Callable[[], Any]]] = deque()
         self._waiting: deque[GenerationRequest] = deque()
         self._prefilling: list[GenerationRequest] = []
         self._decoding: list[GenerationRequest] = []
-        self._scheduled = False
-        self._steps = 0
-        self._joined = 0
-        self._largest_batch = 0
-        self._join_waits: deque[float] = deque(maxlen=32)
+        self._counters = _Counters()
+        self.loop.reset()
         self.caches.reset()
 
     # ---- any thread -----------------------------------------------------------------------------
     def submit(self, session: CacheSession, prompt_ids: Sequence[int], options: GenerationOptions,
                stop: threading.Event, work: CacheWork = CacheWork()) -> GenerationRequest:
         """Queue a reply; the cache is rolled back and prefilled on the compute thread, in turn."""
-        if self.on_loop():  # it would wait for tokens from a job queued behind itself
+        if self.loop.on_loop():  # it would wait for tokens from a job queued behind itself
             raise RuntimeError("stream a reply from outside the engine's compute thread")
         if not prompt_ids:
             raise ValueError("cannot generate from an empty prompt")
         request = GenerationRequest(session, prompt_ids, options, stop, work)
         with self._lock:
             self._waiting.append(request)
-            self._wake()
+        self.loop.wake()
         return request
 
-    def post(self, function: Callable[[], Any]) -> "Future[Any]":
-        """Run `function` on the loop before the next step (its result or error in the future)."""
-        future: Future = Future()
-        with self._lock:
-            self._commands.append((future, function))
-            self._wake()
-        return future
-
     def call(self, function: Callable[..., T], *args: Any) -> T:
-        """Run `function(*args)` on the loop and wait for it (at once if already there)."""
-        if self.on_loop():
-            return function(*args)
-        return self.post(lambda: function(*args)).result()
-
-    def on_loop(self) -> bool:
-        return self.worker.on_compute_thread()
+        """Run `function(*args)` on the loop, between steps, and wait for it."""
+        return self.loop.call(function, *args)
 
     def stats(self) -> SchedulerStats:
         with self._lock:
-            waits = list(self._join_waits)
+            counters, waits = self._counters, list(self._counters.join_waits)
             return SchedulerStats(
                 max_batch_size=self.max_batch_size, decoding=len(self._decoding), prefilling=len(self._prefilling),
-                waiting=len(self._waiting), steps=self._steps, batch_bytes=self.caches.stats().batch_bytes,
-                joined=self._joined, largest_batch=self._largest_batch,
+                waiting=len(self._waiting), steps=counters.steps, batch_bytes=self.caches.stats().batch_bytes,
+                joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0))
 
-    def _wake(self) -> None:
-        """Under the lock: make sure a step is coming."""
-        if not self._scheduled:
-            self._scheduled = True
-            self.worker.submit(self._step)
-
     # ---- one step, on the compute thread ------------------------------------------------------
+    def _has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._prefilling or self._decoding)
+
     @torch.no_grad()
     def _step(self) -> None:
         try:
-            self._run_commands()
             self._admit()
             self._prefill_chunks()
             self._decode_once()
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
             for request in self._drop_everyone():
                 self._finish(request, error)
-        finally:
-            try:
-                self.caches.settle()
-            finally:
-                with self._lock:
-                    self._scheduled = False
-                    if self._commands or self._waiting or self._prefilling or self._decoding:
-                        self._wake()
-
-    def _run_commands(self) -> None:
-        while True:
-            with self._lock:
-                if not self._commands:
-                    return
-                future, function = self._commands.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(function())
-            except BaseException as error:  # handed to whoever waits on it
-                future.set_exception(error)
 
     def _admit(self) -> None:
         with self._lock:
@@ -273,12 +251,6 @@ class DecodeScheduler:
         rows = list(self._decoding)
         if not rows:
             return
-        now = time.perf_counter()
-        for request in rows:
-            if request.joined_at is None:
-                request.joined_at = now
-                self._joined += 1
-                self._join_waits.append(now - request.submitted_at)
         inputs = [request.next_input for request in rows]
         try:
             model_inputs = self.caches.decode_inputs([request.session for request in rows], inputs)
@@ -288,20 +260,9 @@ class DecodeScheduler:
             self._leave(rows, error, scatter=False)
             return
         self.caches.decoded(inputs)
-        self._steps += 1
-        self._largest_batch = max(self._largest_batch, len(rows))
-        ended: list[GenerationRequest] = []
-        for row, request in enumerate(rows):
-            assert request.chooser is not None
-            try:
-                token = request.chooser.choose(request.sequence, logits[row : row + 1])
-            except BaseException as error:  # this row's own fault: the others go on
-                request.error = error
-                ended.append(request)
-                continue
-            request._emit(token)
-            if request.chooser.ends(token, request.token_count) or request.stop.is_set():
-                ended.append(request)
+        with self._lock:
+            self._counters.step(rows)
+        ended = _choose_tokens(rows, logits)
         if ended:
             self._leave(ended)
 
@@ -341,3 +302,21 @@ class DecodeScheduler:
             self._prefilling, self._decoding = [], []
         self.caches.drop_batch()
         return everyone
+
+
+def _choose_tokens(rows: list[GenerationRequest], logits: torch.Tensor) -> list[GenerationRequest]:
+    """Each row's next token from its own logits, emitted to its reader; the rows that ended (an
+    end token, the limit, a stop, or a failure of their own: the others go on)."""
+    ended: list[GenerationRequest] = []
+    for row, request in enumerate(rows):
+        assert request.chooser is not None
+        try:
+            token = request.chooser.choose(request.sequence, logits[row : row + 1])
+        except BaseException as error:  # this row's own fault
+            request.error = error
+            ended.append(request)
+            continue
+        request._emit(token)
+        if request.chooser.ends(token, request.token_count) or request.stop.is_set():
+            ended.append(request)
+    return ended

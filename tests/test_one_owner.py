@@ -100,3 +100,44 @@ def test_operations_on_several_conversations_while_the_budget_evicts_stay_exact(
         stats = engine.caches.stats()
         assert stats.busy == 0 and stats.cache_bytes <= stats.budget_bytes
     assert engine.caches.stats().evictions + engine.caches.stats().segments_freed > 0  # the budget did bite
+
+
+def test_the_budget_cannot_free_a_session_in_the_middle_of_a_branch_switch(make_engine, monkeypatch):
+    """The interleaving that broke before: a switch is putting a kept branch back (between its
+    rollback and the append) when another thread enforces the budget. Before, the budget released
+    the session there and the switch appended its states onto the empty cache: ledger and cache
+    both said 37 tokens, and the logits were 2.0 off a from-scratch forward. Now the session is
+    busy throughout and the budget waits for the loop, where the switch is."""
+    from cache_sessions.session import CacheSession
+
+    engine = make_engine("full")
+    conv = engine.conversation("Be brief.")
+    for text in ("First question?", "Second question?"):
+        list(conv.send(text, max_new_tokens=6, do_sample=False))
+    list(conv.edit(1, "Another first question?", max_new_tokens=6, do_sample=False))
+    reached, go = threading.Event(), threading.Event()
+    append = CacheSession._append
+
+    def paused(self, segment):
+        reached.set()
+        go.wait(60)
+        return append(self, segment)
+
+    monkeypatch.setattr(CacheSession, "_append", paused)
+    switched: list[bool] = []
+    switcher = threading.Thread(target=lambda: switched.append(conv.switch_branch(1, 0)))
+    switcher.start()
+    assert reached.wait(60)
+    assert engine.caches.stats().busy == 1  # mid-move: the session is pinned
+    engine.caches.budget_bytes = 1
+    enforced = threading.Event()
+    enforcer = threading.Thread(target=lambda: (engine.caches.enforce_budget(), enforced.set()))
+    enforcer.start()
+    assert not enforced.wait(0.3)  # it waits for the loop, which is inside the switch
+    go.set()
+    switcher.join(60)
+    enforcer.join(60)
+    assert switched == [True] and enforced.is_set()
+    assert scratch_error(engine, conv) < LOGIT_TOLERANCE
+    list(conv.send("Third question?", max_new_tokens=6, do_sample=False))  # rebuilt (the budget freed it), exact
+    assert scratch_error(engine, conv) < LOGIT_TOLERANCE

@@ -24,7 +24,7 @@ WORDS = "the cache rolls back to where the prompt parts from it and prefills onl
 def history_of(turns: list[tuple[str, str]], system: str | None) -> History:
     history = History(system)
     for question, answer in turns:
-        path = history.with_user_message(question)
+        path = history.entries + [history.node("user", question)]
         history.record_reply(path, history.node("assistant"), ReplyVersion(answer, "", None, None, False, False))
     return history
 
