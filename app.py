@@ -7,11 +7,10 @@ makes and keeps in `gr.State`; no endpoint takes a session id from the client.
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import gradio as gr
 from starlette.middleware import Middleware
@@ -25,7 +24,9 @@ from ui.inputs import Limits
 from ui.operator import Metrics, routes
 from ui.security import SecurityHeaders
 from ui import gradio_tuning, views
-from ui.outputs import ChatOutputs, Settings
+from ui.outputs import Settings
+from ui.page_assets import CSS, LATEX, PAGE_SCRIPT
+from ui.wiring import list_outputs, wire_api_twins, wire_conversation, wire_list
 
 try:  # Hugging Face ZeroGPU: generation must run inside `spaces.GPU`
     import spaces
@@ -40,72 +41,6 @@ EXAMPLES = [
 ]
 
 
-def streamed(handler: Callable[..., Iterator[ChatOutputs]]) -> Callable[..., Iterator[tuple]]:
-    """Gradio wants output tuples: a streaming handler's ChatOutputs, turned into them one by one.
-    `wraps` keeps the handler's signature, from which Gradio injects event data and requests."""
-    @functools.wraps(handler)
-    def run(*args: Any) -> Iterator[tuple]:
-        for outputs in handler(*args):
-            yield outputs.to_gradio()
-    return run
-
-
-def instant(handler: Callable[..., ChatOutputs]) -> Callable[..., tuple]:
-    @functools.wraps(handler)
-    def run(*args: Any) -> tuple:
-        return handler(*args).to_gradio()
-    return run
-
-
-PAGE_SCRIPT = """() => {
-    const narrow = window.matchMedia("(max-width: 700px)").matches;
-    for (let wait = 0; narrow && wait < 5000; wait += 100) {  // a phone: the list starts folded away
-        setTimeout(() => {
-            const sidebar = document.querySelector("#sidebar");
-            if (sidebar && !sidebar.dataset.folded && sidebar.closest(".sidebar.open, .open")) {
-                sidebar.dataset.folded = "1";
-                sidebar.closest(".sidebar, .open")?.querySelector("button[aria-label='Toggle Sidebar']")?.click();
-            }
-        }, wait);
-    }
-    document.addEventListener("keydown", (event) => {  // Escape stops a reply
-        if (event.key === "Escape") document.querySelector("#stop")?.click();
-    });
-    document.addEventListener("click", (event) => {  // "‹ 2 / 3 ›" and ↻ under a message
-        const button = event.target.closest?.("button.branch-step");
-        if (!button || button.disabled) return;
-        event.preventDefault();
-        event.stopPropagation();
-        const step = [...button.classList].map((c) => c.match(/^bs-(\\d+)-(\\d+)$/)).find(Boolean);
-        const retry = [...button.classList].map((c) => c.match(/^br-(\\d+)$/)).find(Boolean);
-        const box = document.querySelector("#branch-target textarea, #branch-target input");
-        if (!box || !(step || retry)) return;
-        box.value = step ? `${step[1]}:${step[2]}` : retry[1];
-        box.dispatchEvent(new Event("input", {bubbles: true}));
-        setTimeout(() => document.querySelector(step ? "#branch-go" : "#retry-go")?.click(), 50);
-    }, true);
-}"""
-CSS = """
-#versions-row { flex-wrap: nowrap; align-items: center; }
-.branch-nav { font-size: 0.85em; opacity: 0.85; white-space: nowrap; }
-.message-row:has(.branch-nav) .message { background: none !important; border: none !important;
-  padding: 0 !important; box-shadow: none !important; }
-.branch-nav button { padding: 0 0.5em; font-size: 1.1em; cursor: pointer; }
-.branch-nav button:disabled { opacity: 0.3; cursor: default; }
-/* the controls under a message are a message of their own: no copy or edit buttons on them */
-.message-row:has(.branch-nav) + .message-buttons { display: none !important; }
-@media (max-width: 640px) {  /* a phone: the chat fills the screen, the input and its button stay in view */
-  #header p { display: none; }
-  #header h2 { font-size: 1.05rem; margin: 0; }
-  #chatbot { height: calc(100dvh - 260px) !important; min-height: 160px; }
-  #input-row { position: sticky; bottom: 0; z-index: 10; flex-wrap: nowrap !important;
-               background: var(--body-background-fill); padding-bottom: 4px; }
-  #input-row > * { min-width: 0 !important; }
-  #send, #stop { flex: 0 0 72px !important; }
-}
-"""
-LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "\\[", "right": "\\]", "display": True},
-         {"left": "$", "right": "$", "display": False}, {"left": "\\(", "right": "\\)", "display": False}]
 DEMO_PLACEHOLDER = ("The `demo` model is a toy trained here in under an hour: it does two-digit arithmetic with "
                     "its steps in a thinking block, follow-ups (\"and plus 7?\", \"double it\") and a few phrases. "
                     "Nothing else.")
@@ -116,140 +51,92 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int, plac
     """`storage_secret`: what the browsers' copies of their conversations are sealed with; the
     same across restarts, or every browser's list is unreadable after one (see README)."""
     chat_list = ChatList(handlers)
-    events = PageEvents(handlers, recover=chat_list.recover)
-    defaults = Settings()
     directory = handlers.directory
     with gr.Blocks(title="rewind-chat", fill_height=True) as demo:
         # Plain functions, not bound methods: Gradio deep-copies component props for every page it
         # serves, and a bound method's copy would take the directory, the engine and the model along.
-        key = gr.State(None, delete_callback=lambda closed: directory.close(closed))
-        parked = gr.State({}, delete_callback=lambda kept: [directory.close(k) for k in (kept or {}).values()])
-        store = gr.BrowserState(empty_store(), storage_key="rewind-chat-conversations", secret=storage_secret)
-        with gr.Sidebar(label="Conversations", open=True, elem_id="sidebar", width=280):
-            sidebar_new_chat = gr.Button("New chat", size="sm", elem_id="sidebar-new-chat")
-            chats = gr.Radio(choices=[], label="Kept in this browser", elem_id="chat-list")
-            title = gr.Textbox(label="Name of this conversation", elem_id="chat-title", max_lines=1)
-            rename = gr.Button("Rename", size="sm", elem_id="rename")
-            with gr.Row():
-                export_json = gr.Button("Export JSON", size="sm", elem_id="export-json")
-                export_markdown = gr.Button("Export Markdown", size="sm", elem_id="export-markdown")
-            download = gr.File(label="Download", visible=False, interactive=False, elem_id="download")
-            import_file = gr.UploadButton("Import JSON", file_types=[".json"], size="sm", elem_id="import")
-            delete = gr.Button("Delete this conversation", size="sm", variant="stop", elem_id="delete")
-            confirm_delete = gr.Button("Yes, delete it for good", size="sm", variant="stop", visible=False,
-                                       elem_id="confirm-delete")
+        forget = lambda kept: [directory.close(k) for k in (kept or {}).values()]  # noqa: E731
+        page = dict(key=gr.State(None, delete_callback=lambda closed: directory.close(closed)),
+                    parked=gr.State({}, delete_callback=forget),
+                    store=gr.BrowserState(empty_store(), storage_key="rewind-chat-conversations",
+                                          secret=storage_secret))
+        page |= sidebar()
         gr.Markdown(f"## rewind-chat · {model_label}\n"
                     "One KV cache per conversation, rolled back instead of recomputed: "
                     "regenerate, undo, edit, stop and branches reuse everything before the change.",
                     elem_id="header")
-        chatbot = gr.Chatbot(label="Chat", editable="all", height=520, examples=[{"text": t} for t in EXAMPLES],
-                             placeholder=placeholder, sanitize_html=True, elem_id="chatbot",
-                             latex_delimiters=LATEX, buttons=["copy"], feedback_options=None,
-                             group_consecutive_messages=False)
-        with gr.Row(equal_height=True, elem_id="versions-row"):
-            versions = gr.Markdown("", visible=False, elem_id="versions")
-            previous_version = gr.Button("◀", size="sm", visible=False, elem_id="previous-version", scale=0)
-            next_version = gr.Button("▶", size="sm", visible=False, elem_id="next-version", scale=0)
-        with gr.Row(elem_id="input-row", equal_height=True):  # Send turns into Stop while a reply streams
-            textbox = gr.Textbox(placeholder=views.READY, show_label=False, scale=6, elem_id="message",
-                                 autofocus=True)
-            send = gr.Button("Send", variant="primary", scale=1, min_width=72, elem_id="send")
-            stop = gr.Button("Stop", variant="stop", scale=1, min_width=72, elem_id="stop", visible=False)
-        with gr.Row():
-            continue_button = gr.Button("Continue", size="sm", elem_id="continue")
-            new_chat = gr.Button("New chat", size="sm", elem_id="new-chat")
-            dark = gr.Button("Light / dark", size="sm", elem_id="dark-mode")
-        stats = gr.Markdown("", elem_id="stats")
-        with gr.Accordion("Settings", open=False):
-            panel = dict(
-                system_prompt=gr.Textbox(label="System prompt (changing it starts a new branch; the old one is kept)",
-                                         value=defaults.system_prompt, elem_id="system-prompt"),
-                thinking=gr.Checkbox(label="Thinking (for models whose template supports it)", value=defaults.thinking),
-                max_new_tokens=gr.Slider(1, max_new_tokens, value=min(defaults.max_new_tokens, max_new_tokens), step=1,
-                                         label="Max new tokens", elem_id="max-new-tokens"),
-                temperature=gr.Slider(0, 2, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)",
-                                      elem_id="temperature"),
-                top_p=gr.Slider(0.05, 1, value=defaults.top_p, step=0.01, label="Top-p"),
-                top_k=gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k (0 = off)"),
-                repetition_penalty=gr.Slider(0.5, 2, value=defaults.repetition_penalty, step=0.01,
-                                             label="Repetition penalty"),
-            )
-        branch_target = gr.Textbox(visible="hidden", elem_id="branch-target")
-        branch_go = gr.Button(visible="hidden", elem_id="branch-go")
-        retry_go = gr.Button(visible="hidden", elem_id="retry-go")
-        settings = [panel[name] for name in Settings.names()]
-        components = dict(chat=chatbot, textbox=textbox, key=key, stats=stats, versions=versions,
-                          previous_version=previous_version, next_version=next_version, send=send, stop=stop,
-                          system_prompt=panel["system_prompt"])
-        outputs = [components[name] for name in ChatOutputs.names()]
-        list_outputs = [store, parked, chats, confirm_delete, download, title]
-        with_settings = [key, *settings]
-        with_store = [key, store, *settings]
-
-        generating = dict(concurrency_id="generate")  # shares the queue's default concurrency limit
-        private = dict(api_visibility="private")
-        quiet = dict(queue=False, api_name=False, show_progress="hidden")
-
-        def on(trigger: Any, fn: Callable, inputs: list, **options: Any) -> None:
-            """A conversation event as the browser runs it: the server first gets the shown
-            conversation back if it lost it, then the event, then the browser's copy is updated.
-            (API clients call the event itself, by its name.)"""
-            trigger(chat_list.ensure, [key, store], [key], **quiet) \
-                .then(fn, inputs, outputs, **options) \
-                .then(chat_list.sync, [key, store], [store, chats], **quiet)
-
-        on(textbox.submit, streamed(handlers.send), [textbox, *with_settings], api_name=False, **generating)
-        on(send.click, streamed(handlers.send), [textbox, *with_settings], api_name="send", **generating)
-        on(continue_button.click, streamed(handlers.continue_reply), with_settings, api_name="continue", **generating)
-        on(previous_version.click, instant(lambda k, *s: handlers.select_version(-1, k, *s)), with_settings,
-           api_name="previous_version")
-        on(next_version.click, instant(lambda k, *s: handlers.select_version(1, k, *s)), with_settings,
-           api_name="next_version")
-        on(branch_go.click, instant(handlers.switch_branch), [branch_target, *with_settings], api_name="switch_branch")
-        on(retry_go.click, streamed(handlers.retry_at), [branch_target, *with_settings], api_name=False,
-           **generating)
-        # the Chatbot's own events carry the shown message's index; they get the conversation back themselves
-        for trigger, fn, name, extra in ((chatbot.retry, streamed(events.on_retry), "chatbot_retry", generating),
-                                         (chatbot.undo, instant(events.on_undo), "chatbot_undo", {}),
-                                         (chatbot.edit, streamed(events.on_edit), "chatbot_edit", generating),
-                                         (chatbot.example_select, streamed(events.on_example), "chatbot_example",
-                                          generating)):
-            trigger(fn, with_store, outputs, api_name=name, **private, **extra) \
-                .then(chat_list.sync, [key, store], [store, chats], **quiet)
-        stop.click(handlers.stop, [key], None, api_name="stop", queue=False)
-        dark.click(None, js="() => document.body.classList.toggle('dark')", api_name=False)
-
-        # the list of conversations (kept in the browser)
-        with_list = [*outputs, *list_outputs]
-        for button in (new_chat, sidebar_new_chat):
-            button.click(chat_list.new_chat, [key, store, parked], with_list, api_name=False)
-        chats.input(chat_list.open, [chats, key, store, parked], with_list, api_name=False)
-        rename.click(chat_list.rename, [title, store], [store, chats], api_name=False)
-        delete.click(chat_list.ask_delete, None, confirm_delete, api_name=False)
-        confirm_delete.click(chat_list.delete, [key, store, parked], with_list, api_name=False)
-        export_json.click(functools.partial(chat_list.export, "json"), [key, store], download, api_name=False)
-        export_markdown.click(functools.partial(chat_list.export, "markdown"), [key, store], download,
-                              api_name=False)
-        import_file.upload(chat_list.import_file, [import_file, key, store, parked], with_list, api_name=False)
-        demo.load(chat_list.load, [store], with_list, api_name=False)
-
-        # API twins of the browser's events (the Chatbot's need browser event data)
-        gr.Button(visible=False).click(instant(handlers.clear), with_settings, outputs, api_name="clear")
-        gr.Button(visible=False).click(streamed(handlers.regenerate), with_settings, outputs,
-                                       api_name="regenerate", **generating)
-        regenerate_index = gr.Number(visible=False, precision=0)
-        gr.Button(visible=False).click(streamed(handlers.regenerate_at), [regenerate_index, *with_settings], outputs,
-                                       api_name="regenerate_at", **generating)
-        gr.Button(visible=False).click(instant(handlers.undo), with_settings, outputs, api_name="undo")
-        edit_index, edit_text = gr.Number(visible=False, precision=0), gr.Textbox(visible=False)
-        gr.Button(visible=False).click(streamed(handlers.edit), [edit_index, edit_text, *with_settings], outputs,
-                                       api_name="edit", **generating)
-        gr.Button(visible=False).click(instant(handlers.edit_reply), [edit_index, edit_text, *with_settings],
-                                       outputs, api_name="edit_reply")
+        page |= chat_area(placeholder)
+        page["panel"] = settings_panel(max_new_tokens)
+        page |= dict(branch_target=gr.Textbox(visible="hidden", elem_id="branch-target"),
+                     branch_go=gr.Button(visible="hidden", elem_id="branch-go"),
+                     retry_go=gr.Button(visible="hidden", elem_id="retry-go"))
+        events = PageEvents(handlers, recover=chat_list.recover)
+        wire_conversation(handlers, events, chat_list, page)
+        wire_list(chat_list, page)
+        wire_api_twins(handlers, page)
+        demo.load(chat_list.load, [page["store"]], list_outputs(page), api_name=False)
         demo.unload(events.on_unload)
         status = gr.JSON(visible=False)
         gr.Button(visible=False).click(events.server_status, None, status, api_name="status", queue=False)
     return demo
+
+
+def sidebar() -> dict[str, Any]:
+    with gr.Sidebar(label="Conversations", open=True, elem_id="sidebar", width=280):
+        parts = dict(sidebar_new_chat=gr.Button("New chat", size="sm", elem_id="sidebar-new-chat"),
+                     chats=gr.Radio(choices=[], label="Kept in this browser", elem_id="chat-list"),
+                     title=gr.Textbox(label="Name of this conversation", elem_id="chat-title", max_lines=1),
+                     rename=gr.Button("Rename", size="sm", elem_id="rename"))
+        with gr.Row():
+            parts |= dict(export_json=gr.Button("Export JSON", size="sm", elem_id="export-json"),
+                          export_markdown=gr.Button("Export Markdown", size="sm", elem_id="export-markdown"))
+        parts |= dict(download=gr.File(label="Download", visible=False, interactive=False, elem_id="download"),
+                      import_file=gr.UploadButton("Import JSON", file_types=[".json"], size="sm", elem_id="import"),
+                      delete=gr.Button("Delete this conversation", size="sm", variant="stop", elem_id="delete"),
+                      confirm_delete=gr.Button("Yes, delete it for good", size="sm", variant="stop", visible=False,
+                                               elem_id="confirm-delete"))
+    return parts
+
+
+def chat_area(placeholder: str) -> dict[str, Any]:
+    examples = [{"text": text} for text in EXAMPLES]
+    parts = dict(chatbot=gr.Chatbot(label="Chat", editable="all", height=520, examples=examples,
+                                    placeholder=placeholder, sanitize_html=True, elem_id="chatbot",
+                                    latex_delimiters=LATEX, buttons=["copy"], feedback_options=None,
+                                    group_consecutive_messages=False))
+    with gr.Row(equal_height=True, elem_id="versions-row"):
+        parts |= dict(versions=gr.Markdown("", visible=False, elem_id="versions"),
+                      previous_version=gr.Button("◀", size="sm", visible=False, scale=0, elem_id="previous-version"),
+                      next_version=gr.Button("▶", size="sm", visible=False, scale=0, elem_id="next-version"))
+    with gr.Row(elem_id="input-row", equal_height=True):  # Send turns into Stop while a reply streams
+        parts |= dict(textbox=gr.Textbox(placeholder=views.READY, show_label=False, scale=6, elem_id="message",
+                                         autofocus=True),
+                      send=gr.Button("Send", variant="primary", scale=1, min_width=72, elem_id="send"),
+                      stop=gr.Button("Stop", variant="stop", scale=1, min_width=72, elem_id="stop", visible=False))
+    with gr.Row():
+        parts |= dict(continue_button=gr.Button("Continue", size="sm", elem_id="continue"),
+                      new_chat=gr.Button("New chat", size="sm", elem_id="new-chat"),
+                      dark=gr.Button("Light / dark", size="sm", elem_id="dark-mode"))
+    parts["stats"] = gr.Markdown("", elem_id="stats")
+    return parts
+
+
+def settings_panel(max_new_tokens: int) -> dict[str, Any]:
+    defaults = Settings()
+    with gr.Accordion("Settings", open=False):
+        return dict(
+            system_prompt=gr.Textbox(label="System prompt (changing it starts a new branch; the old one is kept)",
+                                     value=defaults.system_prompt, elem_id="system-prompt"),
+            thinking=gr.Checkbox(label="Thinking (for models whose template supports it)", value=defaults.thinking),
+            max_new_tokens=gr.Slider(1, max_new_tokens, value=min(defaults.max_new_tokens, max_new_tokens), step=1,
+                                     label="Max new tokens", elem_id="max-new-tokens"),
+            temperature=gr.Slider(0, 2, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)",
+                                  elem_id="temperature"),
+            top_p=gr.Slider(0.05, 1, value=defaults.top_p, step=0.01, label="Top-p"),
+            top_k=gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k (0 = off)"),
+            repetition_penalty=gr.Slider(0.5, 2, value=defaults.repetition_penalty, step=0.01,
+                                         label="Repetition penalty"),
+        )
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -52,6 +52,43 @@ def timed(action) -> tuple[float, Any]:
     return time.perf_counter() - started, value
 
 
+def switch_rounds(engine: ChatEngine, conv: Any, words: Words, args: argparse.Namespace) -> tuple[Any, dict, int]:
+    """Switching back to the long first branch, its states kept then freed, and the next turn."""
+    greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    kept_switch, kept_next, freed_switch, freed_next, segment_bytes = [], [], [], [], 0
+
+    def next_turn() -> dict:
+        list(conv.send(words.sentence(12), **greedy))
+        stats = conv.stats
+        conv.undo()
+        return {"prefilled_tokens": stats.prefilled_tokens, "ttft_s": stats.ttft_s,
+                "prompt_tokens": stats.prompt_tokens}
+
+    def free_kept_branches() -> None:  # what the memory budget does under pressure, on the loop as it does
+        while conv.session.drop_oldest_segment():
+            pass
+
+    for repeat in range(args.repeats):
+        last = conv.branches(2)[1] - 1
+        seconds, restored = timed(lambda: conv.switch_branch(2, 0))
+        assert restored, "a kept branch came back without its states"
+        kept_switch.append(seconds)
+        kept_next.append(next_turn())
+        conv.switch_branch(2, last)
+        before = conv.session.nbytes()
+        engine.scheduler.call(free_kept_branches)
+        segment_bytes = segment_bytes or before - conv.session.nbytes()
+        seconds, _ = timed(lambda: conv.switch_branch(2, 0))
+        freed_switch.append(seconds)
+        freed_next.append(next_turn())
+        if repeat < args.repeats - 1:
+            conv = build_conversation(engine, Words(seed=1), args.history, args.branches, args.message_words,
+                                      args.max_new_tokens)
+    switch = {"kept_switch_s": kept_switch, "kept_next_turn": kept_next, "freed_switch_s": freed_switch,
+              "freed_next_turn": freed_next}
+    return conv, switch, segment_bytes
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--history", type=int, default=3000, help="tokens of the longest branch")
@@ -73,33 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     conv = build_conversation(engine, words, args.history, args.branches, args.message_words, args.max_new_tokens)
     held = conv.session.nbytes()
     segments = conv.session.segment_count()
-    segment_bytes = 0
-
-    # switching back to the long first branch (its states kept, then freed), and the next turn
-    kept_switch, kept_next, freed_switch, freed_next = [], [], [], []
-    for repeat in range(args.repeats):
-        last = conv.branches(2)[1] - 1
-        seconds, restored = timed(lambda: conv.switch_branch(2, 0))
-        assert restored, "a kept branch came back without its states"
-        kept_switch.append(seconds)
-        list(conv.send(words.sentence(12), **greedy))
-        kept_next.append({"prefilled_tokens": conv.stats.prefilled_tokens, "ttft_s": conv.stats.ttft_s,
-                          "prompt_tokens": conv.stats.prompt_tokens})
-        conv.undo()
-        conv.switch_branch(2, last)
-        before = conv.session.nbytes()
-        while conv.session.drop_oldest_segment():  # what the memory budget does under pressure
-            pass
-        segment_bytes = segment_bytes or before - conv.session.nbytes()
-        seconds, _ = timed(lambda: conv.switch_branch(2, 0))
-        freed_switch.append(seconds)
-        list(conv.send(words.sentence(12), **greedy))
-        freed_next.append({"prefilled_tokens": conv.stats.prefilled_tokens, "ttft_s": conv.stats.ttft_s,
-                           "prompt_tokens": conv.stats.prompt_tokens})
-        conv.undo()
-        if repeat < args.repeats - 1:
-            conv = build_conversation(engine, Words(seed=1), args.history, args.branches, args.message_words,
-                                      args.max_new_tokens)
+    conv, switch, segment_bytes = switch_rounds(engine, conv, words, args)
 
     # reload: restore from saved data, then the first reply; against the same with the cache held
     data = json.loads(json.dumps(conv.to_dict()))
@@ -116,8 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()},
         "memory": {"branches": args.branches, "conversation_tokens": args.history, "session_bytes": held,
                    "kept_segments": segments, "kept_segment_bytes": segment_bytes},
-        "switch": {"kept_switch_s": kept_switch, "kept_next_turn": kept_next,
-                   "freed_switch_s": freed_switch, "freed_next_turn": freed_next},
+        "switch": switch,
         "reload": {"restored": reloaded, "held": held_reply},
     }
     return publish(result, started, targets=targets, markdown=markdown, plot=lambda r, p: None,

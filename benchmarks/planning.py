@@ -106,7 +106,7 @@ def markdown(result: dict) -> str:
                   "| turns | characters | dropped | plan | per turn | old way | speed-up |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         for row in series["rows"]:
-            old = f"{row['old_s']:.2f} s | {row['speedup']:.0f}x" if "old_s" in row else "not run | "
+            old = f"{row['old_s'] * 1000:.0f} ms | {row['speedup']:.1f}x" if "old_s" in row else "not run | "
             lines.append(f"| {row['turns']} | {row['chars']:,} | {row['dropped_turns']} | "
                          f"{row['plan_s'] * 1000:.1f} ms | {row['plan_s_per_turn'] * 1e6:.0f} µs | {old} |")
         lines.append("")
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo")
     parser.add_argument("--turns", default="10,50,250")
-    parser.add_argument("--chars", default="1000,4000", help="characters per message, one series each")
+    parser.add_argument("--chars", default="200,1000,4000", help="characters per message, one series each")
     parser.add_argument("--old-up-to", type=int, default=50, help="run the old way up to this many turns")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default="benchmarks/results/planning.json")

@@ -68,13 +68,13 @@ def fit_to_context(template: ChatTemplate, messages: list[Message], *, context_l
         if not droppable and estimate.clearly_over is not None:
             raise overflow(estimate.clearly_over, exact=False)
         turns = min(estimate.turns, droppable)
-    prompt = render(turns)
+    prompt, grew = render(turns), False
     while room is not None and len(prompt.ids) > room and turns < droppable:  # measured short: one more goes
-        turns += 1
+        turns, grew = turns + 1, True
         prompt = render(turns)
     if room is not None and len(prompt.ids) > room:
         raise overflow(len(prompt.ids), exact=True)
-    while turns > 0:  # measured generously: turns come back while they fit
+    while turns > 0 and not grew:  # measured generously: turns come back while they fit
         wider = render(turns - 1)
         if room is not None and len(wider.ids) > room:
             break

@@ -66,22 +66,7 @@ def loads(text: str | bytes) -> dict[str, Any]:
 
 def from_dict(data: Any) -> History:
     """The tree `to_dict` described, after checking all of it."""
-    fail = _fail
-    if not isinstance(data, dict):
-        fail(f"expected an object, got {type(data).__name__}")
-    if data.get("format") != FORMAT:
-        fail(f"format must be {FORMAT!r}")
-    if data.get("version") != VERSION:
-        fail(f"version {data.get('version')!r} is not supported (this app reads version {VERSION})")
-    unknown = set(data) - {"format", "version", "messages", "shown", "path", "system_prompt"}
-    if unknown:
-        fail(f"unknown field {sorted(unknown)[0]!r}")
-    items = data.get("messages")
-    if not isinstance(items, list):
-        fail("messages must be a list")
-    if len(items) > MAX_NODES:
-        fail(f"{len(items)} messages, more than the {MAX_NODES} a conversation may hold")
-
+    items = _checked_envelope(data)
     history = History()
     nodes: list[Node] = []
     depth: list[int] = []
@@ -89,41 +74,23 @@ def from_dict(data: Any) -> History:
     for i, item in enumerate(items):
         where = f"messages[{i}]"
         if not isinstance(item, dict):
-            fail(f"{where} must be an object")
+            _fail(f"{where} must be an object")
         if set(item) - _KEYS:
-            fail(f"{where} has unknown field {sorted(set(item) - _KEYS)[0]!r}")
+            _fail(f"{where} has unknown field {sorted(set(item) - _KEYS)[0]!r}")
         parent_index = item.get("parent")
         if parent_index is None:
             parent, level = history.root, 1
         elif _is_int(parent_index) and 0 <= parent_index < i:
             parent, level = nodes[parent_index], depth[parent_index] + 1
         else:
-            fail(f"{where}.parent must be null or the index of an earlier message")
+            _fail(f"{where}.parent must be null or the index of an earlier message")
         if level > MAX_DEPTH:
-            fail(f"{where} is {level} messages deep, more than {MAX_DEPTH}")
-        role = item.get("role")
-        if role not in _CHILD_ROLES[parent.role]:
-            place = "at the top" if parent.role == "root" else f"under a {parent.role} message"
-            fail(f"{where}.role must be one of {', '.join(_CHILD_ROLES[parent.role])} {place}, not {role!r}")
-        if len(parent.children) >= MAX_SIBLINGS:
-            fail(f"{where}: more than {MAX_SIBLINGS} branches at one message")
-        content = _text(item.get("content"), f"{where}.content")
-        if role == "assistant":
-            reasoning = _text(item.get("reasoning_content", ""), f"{where}.reasoning_content")
-            flags = [item.get(name, False) for name in ("stopped", "edited")]
-            if not all(isinstance(flag, bool) for flag in flags):
-                fail(f"{where}.stopped and .edited must be true or false")
-            node = history.node("assistant", reply=ReplyVersion(content, reasoning, None, None, False, *flags))
-            total_chars += len(reasoning)
-        else:
-            if set(item) & {"reasoning_content", "stopped", "edited"}:
-                fail(f"{where}: only replies have reasoning_content, stopped or edited")
-            if not content.strip():
-                fail(f"{where}.content is empty")
-            node = history.node(role, content)
-        total_chars += len(content)
+            _fail(f"{where} is {level} messages deep, more than {MAX_DEPTH}")
+        node = _node(history, item, parent, where)
+        reply = node.reply
+        total_chars += len(node.content) if reply is None else len(reply.content) + len(reply.reasoning_content)
         if total_chars > MAX_TOTAL_CHARS:
-            fail(f"more than {MAX_TOTAL_CHARS} characters in all")
+            _fail(f"more than {MAX_TOTAL_CHARS} characters in all")
         history._attach(parent, node)
         nodes.append(node)
         depth.append(level)
@@ -133,10 +100,51 @@ def from_dict(data: Any) -> History:
     history.root.active = _shown(data.get("shown"), history.root, "shown")
     index_of = {node.uid: i for i, node in enumerate(nodes)}
     if "path" in data and data["path"] != [index_of[node.uid] for node in history.entries]:
-        fail("path does not follow the shown branches")
+        _fail("path does not follow the shown branches")
     if "system_prompt" in data and data["system_prompt"] != history.system_prompt:
-        fail("system_prompt differs from the shown path's system message")
+        _fail("system_prompt differs from the shown path's system message")
     return history
+
+
+def _checked_envelope(data: Any) -> list[Any]:
+    """The fields around the messages, checked; the messages' list."""
+    if not isinstance(data, dict):
+        _fail(f"expected an object, got {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        _fail(f"format must be {FORMAT!r}")
+    if data.get("version") != VERSION:
+        _fail(f"version {data.get('version')!r} is not supported (this app reads version {VERSION})")
+    unknown = set(data) - {"format", "version", "messages", "shown", "path", "system_prompt"}
+    if unknown:
+        _fail(f"unknown field {sorted(unknown)[0]!r}")
+    items = data.get("messages")
+    if not isinstance(items, list):
+        _fail("messages must be a list")
+    if len(items) > MAX_NODES:
+        _fail(f"{len(items)} messages, more than the {MAX_NODES} a conversation may hold")
+    return items
+
+
+def _node(history: History, item: dict[str, Any], parent: Node, where: str) -> Node:
+    """One message, checked against its parent (not attached yet)."""
+    role = item.get("role")
+    if role not in _CHILD_ROLES[parent.role]:
+        place = "at the top" if parent.role == "root" else f"under a {parent.role} message"
+        _fail(f"{where}.role must be one of {', '.join(_CHILD_ROLES[parent.role])} {place}, not {role!r}")
+    if len(parent.children) >= MAX_SIBLINGS:
+        _fail(f"{where}: more than {MAX_SIBLINGS} branches at one message")
+    content = _text(item.get("content"), f"{where}.content")
+    if role == "assistant":
+        reasoning = _text(item.get("reasoning_content", ""), f"{where}.reasoning_content")
+        flags = [item.get(name, False) for name in ("stopped", "edited")]
+        if not all(isinstance(flag, bool) for flag in flags):
+            _fail(f"{where}.stopped and .edited must be true or false")
+        return history.node("assistant", reply=ReplyVersion(content, reasoning, None, None, False, *flags))
+    if set(item) & {"reasoning_content", "stopped", "edited"}:
+        _fail(f"{where}: only replies have reasoning_content, stopped or edited")
+    if not content.strip():
+        _fail(f"{where}.content is empty")
+    return history.node(role, content)
 
 
 def _shown(value: Any, node: Node, where: str) -> int | None:

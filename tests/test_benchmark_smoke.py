@@ -51,3 +51,16 @@ def test_branches_benchmark_writes_the_documented_fields(tmp_path):
     assert kept["prompt_tokens"] == freed["prompt_tokens"] or abs(kept["prompt_tokens"] - freed["prompt_tokens"]) < 40
     assert kept["prefilled_tokens"] < freed["prefilled_tokens"]  # the kept states were used
     assert result["memory"]["kept_segment_bytes"] > 0 and result["reload"]["restored"]["rebuilt"]
+
+
+def test_planning_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.planning import main as planning
+
+    out = tmp_path / "planning.json"
+    result = planning(["--turns", "3,8", "--chars", "300", "--repeats", "1", "--old-up-to", "8",
+                       "--json", str(out), "--markdown", str(tmp_path / "planning.md")])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    rows = result["series"][0]["rows"]
+    assert [row["turns"] for row in rows] == [3, 8] and all("old_s" in row for row in rows)  # the same cut both ways
+    case = result["restored_send"]
+    assert case["chars"] >= 1_990_000 and case["dropped_turns"] > 0 and case["plan_s"] > 0

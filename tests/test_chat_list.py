@@ -101,8 +101,8 @@ def test_export_then_import_gives_the_same_conversation(make_engine, tmp_path):
     key = send(handlers, "First question?", None)
     list(handlers.directory.find(key).conversation.regenerate(max_new_tokens=4, do_sample=False))
     store, _ = chat_list.sync(key, empty_store())
-    exported = chat_list.export("json", key, store)["value"]
-    markdown = open(chat_list.export("markdown", key, store)["value"], encoding="utf-8").read()
+    exported = chat_list.files.export("json", key, store)["value"]
+    markdown = open(chat_list.files.export("markdown", key, store)["value"], encoding="utf-8").read()
     assert "## User" in markdown and "First question?" in markdown
 
     result = chat_list.import_file(None, exported, key, store, {})

@@ -26,8 +26,9 @@ import gradio as gr
 from chat import ChatError
 from chat import saved
 from ui import views
-from ui.directory import BrowserChat
-from ui.handlers import ChatHandlers, client_of, page_of
+from ui.directory import BrowserChat, ChatDirectory
+from ui.handlers import ChatHandlers
+from ui.shared import client_of, page_of
 from ui.outputs import ChatOutputs
 
 MAX_CHATS = 50
@@ -103,7 +104,7 @@ class ChatList:
         self.handlers = handlers
         self.directory = handlers.directory
         self.engine = handlers.engine
-        self._files = Path(tempfile.mkdtemp(prefix="rewind-chat-exports-"))
+        self.files = ChatFiles(handlers.directory)
 
     # ---- around every conversation event -----------------------------------------------------
     def ensure(self, request: gr.Request, key: Any, store: Any) -> Any:
@@ -204,28 +205,8 @@ class ChatList:
         store["current"] = None
         outputs = self.handlers.empty()
         outputs.stats = "Deleted." if entry is not None else ""
-        return (*outputs.to_gradio(), *ListOutputs.of(store, parked, confirm_delete=gr.update(visible=False)).to_gradio())
-
-    def export(self, kind: str, key: Any, store: Any) -> Any:
-        """The shown conversation as a file: JSON (the whole tree, `to_dict`) or Markdown (the shown path)."""
-        chat = self.directory.find(key)
-        store = checked_store(store)
-        entry = _entry(store, store["current"])
-        data = chat.conversation.to_dict() if chat is not None else entry["data"] if entry is not None else None
-        if data is None:
-            gr.Warning("There is no conversation to export yet.")
-            return gr.skip()
-        try:
-            text = json.dumps(data, ensure_ascii=False, indent=1) if kind == "json" else markdown_of(data)
-        except ChatError as error:
-            gr.Warning(str(error))
-            return gr.skip()
-        name = re.sub(r"[^A-Za-z0-9]+", "-", title_of(data)).strip("-")[:40] or "conversation"
-        folder = self._files / secrets.token_hex(8)
-        folder.mkdir()
-        path = folder / f"{name}.{'json' if kind == 'json' else 'md'}"
-        path.write_text(text, encoding="utf-8")
-        return gr.update(value=str(path), visible=True)
+        listed = ListOutputs.of(store, parked, confirm_delete=gr.update(visible=False))
+        return (*outputs.to_gradio(), *listed.to_gradio())
 
     def import_file(self, request: gr.Request, file: Any, key: Any, store: Any, parked: Any) -> tuple:
         """A JSON export, checked whole (`engine.restore`), opened as a new entry of the list."""
@@ -293,3 +274,31 @@ class ChatList:
 def _entry(store: dict[str, Any], chat_id: Any) -> dict[str, Any] | None:
     return next((c for c in store["chats"] if c["id"] == chat_id), None)
 
+
+class ChatFiles:
+    """Exports of the shown conversation, as files the page offers for download."""
+
+    def __init__(self, directory: ChatDirectory):
+        self.directory = directory
+        self._files = Path(tempfile.mkdtemp(prefix="rewind-chat-exports-"))
+
+    def export(self, kind: str, key: Any, store: Any) -> Any:
+        """The shown conversation as a file: JSON (the whole tree, `to_dict`) or Markdown (the shown path)."""
+        chat = self.directory.find(key)
+        store = checked_store(store)
+        entry = _entry(store, store["current"])
+        data = chat.conversation.to_dict() if chat is not None else entry["data"] if entry is not None else None
+        if data is None:
+            gr.Warning("There is no conversation to export yet.")
+            return gr.skip()
+        try:
+            text = json.dumps(data, ensure_ascii=False, indent=1) if kind == "json" else markdown_of(data)
+        except ChatError as error:
+            gr.Warning(str(error))
+            return gr.skip()
+        name = re.sub(r"[^A-Za-z0-9]+", "-", title_of(data)).strip("-")[:40] or "conversation"
+        folder = self._files / secrets.token_hex(8)
+        folder.mkdir()
+        path = folder / f"{name}.{'json' if kind == 'json' else 'md'}"
+        path.write_text(text, encoding="utf-8")
+        return gr.update(value=str(path), visible=True)

@@ -1,0 +1,52 @@
+"""What the page carries besides its components: its script (the phone layout, Escape, the branch
+controls inside the chat), its style, and the LaTeX delimiters the chat renders."""
+
+PAGE_SCRIPT = """() => {
+    const narrow = window.matchMedia("(max-width: 700px)").matches;
+    for (let wait = 0; narrow && wait < 5000; wait += 100) {  // a phone: the list starts folded away
+        setTimeout(() => {
+            const sidebar = document.querySelector("#sidebar");
+            if (sidebar && !sidebar.dataset.folded && sidebar.closest(".sidebar.open, .open")) {
+                sidebar.dataset.folded = "1";
+                sidebar.closest(".sidebar, .open")?.querySelector("button[aria-label='Toggle Sidebar']")?.click();
+            }
+        }, wait);
+    }
+    document.addEventListener("keydown", (event) => {  // Escape stops a reply
+        if (event.key === "Escape") document.querySelector("#stop")?.click();
+    });
+    document.addEventListener("click", (event) => {  // "‹ 2 / 3 ›" and ↻ under a message
+        const button = event.target.closest?.("button.branch-step");
+        if (!button || button.disabled) return;
+        event.preventDefault();
+        event.stopPropagation();
+        const step = [...button.classList].map((c) => c.match(/^bs-(\\d+)-(\\d+)$/)).find(Boolean);
+        const retry = [...button.classList].map((c) => c.match(/^br-(\\d+)$/)).find(Boolean);
+        const box = document.querySelector("#branch-target textarea, #branch-target input");
+        if (!box || !(step || retry)) return;
+        box.value = step ? `${step[1]}:${step[2]}` : retry[1];
+        box.dispatchEvent(new Event("input", {bubbles: true}));
+        setTimeout(() => document.querySelector(step ? "#branch-go" : "#retry-go")?.click(), 50);
+    }, true);
+}"""
+CSS = """
+#versions-row { flex-wrap: nowrap; align-items: center; }
+.branch-nav { font-size: 0.85em; opacity: 0.85; white-space: nowrap; }
+.message-row:has(.branch-nav) .message { background: none !important; border: none !important;
+  padding: 0 !important; box-shadow: none !important; }
+.branch-nav button { padding: 0 0.5em; font-size: 1.1em; cursor: pointer; }
+.branch-nav button:disabled { opacity: 0.3; cursor: default; }
+/* the controls under a message are a message of their own: no copy or edit buttons on them */
+.message-row:has(.branch-nav) + .message-buttons { display: none !important; }
+@media (max-width: 640px) {  /* a phone: the chat fills the screen, the input and its button stay in view */
+  #header p { display: none; }
+  #header h2 { font-size: 1.05rem; margin: 0; }
+  #chatbot { height: calc(100dvh - 260px) !important; min-height: 160px; }
+  #input-row { position: sticky; bottom: 0; z-index: 10; flex-wrap: nowrap !important;
+               background: var(--body-background-fill); padding-bottom: 4px; }
+  #input-row > * { min-width: 0 !important; }
+  #send, #stop { flex: 0 0 72px !important; }
+}
+"""
+LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "\\[", "right": "\\]", "display": True},
+         {"left": "$", "right": "$", "display": False}, {"left": "\\(", "right": "\\)", "display": False}]

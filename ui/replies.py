@@ -1,0 +1,160 @@
+"""The events that make a reply (send, regenerate, edit, continue, retry): plan the operation (a
+refusal changes nothing), then stream the reply into the chat, reasoning and answer apart."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+import gradio as gr
+
+from chat import ChatError, Continue, Edit, Operation, Regenerate, Send
+from ui import inputs, views
+from ui.directory import BrowserChat
+from ui.outputs import ChatOutputs
+from ui.shared import HandlersBase
+
+UPDATE_INTERVAL_S = 0.04  # the chat's streamed updates: at most 25 a second (the final one always goes)
+_BUSY = dict(send=gr.update(visible=False), stop=gr.update(visible=True))
+
+
+class ReplyEvents(HandlersBase):
+    def _generate(self, request: gr.Request | None, key: Any, values: tuple,
+                  make: Callable[[], Operation]) -> Iterator[ChatOutputs]:
+        """Plan the operation (a refusal changes nothing), then stream the reply into the chat.
+        Only a new message makes a conversation; the other operations need one already."""
+        settings = self.settings(values)
+        try:
+            operation = make()  # checked when made: an empty message is refused here
+        except ChatError as error:
+            gr.Warning(str(error))
+            chat = self.directory.find(key)
+            yield self.view(key, chat) if chat else ChatOutputs()
+            return
+        try:
+            if isinstance(operation, Send):
+                current = self.directory.find(key)
+                if current is None or (current.conversation.system_prompt or "") != settings.system_prompt.strip():
+                    # a new conversation: planned on a scratch one first, so a refusal keeps the old one
+                    self.engine.conversation(settings.system_prompt.strip() or None).plan(operation,
+                                                                                          settings.options())
+                key, chat = self.chat(request, key, settings)
+            elif (chat := self.directory.find(key)) is None:
+                gr.Warning("There is no conversation yet: send a message first.")
+                yield self.empty()
+                return
+        except ChatError as error:  # the server is full, or busy
+            gr.Warning(str(error))
+            yield ChatOutputs()
+            return
+        try:
+            gone = lambda: key not in self.directory.manager or not chat.shown  # noqa: E731  (the page moved on)
+            stream = chat.conversation.start(operation, settings.options(), cancelled=gone)
+        except ChatError as error:
+            gr.Warning(str(error))
+            yield self.view(key, chat)  # the message stays in the box
+            return
+        if stream.dropped_turns:
+            gr.Warning(f"The conversation was too long for the model's context: the {stream.dropped_turns} "
+                       "oldest turn(s) were dropped (the system prompt is kept).")
+        base, reasoning, answer = self._before_reply(chat, operation)
+        if isinstance(operation, (Send, Edit)):  # show the user's message at once
+            yield self.view(key, chat, chat=base, stats=views.GENERATING, **_BUSY,
+                            textbox=gr.update(value="", placeholder=views.BUSY) if isinstance(operation, Send)
+                            else gr.update(placeholder=views.BUSY))
+        yield from self._stream(key, chat, stream, base, reasoning, answer, type(operation).__name__.lower())
+
+    def _before_reply(self, chat: BrowserChat, operation: Operation) -> tuple[list[dict], str, str]:
+        """What stays on screen above the streaming reply, and the reply text it starts from."""
+        messages = chat.conversation.messages
+        thinking = chat.thinking_by_index()
+        shown = lambda upto: views.chatbot_messages(messages[:upto], thinking)[0]  # noqa: E731
+        if isinstance(operation, Send):
+            return shown(len(messages)) + [{"role": "user", "content": operation.text}], "", ""
+        if isinstance(operation, Edit):
+            return shown(operation.index) + [{"role": "user", "content": operation.text}], "", ""
+        if isinstance(operation, Continue):
+            return shown(len(messages) - 1), messages[-1]["reasoning_content"], messages[-1]["content"]
+        if isinstance(operation, Regenerate) and operation.index is not None:
+            return shown(operation.index), "", ""
+        return shown(len(messages) - (messages[-1]["role"] == "assistant")), "", ""
+
+    def _stream(self, key: str, chat: BrowserChat, stream: Any, base: list[dict], reasoning: str,
+                answer: str, operation: str) -> Iterator[ChatOutputs]:
+        """Show the reply as it streams: reasoning in a collapsible message, then the answer."""
+        started, thinking_since, thought_for, failed = time.perf_counter(), None, None, False
+        shown_at = 0.0  # when the last update went out: at most one per UPDATE_INTERVAL_S
+        deltas = iter(stream)
+        try:
+            try:
+                for delta in deltas:
+                    if delta.kind == "reasoning":
+                        thinking_since = thinking_since or time.perf_counter()
+                        reasoning += delta.text
+                    else:
+                        if thinking_since and thought_for is None:
+                            thought_for = time.perf_counter() - thinking_since
+                        answer += delta.text
+                    if key not in self.directory.manager or not chat.shown:  # the page shows another
+                        # conversation (New chat, the list), or the tab closed: the page
+                        self._abandon(chat, deltas)  # has moved on; write nothing over it
+                        return
+                    if time.perf_counter() - shown_at < UPDATE_INTERVAL_S:
+                        continue  # each update resends the chat: coalesce fast tokens
+                    first, shown_at = shown_at == 0.0, time.perf_counter()
+                    # the first update shows Stop and the busy line; later ones carry only the chat
+                    yield ChatOutputs(chat=base + views.reply_messages(reasoning, answer, thought_for),
+                                      **({"stats": views.GENERATING, **_BUSY} if first else {}))
+            except GeneratorExit:  # the client went away (closed tab, dropped connection, cancel)
+                self._abandon(chat, deltas)
+                raise
+        except ChatError as error:
+            failed = True
+            gr.Warning(str(error))
+        except Exception as error:  # the model failed: the conversation is intact, say so
+            failed = True
+            gr.Warning(f"Generation failed: {error}")
+        finally:
+            if self.metrics is not None:
+                self.metrics.reply_done(operation, chat.conversation.stats, failed)
+        path = chat.conversation.history.entries
+        if reasoning.strip() and path and path[-1].role == "assistant":
+            chat.thinking_seconds[path[-1].uid] = thought_for or (time.perf_counter() - (thinking_since or started))
+        if key in self.directory.manager and chat.shown:  # unless the page moved on meanwhile
+            yield self.view(key, chat, write_key=False, textbox=gr.update(placeholder=views.READY))
+
+    def _abandon(self, chat: BrowserChat, deltas: Iterator[Any]) -> None:
+        """Stop a reply nobody reads any more and let it end as Stop ends it: the partial reply
+        kept, the conversation free for the next message (within a decode step or two)."""
+        chat.conversation.stop()
+        try:
+            for _ in deltas:
+                pass
+        except Exception:  # noqa: S110  (it failed while ending: the conversation says so itself)
+            pass
+
+    # ---- generating events ----------------------------------------------------------------------
+    # `request` is Gradio's (injected by its type), or None: it says which page and address call.
+    def send(self, request: gr.Request, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        text = inputs.text(text, "message", self.limits.max_message_chars)  # before any tokenizing
+        yield from self._generate(request, key, values, lambda: Send(text, fit_context=True))
+
+    def regenerate(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        yield from self._generate(request, key, values, Regenerate)
+
+    def regenerate_at(self, request: gr.Request, index: Any, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        """A new sibling of the reply at `index`; what followed the old one stays on its branch."""
+        whole = inputs.whole_number(index, "index", 0, 1_000_000)
+        yield from self._generate(request, key, values, lambda: Regenerate(whole))
+
+    def continue_reply(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        yield from self._generate(request, key, values, Continue)
+
+    def retry_at(self, request: gr.Request, target: Any, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        """↻ under an earlier reply: `target` is its message index, as the page's script sends it."""
+        yield from self.regenerate_at(request, inputs.message_index(target), key, *values)
+
+    def edit(self, request: gr.Request, index: Any, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        whole = inputs.whole_number(index, "index", 0, 1_000_000)
+        text = inputs.text(text, "message", self.limits.max_message_chars)
+        yield from self._generate(request, key, values, lambda: Edit(whole, text))

@@ -1,0 +1,85 @@
+"""What every UI event handler shares: the engine, the browsers' conversations, the limits, the
+metrics, and how a conversation is drawn (`ChatOutputs`). Refusals are `ChatError`s: shown as a
+warning, nothing changed."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gradio as gr
+
+from ui import views
+from ui.directory import BrowserChat, ChatDirectory
+from ui.inputs import Limits
+from ui.operator import Metrics
+from ui.outputs import ChatOutputs, Settings
+
+
+class HandlersBase:
+    def __init__(self, engine: Any, directory: ChatDirectory, *, limits: Limits = Limits(),
+                 metrics: Metrics | None = None):
+        """`engine`: whatever makes conversations (the embedded engine, a model server's, ZeroGPU's:
+        the handlers cannot tell). `limits`: what a request may be."""
+        self.engine = engine
+        self.directory = directory
+        self.limits = limits
+        self.metrics = metrics  # fed after every reply (ui/operator.py)
+
+    def settings(self, values: tuple) -> Settings:
+        return Settings.from_values(values, self.limits)
+
+    # ---- what every handler shares ------------------------------------------------------------
+    def chat(self, request: gr.Request | None, key: Any, settings: Settings) -> tuple[str, BrowserChat]:
+        """The conversation a new message goes to (made here if there is none)."""
+        key, chat, notice = self.directory.chat(key, settings.system_prompt, page=page_of(request),
+                                                client=client_of(request))
+        if notice:
+            gr.Info(notice)
+        return key, chat
+
+    def empty(self) -> ChatOutputs:
+        """What a page without a conversation shows."""
+        return ChatOutputs(chat=[], key=None, stats="", versions=gr.update(visible=False),
+                           previous_version=gr.update(visible=False), next_version=gr.update(visible=False),
+                           send=gr.update(visible=True), stop=gr.update(visible=False))
+
+    def view(self, key: str, browser: BrowserChat, *, write_key: bool = True, **changes: Any) -> ChatOutputs:
+        """The whole chat as it stands; `changes` override fields (a streaming reply, the box).
+        `write_key=False` leaves the page's key alone (a stream must not undo a New chat)."""
+        conversation = browser.conversation
+        active, count = conversation.versions
+        outputs = ChatOutputs(
+            chat=self.chatbot_messages(browser)[0], key=key,
+            stats=views.stats_line(conversation.stats),
+            versions=gr.update(value=views.version_label(active, count), visible=count > 1),
+            previous_version=gr.update(visible=count > 1, interactive=active > 0),
+            next_version=gr.update(visible=count > 1, interactive=active < count - 1))
+        if not write_key:
+            outputs.key = gr.skip()
+        outputs.send, outputs.stop = gr.update(visible=True), gr.update(visible=False)
+        for name, value in changes.items():
+            setattr(outputs, name, value)
+        return outputs
+
+    @staticmethod
+    def chatbot_messages(browser: BrowserChat) -> tuple[list[dict], list[int | None]]:
+        return views.path_messages(browser.conversation.history.entries, browser.thinking_by_index())
+
+
+def page_of(request: gr.Request | None) -> str | None:
+    """Gradio's session hash: it only finds keys this server handed to that page (to free them)."""
+    return getattr(request, "session_hash", None) or None
+
+
+def client_of(request: gr.Request | None) -> str | None:
+    """The caller's address, to count what it holds. On a Hugging Face Space the proxy puts the
+    browser's address first in X-Forwarded-For; elsewhere that header is the client's own word."""
+    if request is None:
+        return None
+    if os.environ.get("SPACE_ID"):
+        forwarded = (request.headers.get("x-forwarded-for") or "").split(",")[0].strip()
+        if forwarded:
+            return forwarded
+    client = getattr(request, "client", None)
+    return getattr(client, "host", None)
