@@ -15,10 +15,10 @@ from typing import Any
 import gradio as gr
 from starlette.middleware import Middleware
 
-from chat import ChatEngine, ModelLoadError, remote
+from chat import ChatEngine, ModelLoadError, remote, saved
 from ui.chat_list import ChatList, empty_store
 from ui.config import AppConfig
-from ui.directory import ChatDirectory
+from ui.directory import ChatDirectory, Closes
 from ui.handlers import ChatHandlers, PageEvents
 from ui.inputs import Limits
 from ui.operator import Metrics, routes
@@ -46,20 +46,22 @@ DEMO_PLACEHOLDER = ("The `demo` model is a toy trained here in under an hour: it
                     "Nothing else.")
 
 
-def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int, placeholder: str = "Ask anything.",
-          storage_secret: str = "rewind-chat") -> gr.Blocks:
-    """`storage_secret`: what the browsers' copies of their conversations are sealed with; the
-    same across restarts, or every browser's list is unreadable after one (see README)."""
+# The key Gradio's BrowserState encrypts the browser's copy with is sent to every page (it is in
+# /config), so it is no secret: the copy is not sealed, and the server checks every copy it gets
+# back as it checks an Import. The operator's secrets never go near it.
+BROWSER_COPY_KEY = "rewind-chat"
+EXPORTS_KEPT_S = 600  # Gradio's copies of exports and uploads are deleted this long after they were made
+
+
+def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
+          placeholder: str = "Ask anything.") -> gr.Blocks:
     chat_list = ChatList(handlers)
     directory = handlers.directory
-    with gr.Blocks(title="rewind-chat", fill_height=True) as demo:
-        # Plain functions, not bound methods: Gradio deep-copies component props for every page it
-        # serves, and a bound method's copy would take the directory, the engine and the model along.
-        forget = lambda kept: [directory.close(k) for k in (kept or {}).values()]  # noqa: E731
-        page = dict(key=gr.State(None, delete_callback=lambda closed: directory.close(closed)),
-                    parked=gr.State({}, delete_callback=forget),
+    with gr.Blocks(title="rewind-chat", fill_height=True, delete_cache=(EXPORTS_KEPT_S, EXPORTS_KEPT_S)) as demo:
+        page = dict(key=gr.State(None, delete_callback=Closes(directory)),
+                    parked=gr.State({}, delete_callback=Closes(directory, parked=True)),
                     store=gr.BrowserState(empty_store(), storage_key="rewind-chat-conversations",
-                                          secret=storage_secret))
+                                          secret=BROWSER_COPY_KEY))
         page |= sidebar()
         gr.Markdown(f"## rewind-chat · {model_label}\n"
                     "One KV cache per conversation, rolled back instead of recomputed: "
@@ -140,7 +142,10 @@ def settings_panel(max_new_tokens: int) -> dict[str, Any]:
 
 
 def port_is_free(host: str, port: int) -> bool:
+    """Whether the server can listen there. SO_REUSEADDR as uvicorn's own socket: a port whose last
+    connections are in TIME-WAIT (a restart) is free, one another process listens on is not."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError:
@@ -187,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     if config.prompt_format not in ("messages", "text", "token-ids"):
         print("rewind-chat: --prompt-format is messages, text or token-ids", file=sys.stderr)
         return 1
+    if config.storage_secret:
+        print("rewind-chat: STORAGE_SECRET is no longer used: the copy each browser keeps is not sealed (its key "
+              "is sent to every page); the server checks every copy as an Import", file=sys.stderr)
+    os.environ["FORWARDED_ALLOW_IPS"] = config.proxies  # uvicorn's: whose X-Forwarded-For it believes
+    if config.proxies:
+        print(f"rewind-chat: trusting X-Forwarded-For from {config.proxies}", flush=True)
     try:
         engine = load_engine(config)
     except ModelLoadError as error:
@@ -202,16 +213,20 @@ def main(argv: list[str] | None = None) -> int:
                     max_system_chars=config.max_system_chars)
     metrics = Metrics(directory)
     demo = build(ChatHandlers(engine, directory, limits=limits, metrics=metrics), model_label=label,
-                 max_new_tokens=config.max_new_tokens, storage_secret=config.storage_secret,
-                 **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
+                 max_new_tokens=config.max_new_tokens, **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
     demo.queue(default_concurrency_limit=config.streams, max_size=256)
     gradio_tuning.poll_queue_every(demo)  # two costs of Gradio's that slow decoding down (see there)
     gradio_tuning.pass_skipped_outputs_through()
     # show_error: a refused API input says why (Gradio's own checks of a component's value included)
+    # Gradio keeps a closed page's state (a copy of the page's components, about 200 KB here) for an
+    # hour, up to `state_session_capacity` pages (10,000 by default: 2 GB); a page whose state went
+    # gets its conversation back from the browser's copy at its next event.
     demo.launch(server_name=config.host, server_port=config.port, enable_monitoring=config.monitoring, show_error=True,
                 footer_links=["api"], run_history=False, quiet=True, prevent_thread_lock=True,
-                css=CSS, js=PAGE_SCRIPT,
-                app_kwargs={"middleware": [Middleware(SecurityHeaders)], "routes": routes(directory, metrics)})
+                state_session_capacity=max(32, 4 * config.max_sessions),
+                css=CSS, js=PAGE_SCRIPT, max_file_size=saved.MAX_JSON_BYTES,
+                app_kwargs={"middleware": [Middleware(SecurityHeaders)], "routes": routes(directory, metrics),
+                            "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
     print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",
           flush=True)
     demo.block_thread()

@@ -42,9 +42,11 @@ class ManagerStats:
 
 class SessionManager:
     def __init__(self, *, max_sessions: int | None = None, idle_timeout_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, on_close: Callable[[str], None] | None = None):
+                 clock: Callable[[], float] = time.monotonic, on_close: Callable[[str], None] | None = None,
+                 expire_every_s: float | None = None):
         """`on_close(key)` is told of every key that stops being valid (closed, expired, made room
-        for), so whoever mapped something to it can forget it."""
+        for), so whoever mapped something to it can forget it. `expire_every_s`: also expire idle
+        sessions on a timer (a daemon thread), not only when someone looks one up."""
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
@@ -53,6 +55,17 @@ class SessionManager:
         self._lock = threading.RLock()
         self.expired = 0
         self.closed_for_room = 0
+        self._stopped = threading.Event()
+        if expire_every_s is not None and idle_timeout_s is not None:
+            threading.Thread(target=self._expire_every, args=(expire_every_s,), name="session-expiry",
+                             daemon=True).start()
+
+    def _expire_every(self, period_s: float) -> None:
+        while not self._stopped.wait(period_s):
+            self.expire_idle()
+
+    def stop_timer(self) -> None:
+        self._stopped.set()
 
     def open(self, owner: Closable) -> str:
         """Register `owner` and return the new key that finds it."""

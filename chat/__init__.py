@@ -27,6 +27,8 @@ Module map:
   errors.py        errors a UI can show, one family (ChatError)
 """
 
+__version__ = "0.20.0"
+
 from chat.config import EngineConfig
 from chat.conversation import Conversation
 from chat.engine import ChatEngine

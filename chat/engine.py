@@ -42,6 +42,7 @@ class ChatEngine:
                                eos_token_ids=frozenset(_eos_token_ids(model, tokenizer)), prefix_store=prefix_store,
                                config=config)
         self.planner = Planner(template, config.context_limit or _context_limit(model))
+        self.name = getattr(model.config, "_name_or_path", "") or type(model).__name__  # for /status
         self._remote_runner: Any = None
 
     @classmethod
@@ -52,7 +53,9 @@ class ChatEngine:
         worker = ModelWorker()
         # Loaded on the compute thread: torch's CPU pool then lives on the thread that uses it.
         model, tokenizer = worker.run(load_model_and_tokenizer, name_or_path, device=device, dtype=dtype)
-        return cls(model, tokenizer, config, worker=worker)
+        engine = cls(model, tokenizer, config, worker=worker)
+        engine.name = name_or_path
+        return engine
 
     def run_replies_in(self, runner: Any) -> None:
         """On ZeroGPU: replies of conversations made from now on run through `runner`
@@ -79,7 +82,7 @@ class ChatEngine:
     def status(self) -> dict[str, Any]:
         """What an operator reads of the engine (aggregates only): the batch, the caches, planning."""
         batch, caches = self.batch_stats(), self.caches.stats()
-        return {"backend": "local",
+        return {"backend": "local", "model": self.name,
                 "planning": self.planner.planning,
                 "generating": batch.waiting + batch.prefilling + batch.decoding,
                 "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,

@@ -27,6 +27,7 @@ MAX_DEPTH = 500  # messages on one path
 MAX_MESSAGE_CHARS = 100_000
 MAX_TOTAL_CHARS = 2_000_000
 MAX_JSON_BYTES = 8 * MAX_TOTAL_CHARS  # escaped text can be several bytes a character
+MAX_NESTING = 4  # the object, its messages, a message, the path
 _CHILD_ROLES = {"root": ("system", "user"), "system": ("user",), "user": ("assistant",), "assistant": ("user",)}
 _KEYS = {"parent", "role", "content", "shown", "reasoning_content", "stopped", "edited"}
 
@@ -51,6 +52,20 @@ def to_dict(history: History) -> dict[str, Any]:
         messages.append(item)
     return {"format": FORMAT, "version": VERSION, "messages": messages, "shown": history.root.active,
             "path": [index_of[node.uid] for node in history.entries], "system_prompt": history.system_prompt}
+
+
+def nests_deeper(value: Any, depth: int) -> bool:
+    """Whether `value` has lists or dicts more than `depth` levels down (found without recursion,
+    before anything that recurses, a JSON encoder or a deep copy, meets it). The saved format is
+    flat: 4 levels (the object, its messages, a message, its path list) are all it needs."""
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            if level > depth:
+                return True
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def loads(text: str | bytes) -> dict[str, Any]:
@@ -110,6 +125,8 @@ def _checked_envelope(data: Any) -> list[Any]:
     """The fields around the messages, checked; the messages' list."""
     if not isinstance(data, dict):
         _fail(f"expected an object, got {type(data).__name__}")
+    if nests_deeper(data, MAX_NESTING):
+        _fail(f"nested more than {MAX_NESTING} levels deep (the format is flat)")
     if data.get("format") != FORMAT:
         _fail(f"format must be {FORMAT!r}")
     if data.get("version") != VERSION:

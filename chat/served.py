@@ -296,5 +296,5 @@ class ServedEngine:
 
     def status(self) -> dict[str, Any]:
         """What an operator reads: where replies come from (the server batches and caches)."""
-        return {"backend": "openai", "planning": self.planner.planning, "model_server": self.base_url,
-                "served_model": self.model_name}
+        return {"backend": "openai", "model": self.model_name, "planning": self.planner.planning,
+                "model_server": self.base_url}

@@ -20,8 +20,8 @@ def free_port() -> int:
 
 
 class AppServer:
-    def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None):
-        self.port = free_port()
+    def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False",
                    HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", GRADIO_HEARTBEAT_INTERVAL="1", **(env or {}))

@@ -37,12 +37,11 @@ def endless_model(tmp_path_factory, base_tokenizer):
 
 @pytest.fixture(scope="module")
 def app(endless_model, tmp_path_factory):
-    # SPACE_ID: behind Hugging Face's proxy the caller's address is the first X-Forwarded-For entry;
-    # here each test client says which address it is.
+    # The tests stand in for a proxy the operator trusts (--trusted-proxies): each test client says
+    # which address it is in X-Forwarded-For.
     server = AppServer("--model", str(endless_model), "--max-per-client", "3", "--max-sessions", "12",
-                       "--max-message-chars", "5000", "--max-new-tokens", str(LONG),
-                       log_path=tmp_path_factory.mktemp("log") / "app.log",
-                       env={"SPACE_ID": "tests/faults"})
+                       "--max-message-chars", "5000", "--max-new-tokens", str(LONG), "--trusted-proxies", "127.0.0.1",
+                       log_path=tmp_path_factory.mktemp("log") / "app.log")
     yield server
     server.close()
 

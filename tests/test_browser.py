@@ -54,12 +54,22 @@ def send(page: Page, text: str) -> str:
     return before
 
 
+REPLY_ENDED = """(previous) => {
+    const stats = document.querySelector("#stats");
+    const text = stats ? stats.innerText.trim() : "";
+    const stop = document.querySelector("#stop");
+    const streaming = stop !== null && stop.offsetParent !== null;
+    const pending = document.querySelector('#chatbot [aria-label="Loading response"]') !== null;
+    return text.startsWith("Prompt:") && text !== previous.trim() && !streaming && !pending;
+}"""
+
+
 def wait_reply(page: Page, previous_stats: str, timeout_ms: int = 60_000) -> None:
-    """Until the stats line describes a reply newer than `previous_stats` (not one streaming)."""
-    stats = page.locator("#stats")
-    expect(stats).not_to_have_text(previous_stats, timeout=timeout_ms)
-    # the final line starts with "Prompt:"; while busy, Gradio's own timer text comes first
-    expect(stats).to_have_text(re.compile(r"^\s*Prompt:"), timeout=timeout_ms)
+    """Until the reply has ended: one check of the page, so that no moment between two events of
+    an action's chain (the old line shown again between them) or of a slow stream can pass for
+    the end. The stats line is a finished reply's ("Prompt: ..."), not `previous_stats`; Stop is
+    hidden and no message is pending."""
+    page.wait_for_function(REPLY_ENDED, arg=previous_stats, timeout=timeout_ms)
 
 
 def stats_text(page: Page) -> str:

@@ -2,6 +2,7 @@
 browser keeps, what comes back from it (untrusted), New chat, switching, export and import."""
 
 import json
+from pathlib import Path
 import threading
 import time
 
@@ -124,3 +125,30 @@ def test_delete_removes_it_from_the_list_and_the_server(make_engine):
     store, _ = chat_list.sync(key, empty_store())
     result = chat_list.delete(key, store, {})
     assert result[STORE] == empty_store() and key not in handlers.directory.manager
+
+
+def test_exports_come_from_checked_data_carry_the_name_and_do_not_pile_up(make_engine, monkeypatch):
+    import gradio as gr
+
+    import ui.chat_list
+
+    handlers, chat_list = make_list(make_engine)
+    warnings = []
+    monkeypatch.setattr(gr, "Warning", lambda text: warnings.append(text))
+    malformed = {"current": "abcdefgh12", "chats": [{"id": "abcdefgh12", "title": "t", "data": {
+        "format": "rewind-chat.conversation", "version": 1, "messages": [["not", "a", "message"]]}}]}
+    assert chat_list.files.export("json", None, malformed) == gr.skip()  # no server copy: the browser's, checked
+    assert warnings and "cannot be exported" in warnings[-1] and "messages[0] must be an object" in warnings[-1]
+    deep: list = []
+    for _ in range(500):
+        deep = [deep]
+    assert checked_store({"chats": [{"id": "abcdefgh12", "title": "t", "data": {"x": deep}}]}) == empty_store()
+
+    key = send(handlers, "Name me?", None)
+    store, _ = chat_list.sync(key, empty_store())
+    store, _ = chat_list.rename("My renamed chat", store)
+    first = chat_list.files.export("markdown", key, store)["value"]
+    assert first.endswith("My-renamed-chat.md") and open(first, encoding="utf-8").read().startswith("# My renamed chat")
+    monkeypatch.setattr(ui.chat_list, "SWEEP_AFTER_S", -1.0)  # as if Gradio had long taken its copy
+    second = chat_list.files.export("json", key, store)["value"]
+    assert not Path(first).exists() and Path(second).exists()

@@ -26,3 +26,4 @@ def test_the_app_replicas_are_started_with_flags_the_app_has():
     config = AppConfig.from_args(shlex.split(app_line), environ={})
     assert (config.backend, config.base_url, config.prompt_format) == ("openai", "http://router:8001/v1", "token-ids")
     assert config.host == "0.0.0.0" and config.model == "Qwen/Qwen3-8B"
+    assert config.proxies == "172.16.0.0/12,192.168.0.0/16"  # the load balancer's network, and no one else

@@ -1,6 +1,8 @@
 """The cache owner's budget (LRU eviction of idle sessions only, the batch counted), the session
 manager's keys, limits and expiry, and device moves."""
 
+import time
+
 import pytest
 import torch
 
@@ -173,3 +175,21 @@ def test_the_batched_copy_counts_in_the_budget(make_engine, models, monkeypatch)
     assert idle.session.nbytes() == 0 and engine.caches.stats().evictions == 1
     for stream in streams:
         stream.close()
+
+
+def test_idle_sessions_expire_on_a_timer_without_any_call(make_engine):
+    """Nobody looks a key up: the timer expires it (before, only the next call did)."""
+    clock = Clock()
+    manager = SessionManager(idle_timeout_s=60, clock=clock, expire_every_s=0.01)
+    engine = make_engine("full")
+    chat = Chat(engine.conversation())
+    key = manager.open(chat)
+    list(chat.conversation.send("Hello?", **GREEDY))
+    clock.now += 61
+    deadline = time.monotonic() + 30
+    while key in manager:  # a condition, not a sleep of a guessed length
+        assert time.monotonic() < deadline, "the timer never expired it"
+        time.sleep(0.01)
+    engine.caches.enforce_budget()  # a round of the loop: the close it was told of has been applied
+    assert manager.expired == 1 and chat.conversation.session.nbytes() == 0
+    manager.stop_timer()

@@ -12,9 +12,11 @@ prefill. Ids in the list are the browser's names for its entries, never server k
 
 from __future__ import annotations
 
+import atexit
 import json
 import re
 import secrets
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -35,6 +37,7 @@ MAX_CHATS = 50
 MAX_TITLE_CHARS = 80
 _ID = re.compile(r"[A-Za-z0-9_-]{8,40}")
 STOP_WAIT_S = 5.0  # how long leaving a conversation waits for its stopped reply to end
+SWEEP_AFTER_S = 60.0  # an export older than this was served (Gradio copies it as the event ends)
 
 
 def empty_store() -> dict[str, Any]:
@@ -49,6 +52,7 @@ def checked_store(value: Any) -> dict[str, Any]:
     for entry in value["chats"][:MAX_CHATS]:
         if (isinstance(entry, dict) and isinstance(entry.get("id"), str) and _ID.fullmatch(entry["id"])
                 and isinstance(entry.get("title"), str) and isinstance(entry.get("data"), dict)
+                and not saved.nests_deeper(entry["data"], saved.MAX_NESTING)
                 and all(entry["id"] != c["id"] for c in chats)):
             chats.append({"id": entry["id"], "title": entry["title"][:MAX_TITLE_CHARS],
                           "renamed": entry.get("renamed") is True, "data": entry["data"]})
@@ -62,10 +66,10 @@ def title_of(data: dict[str, Any]) -> str:
     return first if len(first) <= MAX_TITLE_CHARS else first[: MAX_TITLE_CHARS - 1] + "…"
 
 
-def markdown_of(data: dict[str, Any]) -> str:
+def markdown_of(data: dict[str, Any], title: str | None = None) -> str:
     """The shown path as Markdown (branches not shown are left out; the JSON export keeps them)."""
     history = saved.from_dict(data)
-    lines = [f"# {title_of(data)}", ""]
+    lines = [f"# {title or title_of(data)}", ""]
     for message in history.messages:
         role = {"system": "System", "user": "User", "assistant": "Assistant"}[message["role"]]
         lines += [f"## {role}", ""]
@@ -213,7 +217,7 @@ class ChatList:
         store, parked = checked_store(store), dict(parked or {})
         path = getattr(file, "name", file)
         try:
-            raw = Path(path).read_bytes()[: saved.MAX_JSON_BYTES + 1] if isinstance(path, str) else b""
+            raw = read_once(path, saved.MAX_JSON_BYTES + 1) if isinstance(path, str) else b""
             data = saved.loads(raw)
             new_key, chat = self.directory.restore(data, page=page_of(request), client=client_of(request))
         except (ChatError, OSError) as error:
@@ -271,6 +275,15 @@ class ChatList:
         return outputs
 
 
+def read_once(path: str, limit: int) -> bytes:
+    """An uploaded file's first `limit` bytes; the file (Gradio's copy of the upload) is deleted."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(limit)
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
 def _entry(store: dict[str, Any], chat_id: Any) -> dict[str, Any] | None:
     return next((c for c in store["chats"] if c["id"] == chat_id), None)
 
@@ -281,24 +294,38 @@ class ChatFiles:
     def __init__(self, directory: ChatDirectory):
         self.directory = directory
         self._files = Path(tempfile.mkdtemp(prefix="rewind-chat-exports-"))
+        atexit.register(shutil.rmtree, self._files, True)
 
     def export(self, kind: str, key: Any, store: Any) -> Any:
-        """The shown conversation as a file: JSON (the whole tree, `to_dict`) or Markdown (the shown path)."""
+        """The shown conversation as a file: JSON (the whole tree, `to_dict`) or Markdown (the shown
+        path), always from a checked conversation: the server's, or the browser's copy once it
+        passed the checks of an Import. Gradio serves its own copy of the file; ours goes soon."""
+        self._sweep()
         chat = self.directory.find(key)
         store = checked_store(store)
         entry = _entry(store, store["current"])
-        data = chat.conversation.to_dict() if chat is not None else entry["data"] if entry is not None else None
-        if data is None:
+        try:
+            history = chat.conversation.history if chat is not None else \
+                saved.from_dict(entry["data"]) if entry is not None else None
+        except ChatError as error:
+            gr.Warning(f"This conversation cannot be exported: {error}")
+            return gr.skip()
+        if history is None:
             gr.Warning("There is no conversation to export yet.")
             return gr.skip()
-        try:
-            text = json.dumps(data, ensure_ascii=False, indent=1) if kind == "json" else markdown_of(data)
-        except ChatError as error:
-            gr.Warning(str(error))
-            return gr.skip()
-        name = re.sub(r"[^A-Za-z0-9]+", "-", title_of(data)).strip("-")[:40] or "conversation"
+        data = saved.to_dict(history)
+        title = entry["title"] if entry is not None and entry["title"] else title_of(data)
+        text = json.dumps(data, ensure_ascii=False, indent=1) if kind == "json" else markdown_of(data, title)
+        name = re.sub(r"[^A-Za-z0-9]+", "-", title).strip("-")[:40] or "conversation"
         folder = self._files / secrets.token_hex(8)
         folder.mkdir()
         path = folder / f"{name}.{'json' if kind == 'json' else 'md'}"
         path.write_text(text, encoding="utf-8")
         return gr.update(value=str(path), visible=True)
+
+    def _sweep(self) -> None:
+        """Exports Gradio has taken its copy of (it does as the event ends) are deleted."""
+        now = time.time()
+        for folder in list(self._files.iterdir()):
+            if now - folder.stat().st_mtime > SWEEP_AFTER_S:
+                shutil.rmtree(folder, ignore_errors=True)

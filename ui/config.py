@@ -25,6 +25,11 @@ def _yes_no(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected yes or no, got {value!r}")
 
 
+# Hugging Face does not publish its Spaces proxy's addresses; a Space's container is reached only
+# through it, from the private networks, where no visitor's connection comes from.
+SPACE_PROXY_NETWORKS = "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7"
+
+
 @dataclass(frozen=True)
 class AppConfig:
     model: str = _setting("demo", "MODEL_ID", 'hub id, local folder, or "demo" (a toy model trained here); with '
@@ -55,12 +60,18 @@ class AppConfig:
     max_new_tokens: int = _setting(512, "MAX_NEW_TOKENS", "the largest reply a user may ask for")
     max_message_chars: int = _setting(20_000, "MAX_MESSAGE_CHARS", "longer messages are refused before any work")
     max_system_chars: int = _setting(4_000, "MAX_SYSTEM_CHARS", "longer system prompts are refused")
+    max_request_mb: float = _setting(32.0, "MAX_REQUEST_MB", "the largest request body (an event with the "
+                                     "browser's list, an upload); larger ones are refused with 413")
     max_per_client: int = _setting(8, "MAX_PER_CLIENT", "conversations one address may hold (0: no limit); "
                                    "at the limit its own oldest idle one is closed")
     monitoring: bool = _setting(False, "MONITORING", "Gradio's /monitoring page (per-endpoint timings, "
                                 "visible to anyone)")
-    storage_secret: str = _setting("rewind-chat", "STORAGE_SECRET",
-                                   "seals the conversations each browser keeps; keep it the same across restarts")
+    storage_secret: str | None = _setting(None, "STORAGE_SECRET", "no longer used: the copy each browser keeps is "
+                                          "not sealed (a key the page carries is no secret); every copy is checked "
+                                          "as an Import")
+    trusted_proxies: str | None = _setting(None, "TRUSTED_PROXIES", "addresses or networks, comma-separated, whose "
+                                           "X-Forwarded-For names the client; default none (on a Hugging Face Space: "
+                                           "the private networks its proxy connects from)")
     max_checkpoints: int = _setting(EngineConfig.max_checkpoints, "MAX_CHECKPOINTS",
                                     "snapshots per conversation for layers that cannot be cropped")
 
@@ -79,6 +90,13 @@ class AppConfig:
                                 if default is not None else None,
                                 help=f"{setting.metadata['help']} [env {' or '.join(names)}]".strip())
         return cls(**vars(parser.parse_args(argv)))
+
+    @property
+    def proxies(self) -> str:
+        """What uvicorn trusts (its FORWARDED_ALLOW_IPS); "" trusts no one: the socket's peer counts."""
+        if self.trusted_proxies is not None:
+            return self.trusted_proxies
+        return SPACE_PROXY_NETWORKS if os.environ.get("SPACE_ID") else ""
 
     @property
     def streams(self) -> int:

@@ -17,6 +17,27 @@ from cache_sessions.manager import SessionManager, TooManySessions
 from chat import Conversation, ServerBusyError
 
 
+class Closes:
+    """A page's `gr.State` delete callback: closes the conversation its value names (or, for the
+    parked ones, every one). An object, neither a bound method nor a closure: Gradio deep-copies
+    component props for every page it serves (this copies as itself, not the directory, engine and
+    model behind it) and lists them in /config (this shows as words, not a memory address)."""
+
+    def __init__(self, directory: "ChatDirectory", *, parked: bool = False):
+        self._directory, self._parked = directory, parked
+
+    def __call__(self, value: Any) -> None:
+        keys = (value or {}).values() if self._parked and isinstance(value, dict) else [value]
+        for key in keys:
+            self._directory.close(key)
+
+    def __deepcopy__(self, memo: dict) -> "Closes":
+        return self
+
+    def __repr__(self) -> str:
+        return "closes the page's conversations"
+
+
 @dataclass
 class BrowserChat:
     """What one browser owns: its conversation and how long each of its replies thought."""
@@ -48,7 +69,9 @@ class ChatDirectory:
         closed to make room (never someone else's). The caches' memory budget is the engine's."""
         self.engine = engine
         self.max_per_client = max_per_client
-        self.manager = SessionManager(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, on_close=self._forget)
+        every = None if idle_timeout_s is None else min(60.0, max(idle_timeout_s / 4, 0.05))
+        self.manager = SessionManager(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, on_close=self._forget,
+                                      expire_every_s=every)
         self._keys_of_page: dict[str, set[str]] = {}
         self._keys_of_client: dict[str, list[str]] = {}  # oldest first
         self._lock = threading.Lock()

@@ -3,6 +3,11 @@ and `GET /metrics` (Prometheus text format). Aggregate numbers only: never a ses
 
 from __future__ import annotations
 
+import resource
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -12,16 +17,43 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from chat import TurnStats
+from chat import TurnStats, __version__
 from ui.directory import ChatDirectory
 
 
+def _git_commit() -> str | None:
+    """The commit this checkout is at, if it is a git checkout (a Space's repository is)."""
+    try:
+        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found.stdout.strip() or None if found.returncode == 0 else None
+
+
+STARTED = time.time()
+_COMMIT = _git_commit()
+VERSION = f"{__version__}+{_COMMIT}" if _COMMIT else __version__
+
+
+def memory() -> dict[str, int | None]:
+    """This process's resident memory now and at its peak (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            resident = int(statm.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        resident = None
+    return {"rss_bytes": resident, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 def server_status(directory: ChatDirectory) -> dict:
-    """The conversations held, and what the engine says of itself (its batch and caches, or its
-    model server): `busy` counts conversations with an operation running (a reply, a switch...)."""
+    """Which app and model, since when; the conversations held, and what the engine says of itself
+    (its batch and caches, or its model server). `busy`: conversations with an operation running."""
     stats = directory.manager.stats()
-    return {"conversations": stats.sessions, "busy": stats.busy, "generating": stats.busy, "expired": stats.expired,
-            "closed_for_room": stats.closed_for_room, **directory.engine.status()}
+    return {"version": VERSION, "started_at": datetime.fromtimestamp(STARTED, timezone.utc).isoformat(),
+            "uptime_s": round(time.time() - STARTED), "conversations": stats.sessions, "busy": stats.busy,
+            "generating": stats.busy, "expired": stats.expired, "closed_for_room": stats.closed_for_room,
+            "memory": memory(), **directory.engine.status()}
 
 
 class Metrics:

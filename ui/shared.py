@@ -4,7 +4,6 @@ warning, nothing changed."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import gradio as gr
@@ -73,13 +72,7 @@ def page_of(request: gr.Request | None) -> str | None:
 
 
 def client_of(request: gr.Request | None) -> str | None:
-    """The caller's address, to count what it holds. On a Hugging Face Space the proxy puts the
-    browser's address first in X-Forwarded-For; elsewhere that header is the client's own word."""
-    if request is None:
-        return None
-    if os.environ.get("SPACE_ID"):
-        forwarded = (request.headers.get("x-forwarded-for") or "").split(",")[0].strip()
-        if forwarded:
-            return forwarded
-    client = getattr(request, "client", None)
+    """The caller's address, to count what it holds: the socket's peer, or what X-Forwarded-For
+    says when the peer is a proxy the operator trusts (uvicorn resolves it: `--trusted-proxies`)."""
+    client = getattr(request, "client", None) if request is not None else None
     return getattr(client, "host", None)

@@ -97,8 +97,9 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     page["confirm_delete"].click(chat_list.delete, [key, store, parked], with_list, api_name=False)
     for button, kind in ((page["export_json"], "json"), (page["export_markdown"], "markdown")):
         button.click(functools.partial(chat_list.files.export, kind), [key, store], page["download"], api_name=False)
+    # one Import at a time: parsing and checking a large file costs memory for a while
     page["import_file"].upload(chat_list.import_file, [page["import_file"], key, store, parked], with_list,
-                               api_name=False)
+                               api_name=False, concurrency_limit=1, concurrency_id="import")
 
 
 def wire_api_twins(handlers: ChatHandlers, page: dict[str, Any]) -> None:
