@@ -219,11 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     gradio_tuning.pass_skipped_outputs_through()
     # show_error: a refused API input says why (Gradio's own checks of a component's value included)
     # Gradio keeps a closed page's state (a copy of the page's components, about 200 KB here) for an
-    # hour, up to `state_session_capacity` pages (10,000 by default: 2 GB); a page whose state went
-    # gets its conversation back from the browser's copy at its next event.
+    # hour, up to `state_session_capacity` pages, least recently used first out (10,000 by default:
+    # 2 GB); a page whose state went gets its conversation back from the browser's copy.
     demo.launch(server_name=config.host, server_port=config.port, enable_monitoring=config.monitoring, show_error=True,
                 footer_links=["api"], run_history=False, quiet=True, prevent_thread_lock=True,
-                state_session_capacity=max(32, 4 * config.max_sessions),
+                state_session_capacity=config.page_states,
                 css=CSS, js=PAGE_SCRIPT, max_file_size=saved.MAX_JSON_BYTES,
                 app_kwargs={"middleware": [Middleware(SecurityHeaders)], "routes": routes(directory, metrics),
                             "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread

@@ -107,6 +107,7 @@ def test_export_then_import_gives_the_same_conversation(make_engine, tmp_path):
     assert "## User" in markdown and "First question?" in markdown
 
     result = chat_list.import_file(None, exported, key, store, {})
+    assert not Path(exported).exists()  # the uploaded file is deleted once read
     new_key = result[KEY]
     assert new_key != key and len(result[STORE]["chats"]) == 2
     imported = handlers.directory.find(new_key).conversation

@@ -60,6 +60,31 @@ def checked_store(value: Any) -> dict[str, Any]:
     return {"current": current if any(c["id"] == current for c in chats) else None, "chats": chats}
 
 
+def save_into(store: dict[str, Any], chat: BrowserChat) -> None:
+    """The browser's copy of `chat`, first in the list (a new entry if the shown one has none)."""
+    data = chat.conversation.to_dict()
+    if not any(m["role"] == "user" for m in data["messages"]):
+        return  # nothing said yet: not worth a place in the list
+    entry = _entry(store, store["current"])
+    if entry is None:
+        entry = {"id": secrets.token_urlsafe(12), "title": "", "renamed": False}
+        store["current"] = entry["id"]
+        if len(store["chats"]) >= MAX_CHATS:
+            dropped = store["chats"].pop()
+            gr.Warning(f"This browser keeps {MAX_CHATS} conversations: the oldest, “{dropped['title']}”, "
+                       "was removed from the list.")
+    else:
+        store["chats"].remove(entry)
+    entry["data"] = data
+    if not entry["renamed"]:
+        entry["title"] = title_of(data)
+    store["chats"].insert(0, entry)  # most recent first
+
+
+def choices_of(store: dict[str, Any]) -> Any:
+    return gr.update(choices=[(c["title"], c["id"]) for c in store["chats"]], value=store["current"])
+
+
 def title_of(data: dict[str, Any]) -> str:
     first = next((m["content"] for m in data.get("messages", []) if m.get("role") == "user"), "New chat")
     first = " ".join(first.split())
@@ -99,7 +124,7 @@ class ListOutputs:
     def of(cls, store: dict[str, Any], parked: dict[str, str] | None = None, **changes: Any) -> "ListOutputs":
         """The list as it now stands, with the shown conversation's name in the rename box."""
         entry = _entry(store, store["current"])
-        return cls(store=store, parked=parked, chats=ChatList.choices(store),
+        return cls(store=store, parked=parked, chats=choices_of(store),
                    title=entry["title"] if entry is not None else "", **changes)
 
 
@@ -137,31 +162,8 @@ class ChatList:
         if chat is None or not chat.shown:
             return gr.skip(), gr.skip()
         store = checked_store(store)
-        self._save(store, chat)
-        return store, self.choices(store)
-
-    def _save(self, store: dict[str, Any], chat: BrowserChat) -> None:
-        data = chat.conversation.to_dict()
-        if not any(m["role"] == "user" for m in data["messages"]):
-            return  # nothing said yet: not worth a place in the list
-        entry = _entry(store, store["current"])
-        if entry is None:
-            entry = {"id": secrets.token_urlsafe(12), "title": "", "renamed": False}
-            store["current"] = entry["id"]
-            if len(store["chats"]) >= MAX_CHATS:
-                dropped = store["chats"].pop()
-                gr.Warning(f"This browser keeps {MAX_CHATS} conversations: the oldest, “{dropped['title']}”, "
-                           "was removed from the list.")
-        else:
-            store["chats"].remove(entry)
-        entry["data"] = data
-        if not entry["renamed"]:
-            entry["title"] = title_of(data)
-        store["chats"].insert(0, entry)  # most recent first
-
-    @staticmethod
-    def choices(store: dict[str, Any]) -> Any:
-        return gr.update(choices=[(c["title"], c["id"]) for c in store["chats"]], value=store["current"])
+        save_into(store, chat)
+        return store, choices_of(store)
 
     # ---- the page and the list's own events -------------------------------------------------------
     def load(self, store: Any) -> tuple:
@@ -194,7 +196,7 @@ class ChatList:
             gr.Warning("Open a conversation and type its new name first.")
             return gr.skip(), gr.skip()
         entry["title"], entry["renamed"] = text, True
-        return store, self.choices(store)
+        return store, choices_of(store)
 
     def ask_delete(self) -> Any:
         return gr.update(visible=True)
@@ -225,7 +227,7 @@ class ChatList:
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
         self._leave(key, store, parked)
         store["current"] = None
-        self._save(store, chat)
+        save_into(store, chat)
         outputs = self.handlers.view(new_key, chat, stats="Imported: its cache is computed at the next message.")
         return (*outputs.to_gradio(), *ListOutputs.of(store, parked).to_gradio())
 
@@ -241,7 +243,7 @@ class ChatList:
         deadline = time.monotonic() + STOP_WAIT_S
         while chat.conversation.is_busy and time.monotonic() < deadline:
             time.sleep(0.02)
-        self._save(store, chat)
+        save_into(store, chat)
         if store["current"] is not None:
             parked[store["current"]] = key
         for old in [name for name in parked if _entry(store, name) is None]:  # deleted or dropped entries

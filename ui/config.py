@@ -72,6 +72,8 @@ class AppConfig:
     trusted_proxies: str | None = _setting(None, "TRUSTED_PROXIES", "addresses or networks, comma-separated, whose "
                                            "X-Forwarded-For names the client; default none (on a Hugging Face Space: "
                                            "the private networks its proxy connects from)")
+    page_states: int = _setting(1000, "PAGE_STATES", "closed pages whose Gradio state is kept (for an hour at most, "
+                                "about 200 KB each); a page past it gets its conversation back from its browser")
     max_checkpoints: int = _setting(EngineConfig.max_checkpoints, "MAX_CHECKPOINTS",
                                     "snapshots per conversation for layers that cannot be cropped")
 
