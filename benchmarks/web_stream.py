@@ -4,7 +4,7 @@ The library: `conv.send` on an engine in this process. The app: `app.py` in a su
 same weights, its `/send` endpoint streamed over HTTP (server-sent events, read as they arrive).
 Each streamed update resends the chat, which costs CPU next to the decoding; updates are
 coalesced to at most one per 40 ms
-(`ui/handlers.py`). Reported: decode tokens/s as the server measured it in both paths, and as
+(`ui/replies.py`). Reported: decode tokens/s as the server measured it in both paths, and as
 the web client saw it arrive (tokens over the time between the first and the last update); the
 same through `gradio_client`; with `--browser`, also while a page in headless Chromium on the same machine renders the stream.
 `python -m benchmarks.web_stream --help`.

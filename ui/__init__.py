@@ -3,7 +3,11 @@
 Module map:
   config.py     AppConfig: every flag, its default and its environment variable, read in one place
   directory.py  which conversation each browser has (server-made keys), per-client limits, tab close
-  handlers.py   one method per UI event: run an operation, stream it as ChatOutputs
+  shared.py     what every handler shares: the engine, the directory, limits, drawing a conversation
+  replies.py    the events that make a reply: plan, then stream it as ChatOutputs
+  handlers.py   ChatHandlers (the replies' events and the instant ones) and the Chatbot's own events
+  wiring.py     which component triggers which handler, with which inputs and outputs
+  page_assets.py  the page's script, style and LaTeX delimiters
   chat_list.py  the conversations each browser keeps (gr.BrowserState): list, open, new, export, import
   outputs.py    ChatOutputs (what every handler returns, by name) and Settings (inputs, by name)
   inputs.py     checking what a client sends, by field name, before anything runs; the size limits
