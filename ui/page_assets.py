@@ -22,13 +22,15 @@ PAGE_SCRIPT = """() => {
         event.stopPropagation();
         const step = [...button.classList].map((c) => c.match(/^bs-(\\d+)-(\\d+)$/)).find(Boolean);
         const retry = [...button.classList].map((c) => c.match(/^br-(\\d+)$/)).find(Boolean);
-        const box = document.querySelector("#branch-target textarea, #branch-target input");
-        if (!box || !(step || retry)) return;
-        box.value = step ? `${step[1]}:${step[2]}` : retry[1];
-        box.dispatchEvent(new Event("input", {bubbles: true}));
-        setTimeout(() => document.querySelector(step ? "#branch-go" : "#retry-go")?.click(), 50);
+        if (!(step || retry)) return;
+        // the event's own `js` (TARGET_INPUT) hands this to the server: no textbox to race with
+        window.rewindBranchTarget = step ? `${step[1]}:${step[2]}` : retry[1];
+        document.querySelector(step ? "#branch-go" : "#retry-go")?.click();
     }, true);
 }"""
+# Run in the page as the ‹ › / ↻ event starts: the target the click above stored becomes the
+# event's first input (API clients send their own; this runs only in a page).
+TARGET_INPUT = "(target, ...settings) => [window.rewindBranchTarget ?? target, ...settings]"
 CSS = """
 #versions-row { flex-wrap: nowrap; align-items: center; }
 .branch-nav { font-size: 0.85em; opacity: 0.85; white-space: nowrap; }

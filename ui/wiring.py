@@ -14,6 +14,7 @@ import gradio as gr
 from ui.chat_list import ChatList
 from ui.handlers import ChatHandlers, PageEvents
 from ui.outputs import ChatOutputs, Settings
+from ui.page_assets import TARGET_INPUT
 
 
 def streamed(handler: Callable[..., Iterator[ChatOutputs]]) -> Callable[..., Iterator[tuple]]:
@@ -66,8 +67,10 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
        api_name="previous_version")
     on(page["next_version"].click, instant(lambda k, *s: handlers.select_version(1, k, *s)), with_settings,
        api_name="next_version")
-    on(page["branch_go"].click, instant(handlers.switch_branch), [target, *with_settings], api_name="switch_branch")
-    on(page["retry_go"].click, streamed(handlers.retry_at), [target, *with_settings], api_name=False, **generating)
+    on(page["branch_go"].click, instant(handlers.switch_branch), [target, *with_settings], api_name="switch_branch",
+       js=TARGET_INPUT)
+    on(page["retry_go"].click, streamed(handlers.retry_at), [target, *with_settings], api_name=False, js=TARGET_INPUT,
+       **generating)
     chatbot = page["chatbot"]  # its own events carry the shown message's index; they get the conversation back
     for trigger, fn, name, extra in ((chatbot.retry, streamed(events.on_retry), "chatbot_retry", generating),
                                      (chatbot.undo, instant(events.on_undo), "chatbot_undo", {}),
