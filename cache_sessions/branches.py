@@ -40,9 +40,9 @@ class BranchKeep:
 def move_branch(session: CacheSession, move: BranchMove) -> bool:
     """Keep the shown branch's states at `index` and put back the target's, where kept. True
     when the cache then holds the target's branch at `index` (no prefill up to there)."""
-    arriving = move.target[move.index] if move.index < len(move.target) else None
     if move.shown == move.target:
         return holds(session, move.target[: move.index + 1])
+    arriving = move.target[move.index] if move.index < len(move.target) else None
     start = common_prefix_length(session.token_ids, move.target_ids)
     if arriving is not None and (kept := session.segment_start(arriving)) is not None:
         start = min(start, kept)  # restoring rolls back there: what is kept now must survive it

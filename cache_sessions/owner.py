@@ -73,6 +73,7 @@ class CacheOwner:
         self.accounts.reset()
         self._batch: BatchedCache | SingleRow | None = None
         self._batch_bytes = 0
+        self._unsettled = False  # something the budget counts changed since the last settle
         self.evictions = self.segments_freed = 0
 
     # ---- any thread ------------------------------------------------------------------------------
@@ -87,11 +88,13 @@ class CacheOwner:
 
     def unpin(self, session: CacheSession) -> None:
         if self.accounts.unpin(session):
+            self._unsettled = True
             self.loop.post(self.settle)  # a close waiting for it, or a budget it may now give way to
 
     def close(self, session: CacheSession) -> None:
         """Its conversation is gone: free it now if idle, else when its operation ends."""
         self.accounts.close(session)
+        self._unsettled = True
         self.loop.post(self.settle)
 
     def stats(self) -> CacheStats:
@@ -103,7 +106,7 @@ class CacheOwner:
 
     def enforce_budget(self) -> None:
         """Bring the caches within the budget now (after the budget changed, say)."""
-        self.loop.call(self.settle)
+        self.loop.call(self.settle, True)
 
     # ---- the loop: a reply ---------------------------------------------------------------------
     def begin(self, session: CacheSession, prompt_ids: Sequence[int], keep: BranchKeep | None,
@@ -140,6 +143,7 @@ class CacheOwner:
         assert self._batch is not None
         self._batch.fed(token_ids)
         self._batch_bytes = self._batch.nbytes()
+        self._unsettled = self._unsettled or self.budget_bytes is not None  # the batch grew: idle ones may give way
 
     def scatter(self) -> None:
         """Every row's new states back to its own session; no batch is held afterwards."""
@@ -154,19 +158,22 @@ class CacheOwner:
         self._batch, self._batch_bytes = None, 0
 
     def end(self, session: CacheSession, sequence: Sequence[int] | None, labels: Sequence[Any],
-            failed: bool) -> None:
+            failed: bool) -> int:
         """A reply left the batch: check what was fed (`sequence`: prompt and chosen tokens; None:
-        it never began), name the messages the cache now holds, rest the session."""
+        it never began), name the messages the cache now holds, rest the session. Returns its bytes."""
         self._on_loop(session)
-        if sequence is not None:
-            if failed:
-                session.release()  # states from a failed update cannot be trusted
-            else:
-                session.commit(sequence)  # releases and raises if the ledger does not match
-                session.labels = list(labels)
-        if self.offload:
-            session.to("cpu")
-        self._measure(session)
+        try:
+            if sequence is not None:
+                if failed:
+                    session.release()  # states from a failed update cannot be trusted
+                else:
+                    session.commit(sequence)  # releases and raises if the ledger does not match
+                    session.labels = list(labels)
+            if self.offload:
+                session.to("cpu")
+        finally:
+            nbytes = self._measure(session)
+        return nbytes
 
     # ---- the loop: other changes ---------------------------------------------------------------
     def move(self, session: CacheSession, move: BranchMove) -> bool:
@@ -182,9 +189,13 @@ class CacheOwner:
         session.take_state_of(returned)
         self._measure(session)
 
-    def settle(self) -> None:
-        """After each step and command: free closed sessions, keep the budget."""
+    def settle(self, force: bool = False) -> None:
+        """After each step and command: free closed sessions, keep the budget. Nothing to do (the
+        common case, a decode step) unless something it counts changed since the last time."""
         self._on_loop()
+        if not (self._unsettled or force):
+            return
+        self._unsettled = False  # before the work: a change made meanwhile posts its own settle
         for session in self.accounts.take_closed():
             session.release()
         if self.budget_bytes is not None:
@@ -207,12 +218,16 @@ class CacheOwner:
             self.evictions += 1
         else:
             return self.prefix_store is not None and self.prefix_store.evict_one()
-        self._measure(session)
+        self.accounts.measured(session, session.nbytes())  # (the budget loop checks again itself)
         return True
 
-    def _measure(self, session: CacheSession) -> None:
-        """Its bytes, as `stats` and the budget count them (each storage once)."""
-        self.accounts.measured(session, session.nbytes())
+    def _measure(self, session: CacheSession) -> int:
+        """Its bytes, as `stats` and the budget count them (each storage once); the next settle
+        looks at the budget again."""
+        nbytes = session.nbytes()
+        self.accounts.measured(session, nbytes)
+        self._unsettled = True
+        return nbytes
 
     def _on_loop(self, session: CacheSession | None = None) -> None:
         if not self.loop.on_loop():

@@ -87,26 +87,29 @@ class Planner:
             raise NothingToRegenerateError("there is no reply to continue")
         entries = history.entries
         messages = [node.message() for node in entries]
-        # the prompt without the reply must fit (refused before a long history is rendered whole)
-        fit_to_context(self.template, messages[:-1], context_limit=self.context_limit,
-                       max_new_tokens=options.max_new_tokens, enable_thinking=None, may_drop=False,
-                       cancelled=cancelled)
-        prompt, reply_ids = self.reply_tokens(entries)
+        rendered = None
+        if last.reply.prompt_ids is None or last.reply.reply_ids is None:  # its tokens come from its text:
+            # the prompt without it must fit, refused before a long history is rendered whole
+            rendered = fit_to_context(self.template, messages[:-1], context_limit=self.context_limit,
+                                      max_new_tokens=options.max_new_tokens, enable_thinking=None, may_drop=False,
+                                      cancelled=cancelled).prompt.ids
+        prompt, reply_ids = self.reply_tokens(entries, rendered)
         self.check_context(len(prompt) + len(reply_ids), options)
         request = ReplyRequest("continue", messages, prompt + reply_ids, last.reply.opens_reasoning, options,
                                tuple(node.uid for node in entries), earlier_ids=reply_ids)
         return Plan(request, entries, None, revision)
 
-    def reply_tokens(self, path: list[Node]) -> tuple[list[int], list[int]]:
+    def reply_tokens(self, path: list[Node], prompt: list[int] | None = None) -> tuple[list[int], list[int]]:
         """(prompt ids, reply ids) of the reply ending `path`: as generated, or, for a reply written
-        by hand or restored from text, rendered with the template and the reply left open."""
+        by hand or restored from text, rendered with the template and the reply left open
+        (`prompt`: the rendered prompt of `path[:-1]`, when the caller has it already)."""
         reply = path[-1].reply
         assert reply is not None
         if reply.prompt_ids is not None and reply.reply_ids is not None:
             return list(reply.prompt_ids), list(reply.reply_ids)
         messages = [node.message() for node in path]
         whole = self.template.render_continuation(messages)
-        prompt = self.template.render(messages[:-1]).ids
+        prompt = prompt if prompt is not None else self.template.render(messages[:-1]).ids
         split = min(common_prefix_length(whole, prompt), len(whole))
         return whole[:split], whole[split:]
 

@@ -287,12 +287,11 @@ class DecodeScheduler:
         """The request is out: the owner checks and rests its session, then its turn is told."""
         error = request.error or error
         try:
-            self.caches.end(request.session, request.sequence if request.started else None,
-                            request.work.labels, failed=error is not None)
-        except BaseException as mismatch:  # the ledger did not match what was fed (released)
+            request.cache_bytes = self.caches.end(request.session, request.sequence if request.started else None,
+                                                  request.work.labels, failed=error is not None)
+        except BaseException as mismatch:  # the ledger did not match what was fed (released: 0 bytes)
             error = error or mismatch
         request.cache_tokens = len(request.session.token_ids)
-        request.cache_bytes = request.session.nbytes()
         request._end(error)
 
     def _drop_everyone(self) -> list[GenerationRequest]:
