@@ -16,7 +16,8 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 from chat import ChatEngine, ModelLoadError, remote, saved
-from ui.chat_list import ChatList, empty_store
+from ui.browser_copy import SCRIPT as BROWSER_COPY_SCRIPT, Book
+from ui.chat_list import ChatList
 from ui.config import AppConfig
 from ui.directory import ChatDirectory, Closes
 from ui.handlers import ChatHandlers, PageEvents
@@ -26,7 +27,7 @@ from ui.security import SecurityHeaders
 from ui import gradio_tuning, views
 from ui.outputs import Settings
 from ui.page_assets import CSS, LATEX, PAGE_SCRIPT
-from ui.wiring import list_outputs, wire_api_twins, wire_conversation, wire_list
+from ui.wiring import wire_api_twins, wire_conversation, wire_list, wire_load
 
 try:  # Hugging Face ZeroGPU: generation must run inside `spaces.GPU`
     import spaces
@@ -46,10 +47,6 @@ DEMO_PLACEHOLDER = ("The `demo` model is a toy trained here in under an hour: it
                     "Nothing else.")
 
 
-# The key Gradio's BrowserState encrypts the browser's copy with is sent to every page (it is in
-# /config), so it is no secret: the copy is not sealed, and the server checks every copy it gets
-# back as it checks an Import. The operator's secrets never go near it.
-BROWSER_COPY_KEY = "rewind-chat"
 EXPORTS_KEPT_S = 600  # Gradio's copies of exports and uploads are deleted this long after they were made
 
 
@@ -58,10 +55,12 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
     chat_list = ChatList(handlers)
     directory = handlers.directory
     with gr.Blocks(title="rewind-chat", fill_height=True, delete_cache=(EXPORTS_KEPT_S, EXPORTS_KEPT_S)) as demo:
+        # the browser's copy (ui/browser_copy.py): the page's book of it, what the server sends
+        # to be written, what the page's script says before an event, what the server asks for
         page = dict(key=gr.State(None, delete_callback=Closes(directory)),
-                    parked=gr.State({}, delete_callback=Closes(directory, parked=True)),
-                    store=gr.BrowserState(empty_store(), storage_key="rewind-chat-conversations",
-                                          secret=BROWSER_COPY_KEY))
+                    book=gr.State(Book(), delete_callback=Closes(directory, parked=True)),
+                    outbox=gr.JSON(visible=False), probe=gr.JSON(visible=False), need=gr.JSON(visible=False),
+                    event=gr.JSON(visible=False))
         page |= sidebar()
         gr.Markdown(f"## rewind-chat · {model_label}\n"
                     "One KV cache per conversation, rolled back instead of recomputed: "
@@ -71,12 +70,13 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
         page["panel"] = settings_panel(max_new_tokens)
         page |= dict(branch_target=gr.Textbox(visible="hidden", elem_id="branch-target"),
                      branch_go=gr.Button(visible="hidden", elem_id="branch-go"),
-                     retry_go=gr.Button(visible="hidden", elem_id="retry-go"))
-        events = PageEvents(handlers, recover=chat_list.recover)
+                     retry_go=gr.Button(visible="hidden", elem_id="retry-go"),
+                     list_refresh=gr.Button(visible="hidden", elem_id="list-refresh"))
+        events = PageEvents(handlers)
         wire_conversation(handlers, events, chat_list, page)
         wire_list(chat_list, page)
         wire_api_twins(handlers, page)
-        demo.load(chat_list.load, [page["store"]], list_outputs(page), api_name=False)
+        wire_load(chat_list, page, demo)
         demo.unload(events.on_unload)
         status = gr.JSON(visible=False)
         gr.Button(visible=False).click(events.server_status, None, status, api_name="status", queue=False)
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.launch(server_name=config.host, server_port=config.port, enable_monitoring=config.monitoring, show_error=True,
                 footer_links=["api"], run_history=False, quiet=True, prevent_thread_lock=True,
                 state_session_capacity=config.page_states,
-                css=CSS, js=PAGE_SCRIPT, max_file_size=saved.MAX_JSON_BYTES,
+                css=CSS, js=PAGE_SCRIPT, head=BROWSER_COPY_SCRIPT, max_file_size=saved.MAX_JSON_BYTES,
                 app_kwargs={"middleware": [Middleware(SecurityHeaders)], "routes": routes(directory, metrics),
                             "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
     print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",

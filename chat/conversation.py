@@ -36,6 +36,7 @@ class Conversation:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._revision = 0
+        self._running: tuple[Plan, dict[str, list[str]]] | None = None  # a reply's plan and its text so far
 
     # ---- read-only views -------------------------------------------------------------------
     @property
@@ -71,9 +72,41 @@ class Conversation:
         """An operation runs (a reply, a switch, an undo...): the one meaning of busy."""
         return self._lock.locked()
 
+    @property
+    def is_running(self) -> bool:
+        """A reply was started and has not ended (`snapshot()` then includes it)."""
+        return self._running is not None
+
+    @property
+    def revision(self) -> int:
+        """Counts the changes to the history: equal revisions, equal `to_dict()`."""
+        return self._revision
+
     def to_dict(self) -> dict[str, Any]:
         """The whole tree and the shown path, JSON-safe (`engine.restore` takes it back)."""
         return saved.to_dict(self.history)
+
+    def snapshot(self) -> dict[str, Any]:
+        """`to_dict()` as it will be if the running reply is stopped now: its message and the text
+        written so far, recorded on a copy (the history itself changes only when the reply ends).
+        The browser keeps this while a reply streams, so a reload mid-reply loses neither."""
+        running = self._running
+        if running is None:
+            return self.to_dict()
+        plan, written = running
+        copy = saved.from_dict(self.to_dict())  # the same tree, node for node, in the same order
+        same = dict(zip((node.uid for node in self.history.nodes()), copy.nodes()))
+        path = [same.get(node.uid) or copy.node(node.role, node.content) for node in plan.history]
+        answer, reasoning = "".join(written["answer"]), "".join(written["reasoning"])
+        if plan.reply is None:  # Continue: the last reply, longer
+            earlier = path[-1].reply
+            assert earlier is not None
+            path[-1].reply = replace(earlier, content=earlier.content + answer,
+                                     reasoning_content=earlier.reasoning_content + reasoning, stopped=True)
+        else:
+            version = ReplyVersion(answer, reasoning, None, None, plan.request.opens_reasoning, True)
+            copy.record_reply(path, copy.node("assistant"), version)
+        return saved.to_dict(copy)
 
     # ---- operations that make a reply ----------------------------------------------------------
     def send(self, text: str, *, fit_context: bool = False, **options: Any) -> ReplyStream:
@@ -94,8 +127,10 @@ class Conversation:
 
     def start(self, operation: Operation, options: GenerationOptions | None = None,
               cancelled: Cancelled = lambda: False) -> ReplyStream:
-        """Plan `operation` now (raising before anything changes) and return its stream."""
+        """Plan `operation` now (raising before anything changes) and return its stream. From now
+        until the stream ends, `snapshot()` includes the new message and the text so far."""
         plan = self.plan(operation, options or GenerationOptions(), cancelled)
+        self._running = (plan, {"answer": [], "reasoning": []})
         return ReplyStream(self.run(plan), plan.dropped_turns)
 
     def plan(self, operation: Operation, options: GenerationOptions, cancelled: Cancelled = lambda: False) -> Plan:
@@ -107,21 +142,33 @@ class Conversation:
 
     def run(self, plan: Plan) -> Iterator[Delta]:
         """Stream the reply of a plan made by `plan()`; refused if the conversation changed since."""
-        with self.exclusive():
-            if plan.revision != self._revision:
-                raise StalePlanError("the conversation changed after this operation was planned")
-            self._stop.clear()
-            run = self.source.reply(plan.request, self._stop)
-            try:
-                yield from run
-            finally:
-                if (reply := run.result()) is not None:  # recorded, stopped or not
-                    if plan.reply is None:
-                        self.history.record_continuation(plan.history, reply.version)
-                    else:
-                        self.history.record_reply(plan.history, plan.reply, reply.version)
-                    self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
-                    self._revision += 1
+        written = self._running[1] if self._running is not None and self._running[0] is plan else None
+        try:
+            with self.exclusive():
+                if plan.revision != self._revision:
+                    raise StalePlanError("the conversation changed after this operation was planned")
+                self._stop.clear()
+                run = self.source.reply(plan.request, self._stop)
+                try:
+                    for delta in run:
+                        if written is not None:
+                            written["reasoning" if delta.kind == "reasoning" else "answer"].append(delta.text)
+                        yield delta
+                finally:
+                    if (reply := run.result()) is not None:  # recorded, stopped or not
+                        if plan.reply is None:
+                            self.history.record_continuation(plan.history, reply.version)
+                        else:
+                            self.history.record_reply(plan.history, plan.reply, reply.version)
+                        self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
+                        self._revision += 1
+                    self._end_running(plan)  # still holding the lock: no snapshot sees the reply twice
+        finally:
+            self._end_running(plan)  # (refused before it ran)
+
+    def _end_running(self, plan: Plan) -> None:
+        if self._running is not None and self._running[0] is plan:
+            self._running = None
 
     # ---- operations that change what is shown --------------------------------------------------
     def edit_reply(self, index: int, text: str) -> None:

@@ -6,7 +6,8 @@ The format is flat (no nesting, however deep the tree), so it parses without rec
                  "content": str, "shown": index among its children | null,
                  assistant only: "reasoning_content": str, "stopped": bool, "edited": bool}, ...],
    "shown": index among the top-level messages | null,
-   "path": [message indices of the shown path], "system_prompt": str | null}
+   "path": [message indices of the shown path], "system_prompt": str | null,
+   optional "title": str (the name the list showed; exports carry it)}
 `path` and `system_prompt` repeat what the tree says, for readers; restoring checks they agree.
 Token ids are not saved: they are rendered again from the text (a continued restored reply goes
 on from its re-tokenized text). Saved data comes from browsers and files, so `from_dict` trusts
@@ -131,9 +132,11 @@ def _checked_envelope(data: Any) -> list[Any]:
         _fail(f"format must be {FORMAT!r}")
     if data.get("version") != VERSION:
         _fail(f"version {data.get('version')!r} is not supported (this app reads version {VERSION})")
-    unknown = set(data) - {"format", "version", "messages", "shown", "path", "system_prompt"}
+    unknown = set(data) - {"format", "version", "messages", "shown", "path", "system_prompt", "title"}
     if unknown:
         _fail(f"unknown field {sorted(unknown)[0]!r}")
+    if "title" in data and not isinstance(data["title"], str):
+        _fail("title must be text")
     items = data.get("messages")
     if not isinstance(items, list):
         _fail("messages must be a list")

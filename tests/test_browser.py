@@ -410,3 +410,116 @@ def test_new_chat_during_a_reply_keeps_it_in_the_list(browser, endless_app):
     expect(messages(page, "bot")).not_to_have_count(0)  # the partial reply, kept
     expect(page.locator("#chatbot")).to_contain_text("stopped")
     page.close()
+
+
+def test_two_tabs_keep_both_conversations_through_reloads(browser, demo_app):
+    """Issue #20: a new chat in each of two tabs of one browser; each tab's reload shows its own,
+    the list in both has both (the other tab's appears without a reload), nothing is overwritten."""
+    context = browser.new_context(viewport={"width": 1200, "height": 1000})
+    first, second = context.new_page(), context.new_page()
+    for page in (first, second):
+        page.goto(demo_app.url)
+        page.wait_for_selector("#message textarea")
+    wait_reply(first, send(first, "What is 10 + 10?"))
+    wait_reply(second, send(second, "What is 20 + 20?"))
+    expect(first.locator("#chat-list")).to_contain_text("What is 20 + 20?")  # told by the browser, no reload
+    for page, own, other in ((first, "10 + 10", "20 + 20"), (second, "20 + 20", "10 + 10")):
+        page.reload()
+        page.wait_for_selector("#message textarea")
+        expect(page.locator("#chatbot")).to_contain_text(f"What is {own}?")
+        expect(page.locator("#chatbot")).not_to_contain_text(other)
+        expect(page.locator("#chat-list label")).to_have_count(2)
+    wait_reply(first, send(first, "and plus 7?"))  # a reloaded tab goes on with its own conversation
+    second.reload()
+    second.wait_for_selector("#message textarea")
+    expect(second.locator("#chatbot")).not_to_contain_text("and plus 7?")
+    second.locator("#chat-list label").filter(has_text="What is 10 + 10?").click()
+    expect(second.locator("#chatbot")).to_contain_text("and plus 7?")
+    context.close()
+
+
+DRAFTED_REPLY = """(message) => {
+    for (let i = 0; i < localStorage.length; i++) {
+        const key = localStorage.key(i);
+        if (!key.startsWith("rewind-chat:chat:")) continue;
+        const record = JSON.parse(localStorage.getItem(key));
+        if (!record.draft || !record.data) continue;
+        const path = record.data.path.map((at) => record.data.messages[at]);
+        const last = path[path.length - 1];
+        if (path.some((m) => m.content === message) && last.role === "assistant" && last.content.trim()) {
+            return last.content;
+        }
+    }
+    return null;
+}"""
+
+
+def test_a_reload_during_a_reply_keeps_the_message_and_what_was_written(browser, endless_app):
+    """Issue #20: the message is in the browser's copy before its reply streams and the reply so
+    far is kept while it streams, so a reload mid-reply shows both (as a stopped reply)."""
+    page = open_chat(browser, endless_app.url)
+    page.get_by_text("Settings", exact=True).click()
+    tokens = page.locator("#max-new-tokens input[type='number']")
+    tokens.fill("6")
+    tokens.press("Enter")
+    wait_reply(page, send(page, "A short first turn."))
+    tokens.fill("1900")  # the whole conversation fits the model's 2,048 positions: no turn dropped
+    tokens.press("Enter")
+    send(page, "A long reply I reload during.")
+    written = page.wait_for_function(DRAFTED_REPLY, arg="A long reply I reload during.", timeout=60_000).json_value()
+    page.reload()
+    page.wait_for_selector("#message textarea")
+    chat = page.locator("#chatbot")
+    expect(chat).to_contain_text("A short first turn.")
+    expect(chat).to_contain_text("A long reply I reload during.")
+    expect(messages(page, "user")).to_have_count(2)
+    expect(chat).to_contain_text("stopped")
+    kept = page.evaluate("() => window.rewindCopy.record(sessionStorage.getItem('rewind-chat:current'))")
+    reply = kept["data"]["messages"][kept["data"]["path"][-1]]
+    assert reply["stopped"] and reply["content"].startswith(written[:20])
+    expect(page.locator("#chat-list")).to_contain_text("A short first turn.")
+    page.close()
+
+
+MERGES = """() => {
+    const copy = window.rewindCopy, key = (id) => "rewind-chat:chat:" + id;
+    const get = (id) => JSON.parse(localStorage.getItem(key(id)));
+    const data = (text) => ({format: "rewind-chat.conversation", version: 1, shown: 0, path: [0],
+                             messages: [{parent: null, role: "user", content: text, shown: null}]});
+    const text = (id) => get(id).data.messages[0].content;
+    const record = (id, rev, content, draft) => ({id, rev, title: content, renamed: false, data: data(content), draft});
+    const seen = {};
+    copy.apply({records: [record("conversation1", 1, "one", false)], current: "conversation1"});
+    localStorage.setItem(key("conversation1"),  // another tab wrote revision 2 meanwhile
+                         JSON.stringify({...get("conversation1"), rev: 2, tab: "another-tab", data: data("theirs")}));
+    copy.apply({records: [record("conversation1", 2, "mine", false)], current: "conversation1"});
+    seen.theirs = text("conversation1");
+    seen.current = sessionStorage.getItem("rewind-chat:current");
+    seen.mine = text(seen.current);
+    seen.moved = copy.probe().moved;
+    copy.apply({records: [record("conversation1", 2, "a draft", true)], current: seen.current});
+    seen.afterDraft = text("conversation1");
+    copy.apply({records: [record("conversation2", 1, "draft", true)], current: "conversation2"});
+    copy.apply({records: [record("conversation2", 1, "final", false)], current: "conversation2"});
+    seen.final = text("conversation2");
+    copy.apply({records: [{id: "conversation2", rev: 2, deleted: true}], current: null});
+    copy.apply({records: [record("conversation2", 2, "late", false)], current: null});
+    seen.deleted = get("conversation2").deleted === true;
+    copy.apply({records: [{id: seen.current, rev: 2, title: "Renamed", renamed: true}], current: seen.current});
+    seen.renamed = [get(seen.current).title, text(seen.current)];
+    seen.listed = copy.withList().index.map((entry) => entry[1]).sort();
+    return seen;
+}"""
+
+
+def test_the_browsers_copy_merges_by_record_and_never_overwrites_another_tabs(browser, demo_app):
+    """The page's script itself (ui/browser_copy.py): another tab's newer record is kept and this
+    tab goes on with a copy; a draft displaces nothing but its own; a tombstone stays; a rename
+    keeps the stored data."""
+    page = open_chat(browser, demo_app.url)
+    seen = page.evaluate(MERGES)
+    assert seen["theirs"] == "theirs" and seen["mine"] == "mine" and seen["current"] != "conversation1"
+    assert seen["moved"] == {"conversation1": seen["current"]}
+    assert seen["afterDraft"] == "theirs" and seen["final"] == "final" and seen["deleted"]
+    assert seen["renamed"] == ["Renamed", "mine"] and seen["listed"] == ["Renamed", "one"]
+    page.close()

@@ -1,20 +1,46 @@
-"""The browser's list of conversations (issue #8) through its handlers, without a server: what a
-browser keeps, what comes back from it (untrusted), New chat, switching, export and import."""
+"""The browser's list of conversations (issues #8, #20) through its handlers, without a server:
+what the page is sent to keep, what comes back from it (untrusted), New chat, switching, a
+reload, drafts of a streaming reply, export and import. How the browser merges records (two
+tabs) is its script's, tested in a real browser (tests/test_browser.py)."""
 
 import json
 from pathlib import Path
+
+import gradio as gr
 import threading
 import time
 
-from ui.chat_list import MAX_TITLE_CHARS, ChatList, checked_store, empty_store
+from ui import browser_copy
+from ui.browser_copy import MAX_TITLE_CHARS, Book, checked_index, checked_probe, checked_record
+from ui.chat_list import ChatList
 from ui.directory import ChatDirectory
 from ui.handlers import ChatHandlers
 from ui.outputs import ChatOutputs, Settings
+from ui.wiring import streamed
 
 GREEDY = Settings(system_prompt="Be brief.", max_new_tokens=6, temperature=0.0).values()
 CHAT = ChatOutputs.names().index("chat")
 KEY = ChatOutputs.names().index("key")
-STORE, PARKED = len(ChatOutputs.names()), len(ChatOutputs.names()) + 1
+OUTBOX, BOOK = len(ChatOutputs.names()), len(ChatOutputs.names()) + 1
+
+
+class Browser:
+    """What a page's storage holds, as the server told it (each record replaced by a newer one)."""
+
+    def __init__(self):
+        self.records: dict[str, dict] = {}
+        self.current = None
+
+    def apply(self, box):
+        if isinstance(box, dict) and "records" in box:
+            for record in box["records"]:
+                self.records[record["id"]] = {**self.records.get(record["id"], {}), **record}
+            self.current = box["current"]
+
+    def probe(self, **extra):
+        record = self.records.get(self.current)
+        return {"current": self.current, "rev": record["rev"] if record and not record.get("deleted") else None,
+                **extra}
 
 
 def make_list(make_engine):
@@ -23,65 +49,131 @@ def make_list(make_engine):
     return handlers, ChatList(handlers)
 
 
-def send(handlers, text, key):
-    keys = [out.key for out in handlers.send(None, text, key, *GREEDY) if isinstance(out.key, str)]
-    return keys[0] if keys else key
+def send(chat_list, browser, book, text, key, settings=GREEDY):
+    """An event as the page runs it: ensure (and recover), the message, then sync."""
+    key = event_key(chat_list, browser, book, key)
+    keys = [out.key for out in chat_list.handlers.send(None, text, key, *settings) if isinstance(out.key, str)]
+    key = keys[0] if keys else key
+    outbox, *_ = chat_list.sync(key, book)
+    browser.apply(outbox)
+    return key
+
+
+def event_key(chat_list, browser, book, key):
+    new_key, book_out, need = chat_list.ensure(browser.probe(), key, book)
+    assert book_out is book
+    if need:
+        record = browser.records[need["id"]]
+        recovered, _ = chat_list.recover(None, record, key, book)
+        return recovered if isinstance(recovered, str) else key
+    return key
 
 
 def test_what_a_browser_sends_back_is_checked_and_the_bad_parts_left_out():
-    for garbage in (None, 3, "x", [], {"chats": "no"}, {"chats": [1, None, {"id": "../etc"}]}):
-        assert checked_store(garbage) == empty_store()
-    good = {"id": "abcdefgh12", "title": "t" * 500, "data": {}}
-    store = checked_store({"current": "zzzzzzzz99", "chats": [good, dict(good), {**good, "id": "short"}]})
-    assert [c["id"] for c in store["chats"]] == ["abcdefgh12"]  # duplicate and malformed ids out
-    assert len(store["chats"][0]["title"]) == MAX_TITLE_CHARS and store["current"] is None
+    for garbage in (None, 3, "x", [], {"current": "../etc"}, {"rev": -1}, {"moved": [1]}, {"index": "no"}):
+        probe = checked_probe(garbage)
+        assert probe.current is None and probe.rev is None and probe.moved == {} and not probe.index
+    deep: list = []
+    for _ in range(500):
+        deep = [deep]
+    assert checked_probe({"current": "abcdefgh12", "record": {"id": "abcdefgh12", "data": {"x": deep}}}).current is None
+    index = checked_index([["abcdefgh12", "t" * 500], ["abcdefgh12", "again"], ["short", "x"], "junk"])
+    assert index == [("abcdefgh12", "t" * MAX_TITLE_CHARS)]  # duplicate and malformed ids out
+    assert checked_record({"id": "abcdefgh12", "rev": 2, "data": {}, "deleted": True}) is None
+    assert checked_record({"id": "abcdefgh12", "rev": True, "data": {}}) is None
+    assert checked_record({"id": "abcdefgh12", "rev": 2, "title": 5, "data": {}})["title"] == ""
 
 
-def test_new_chat_keeps_the_old_one_and_switching_back_costs_no_prefill(make_engine):
+def test_only_what_changed_is_sent_and_new_chat_keeps_the_old_one_without_a_prefill(make_engine):
     handlers, chat_list = make_list(make_engine)
-    key = send(handlers, "First question?", None)
-    store, _ = chat_list.sync(key, empty_store())
-    assert [c["title"] for c in store["chats"]] == ["First question?"] and store["current"]
-    first_id = store["current"]
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "First question?", None)
+    first_id = browser.current
+    assert [r["title"] for r in browser.records.values()] == ["First question?"]
+    assert browser.records[first_id]["rev"] == 1
+    assert chat_list.sync(key, book) == (gr.skip(),) * 4  # nothing changed since: nothing sent
 
-    result = chat_list.new_chat(key, store, {})
-    store, parked = result[STORE], result[PARKED]
-    assert store["current"] is None and parked == {first_id: key} and len(store["chats"]) == 1
-    other = send(handlers, "Second question?", None)
-    store, _ = chat_list.sync(other, store)
-    assert [c["title"] for c in store["chats"]] == ["Second question?", "First question?"]
+    result = chat_list.new_chat(key, book)
+    browser.apply(result[OUTBOX])
+    assert browser.current is None and book.parked == {first_id: key} and len(browser.records) == 1
+    other = send(chat_list, browser, book, "Second question?", None)
+    assert [title for _, title in book.index] == ["Second question?", "First question?"]
 
-    result = chat_list.open(first_id, other, store, {**parked})
-    assert result[KEY] == key and result[STORE]["current"] == first_id  # the server still held it
-    send(handlers, "And then?", key)
+    record = browser.records[first_id]
+    result = chat_list.open(None, first_id, {"record": record}, other, book)
+    browser.apply(result[OUTBOX])
+    assert result[KEY] == key and browser.current == first_id  # the server still held it
+    assert send(chat_list, browser, book, "And then?", key) == key
     stats = handlers.directory.find(key).conversation.stats
     assert stats.reused_tokens > 20 and not stats.rebuilt  # the history came from the kept cache
+    assert browser.records[first_id]["rev"] == 2
 
 
-def test_a_reload_rebuilds_the_conversation_from_the_browsers_copy(make_engine):
+def test_a_reload_rebuilds_the_conversation_from_the_browsers_record(make_engine):
     handlers, chat_list = make_list(make_engine)
-    key = send(handlers, "First question?", None)
-    send(handlers, "Second?", key)
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "First question?", None)
+    key = send(chat_list, browser, book, "Second?", key)
     conversation = handlers.directory.find(key).conversation
     list(conversation.edit(1, "First, edited?", max_new_tokens=4, do_sample=False))
-    store, _ = chat_list.sync(key, empty_store())
-    store = json.loads(json.dumps(store))  # what the browser keeps
+    browser.apply(chat_list.sync(key, book)[0])
+    browser.records = json.loads(json.dumps(browser.records))  # what the browser keeps
     handlers.directory.close(key)  # the server forgot it (restart, expiry)
 
-    loaded = chat_list.load(store)
+    book = Book()  # a new page (a reload)
+    loaded = chat_list.load(browser.probe(record=browser.records[browser.current],
+                                          index=[[browser.current, "First question?"]]), book)
     users = [m["content"] for m in loaded[CHAT] if m["role"] == "user" and "branch-nav" not in m["content"]]
     assert users[0] == "First, edited?" and any("2 / 2" in m["content"] for m in loaded[CHAT])
-    new_key = chat_list.ensure(None, None, store)
+    assert loaded[OUTBOX] == {"__type__": "update"}  # a load writes nothing
+    new_key = event_key(chat_list, browser, book, None)
     restored = handlers.directory.find(new_key).conversation
     assert restored.to_dict() == conversation.to_dict() and restored.branches(1) == (1, 2)
-    send(handlers, "Third?", new_key)
+    send(chat_list, browser, book, "Third?", new_key)
     assert restored.stats.rebuilt  # and the stats line says so
+
+
+def test_a_record_another_tab_changed_replaces_the_servers_older_copy(make_engine):
+    handlers, chat_list = make_list(make_engine)
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "First question?", None)
+    other_tab = handlers.engine.restore(browser.records[browser.current]["data"])
+    list(other_tab.send("Asked in the other tab?", max_new_tokens=4, do_sample=False))
+    browser.records[browser.current] = {**browser.records[browser.current], "rev": 2, "data": other_tab.to_dict()}
+    new_key = event_key(chat_list, browser, book, key)
+    assert new_key != key and key not in handlers.directory.manager  # the older copy is closed
+    assert handlers.directory.find(new_key).conversation.to_dict() == other_tab.to_dict()
+    assert book.revs[browser.current] == 2
+
+
+def test_a_streaming_reply_is_drafted_so_a_reload_keeps_the_message_and_the_text(make_engine, monkeypatch):
+    import ui.chat_list
+
+    monkeypatch.setattr(ui.chat_list, "DRAFT_EVERY_S", 0.0)
+    handlers, chat_list = make_list(make_engine)
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "First?", None)
+    event_key(chat_list, browser, book, key)
+    long = Settings(system_prompt="Be brief.", max_new_tokens=40, temperature=0.0).values()
+    drafts = []
+    for outputs in chat_list.drafting(streamed(handlers.send))(None, "Write a lot.", key, *long, key, book):
+        if isinstance(outputs[-1], dict) and outputs[-1].get("records"):
+            drafts.append(outputs[-1]["records"][0])
+    final = handlers.directory.find(key).conversation.to_dict()
+    assert drafts and all(d["draft"] and d["rev"] == 2 and d["id"] == browser.current for d in drafts)
+    first = drafts[0]["data"]
+    assert [first["messages"][i]["content"] for i in first["path"][:4]] == \
+        [final["messages"][i]["content"] for i in final["path"][:4]]  # the message, before the reply streamed
+    texts = [d["data"]["messages"][d["data"]["path"][-1]]["content"] for d in drafts[1:]]
+    reply = final["messages"][final["path"][-1]]["content"]
+    assert texts and all(reply.startswith(text) for text in texts) and any(texts)  # the reply so far
+    assert handlers.directory.find(key).conversation.to_dict() == final  # drafting changed nothing
 
 
 def test_new_chat_during_a_reply_stops_it_and_keeps_the_partial_reply(make_engine):
     handlers, chat_list = make_list(make_engine)
-    key = send(handlers, "First?", None)
-    store, _ = chat_list.sync(key, empty_store())
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "First?", None)
     long = Settings(system_prompt="Be brief.", max_new_tokens=400, temperature=0.0).values()
     outputs: list = []
     reader = threading.Thread(target=lambda: outputs.extend(handlers.send(None, "Write a lot.", key, *long)))
@@ -89,67 +181,81 @@ def test_new_chat_during_a_reply_stops_it_and_keeps_the_partial_reply(make_engin
     deadline = time.monotonic() + 30
     while len(outputs) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    result = chat_list.new_chat(key, store, {})
+    result = chat_list.new_chat(key, book)
     reader.join(timeout=30)
-    kept = result[STORE]["chats"][0]["data"]
+    kept = result[OUTBOX]["records"][0]["data"]
     last = kept["messages"][kept["path"][-1]]
-    assert last["role"] == "assistant" and last["stopped"] is True and result[STORE]["current"] is None
+    assert last["role"] == "assistant" and last["stopped"] is True and result[OUTBOX]["current"] is None
     assert len(outputs) >= 3 and not handlers.directory.find(key).conversation.is_busy
 
 
-def test_export_then_import_gives_the_same_conversation(make_engine, tmp_path):
+def test_export_then_import_gives_the_same_conversation_and_its_name(make_engine, tmp_path):
     handlers, chat_list = make_list(make_engine)
-    key = send(handlers, "First question?", None)
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "First question?", None)
     list(handlers.directory.find(key).conversation.regenerate(max_new_tokens=4, do_sample=False))
-    store, _ = chat_list.sync(key, empty_store())
-    exported = chat_list.files.export("json", key, store)["value"]
-    markdown = open(chat_list.files.export("markdown", key, store)["value"], encoding="utf-8").read()
-    assert "## User" in markdown and "First question?" in markdown
+    browser.apply(chat_list.rename("My renamed chat", book)[0])
+    assert browser.records[browser.current]["title"] == "My renamed chat" and "data" in browser.records[browser.current]
+    exported = chat_list.files.export("json", key, book)["value"]
+    assert exported.endswith("My-renamed-chat.json") and json.loads(Path(exported).read_text())["title"] == \
+        "My renamed chat"
+    markdown = open(chat_list.files.export("markdown", key, book)["value"], encoding="utf-8").read()
+    assert markdown.startswith("# My renamed chat") and "## User" in markdown and "First question?" in markdown
 
-    result = chat_list.import_file(None, exported, key, store, {})
+    result = chat_list.import_file(None, exported, key, book)
+    browser.apply(result[OUTBOX])
     assert not Path(exported).exists()  # the uploaded file is deleted once read
     new_key = result[KEY]
-    assert new_key != key and len(result[STORE]["chats"]) == 2
+    assert new_key != key and len(browser.records) == 2
+    assert browser.records[browser.current]["title"] == "My renamed chat"  # the name came with the file
     imported = handlers.directory.find(new_key).conversation
     assert imported.to_dict() == handlers.directory.find(key).conversation.to_dict()
 
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "rewind-chat.conversation", "version": 1, "messages": [{"role": "tool"}]}))
     before = len(handlers.directory.manager)
-    result = chat_list.import_file(None, str(bad), new_key, result[STORE], {})
+    chat_list.import_file(None, str(bad), new_key, book)
     assert len(handlers.directory.manager) == before  # refused: nothing created
 
 
-def test_delete_removes_it_from_the_list_and_the_server(make_engine):
+def test_delete_leaves_a_tombstone_and_frees_the_server(make_engine):
     handlers, chat_list = make_list(make_engine)
-    key = send(handlers, "Delete me?", None)
-    store, _ = chat_list.sync(key, empty_store())
-    result = chat_list.delete(key, store, {})
-    assert result[STORE] == empty_store() and key not in handlers.directory.manager
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "Delete me?", None)
+    chat_id = browser.current
+    result = chat_list.delete(key, book)
+    browser.apply(result[OUTBOX])
+    assert browser.records[chat_id]["deleted"] and browser.records[chat_id]["rev"] == 2
+    assert browser.current is None and book.index == [] and key not in handlers.directory.manager
 
 
-def test_exports_come_from_checked_data_carry_the_name_and_do_not_pile_up(make_engine, monkeypatch):
-    import gradio as gr
-
+def test_exports_come_from_the_server_and_do_not_pile_up(make_engine, monkeypatch):
     import ui.chat_list
 
     handlers, chat_list = make_list(make_engine)
     warnings = []
     monkeypatch.setattr(gr, "Warning", lambda text: warnings.append(text))
-    malformed = {"current": "abcdefgh12", "chats": [{"id": "abcdefgh12", "title": "t", "data": {
-        "format": "rewind-chat.conversation", "version": 1, "messages": [["not", "a", "message"]]}}]}
-    assert chat_list.files.export("json", None, malformed) == gr.skip()  # no server copy: the browser's, checked
-    assert warnings and "cannot be exported" in warnings[-1] and "messages[0] must be an object" in warnings[-1]
-    deep: list = []
-    for _ in range(500):
-        deep = [deep]
-    assert checked_store({"chats": [{"id": "abcdefgh12", "title": "t", "data": {"x": deep}}]}) == empty_store()
-
-    key = send(handlers, "Name me?", None)
-    store, _ = chat_list.sync(key, empty_store())
-    store, _ = chat_list.rename("My renamed chat", store)
-    first = chat_list.files.export("markdown", key, store)["value"]
-    assert first.endswith("My-renamed-chat.md") and open(first, encoding="utf-8").read().startswith("# My renamed chat")
+    assert chat_list.files.export("json", None, Book()) == gr.skip()
+    assert warnings and "no conversation to export" in warnings[-1]
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "Name me?", None)
+    first = chat_list.files.export("markdown", key, book)["value"]
     monkeypatch.setattr(ui.chat_list, "SWEEP_AFTER_S", -1.0)  # as if Gradio had long taken its copy
-    second = chat_list.files.export("json", key, store)["value"]
+    second = chat_list.files.export("json", key, book)["value"]
     assert not Path(first).exists() and Path(second).exists()
+
+
+def test_a_record_for_another_id_or_a_broken_one_changes_nothing(make_engine, monkeypatch):
+    handlers, chat_list = make_list(make_engine)
+    warnings = []
+    monkeypatch.setattr(gr, "Warning", lambda text: warnings.append(text))
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "Mine?", None)
+    mine = dict(browser.records[browser.current])
+    handlers.directory.close(key)
+    wrong = {**mine, "id": browser_copy.new_id()}
+    assert chat_list.recover(None, wrong, None, book) == (gr.skip(), gr.skip())  # not the shown one
+    broken = {**mine, "data": {"format": "rewind-chat.conversation", "version": 1, "messages": [["x"]]}}
+    before = len(handlers.directory.manager)
+    assert chat_list.recover(None, broken, None, book) == (gr.skip(), gr.skip())
+    assert len(handlers.directory.manager) == before and "could not be opened" in warnings[-1]

@@ -8,7 +8,8 @@ Module map:
   handlers.py   ChatHandlers (the replies' events and the instant ones) and the Chatbot's own events
   wiring.py     which component triggers which handler, with which inputs and outputs
   page_assets.py  the page's script, style and LaTeX delimiters
-  chat_list.py  the conversations each browser keeps (gr.BrowserState): list, open, new, export, import
+  chat_list.py  the conversations each browser keeps: list, open, new, rename, delete, export, import
+  browser_copy.py  how the browser keeps them: one record per conversation, merged by revision (its script)
   outputs.py    ChatOutputs (what every handler returns, by name) and Settings (inputs, by name)
   inputs.py     checking what a client sends, by field name, before anything runs; the size limits
   operator.py   /healthz, /status and /metrics (Prometheus) for operators: aggregate numbers only

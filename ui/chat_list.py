@@ -1,18 +1,18 @@
-"""The browser's list of conversations, kept in its own storage (`gr.BrowserState`).
+"""The browser's list of conversations: what each page event does with the browser's copy.
 
-The server holds caches only; each browser holds its conversations as `Conversation.to_dict()`
-data, so a reload, Back or a reopened tab shows them again, and a server that no longer has a
-conversation (restarted, expired, evicted) rebuilds it from what the browser sends. Nothing the
-browser stores is trusted: the list is checked here, a conversation through `engine.restore`.
-
-Per page, `parked` (a `gr.State`, on the server) maps list ids to the server keys of the
-conversations not shown, so switching back to one whose cache the server still holds costs no
-prefill. Ids in the list are the browser's names for its entries, never server keys.
+The copy itself (one record per conversation, merged by revision in the browser) is described in
+ui/browser_copy.py. The server holds caches only; a server that no longer has the shown
+conversation (restarted, expired, evicted, or another tab changed it) rebuilds it from the record
+the page sends when asked (`ensure`, then `recover`). Per page, the `Book` (a `gr.State`) knows the
+shown record and its revision, and the server keys of conversations the page left (parked), so
+switching back to one whose cache the server still holds costs no prefill. Ids in the list are
+the browser's names for its records, never server keys.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import re
 import secrets
@@ -21,80 +21,28 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import gradio as gr
 
 from chat import ChatError
 from chat import saved
-from ui import views
+from ui import browser_copy, views
+from ui.browser_copy import Book, Probe, checked_probe, checked_record, outbox, said_anything
 from ui.directory import BrowserChat, ChatDirectory
 from ui.handlers import ChatHandlers
 from ui.shared import client_of, page_of
 from ui.outputs import ChatOutputs
 
-MAX_CHATS = 50
-MAX_TITLE_CHARS = 80
-_ID = re.compile(r"[A-Za-z0-9_-]{8,40}")
 STOP_WAIT_S = 5.0  # how long leaving a conversation waits for its stopped reply to end
 SWEEP_AFTER_S = 60.0  # an export older than this was served (Gradio copies it as the event ends)
-
-
-def empty_store() -> dict[str, Any]:
-    return {"current": None, "chats": []}
-
-
-def checked_store(value: Any) -> dict[str, Any]:
-    """The browser's list with anything malformed left out (its conversations are checked when opened)."""
-    if not isinstance(value, dict) or not isinstance(value.get("chats"), list):
-        return empty_store()
-    chats = []
-    for entry in value["chats"][:MAX_CHATS]:
-        if (isinstance(entry, dict) and isinstance(entry.get("id"), str) and _ID.fullmatch(entry["id"])
-                and isinstance(entry.get("title"), str) and isinstance(entry.get("data"), dict)
-                and not saved.nests_deeper(entry["data"], saved.MAX_NESTING)
-                and all(entry["id"] != c["id"] for c in chats)):
-            chats.append({"id": entry["id"], "title": entry["title"][:MAX_TITLE_CHARS],
-                          "renamed": entry.get("renamed") is True, "data": entry["data"]})
-    current = value.get("current")
-    return {"current": current if any(c["id"] == current for c in chats) else None, "chats": chats}
-
-
-def save_into(store: dict[str, Any], chat: BrowserChat) -> None:
-    """The browser's copy of `chat`, first in the list (a new entry if the shown one has none)."""
-    data = chat.conversation.to_dict()
-    if not any(m["role"] == "user" for m in data["messages"]):
-        return  # nothing said yet: not worth a place in the list
-    entry = _entry(store, store["current"])
-    if entry is None:
-        entry = {"id": secrets.token_urlsafe(12), "title": "", "renamed": False}
-        store["current"] = entry["id"]
-        if len(store["chats"]) >= MAX_CHATS:
-            dropped = store["chats"].pop()
-            gr.Warning(f"This browser keeps {MAX_CHATS} conversations: the oldest, “{dropped['title']}”, "
-                       "was removed from the list.")
-    else:
-        store["chats"].remove(entry)
-    entry["data"] = data
-    if not entry["renamed"]:
-        entry["title"] = title_of(data)
-    store["chats"].insert(0, entry)  # most recent first
-
-
-def choices_of(store: dict[str, Any]) -> Any:
-    return gr.update(choices=[(c["title"], c["id"]) for c in store["chats"]], value=store["current"])
-
-
-def title_of(data: dict[str, Any]) -> str:
-    first = next((m["content"] for m in data.get("messages", []) if m.get("role") == "user"), "New chat")
-    first = " ".join(first.split())
-    return first if len(first) <= MAX_TITLE_CHARS else first[: MAX_TITLE_CHARS - 1] + "…"
+DRAFT_EVERY_S = 1.0  # while a reply streams, the browser's copy is brought up to date this often
 
 
 def markdown_of(data: dict[str, Any], title: str | None = None) -> str:
     """The shown path as Markdown (branches not shown are left out; the JSON export keeps them)."""
     history = saved.from_dict(data)
-    lines = [f"# {title or title_of(data)}", ""]
+    lines = [f"# {title or browser_copy.title_of(data)}", ""]
     for message in history.messages:
         role = {"system": "System", "user": "User", "assistant": "Assistant"}[message["role"]]
         lines += [f"## {role}", ""]
@@ -104,13 +52,21 @@ def markdown_of(data: dict[str, Any], title: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def checked_book(value: Any) -> Book:
+    return value if isinstance(value, Book) else Book()
+
+
+def choices_of(book: Book) -> Any:
+    return gr.update(choices=[(title, chat_id) for chat_id, title in book.index], value=book.current)
+
+
 @dataclass
 class ListOutputs:
-    """What the list's own events change besides the chat: the stored list, the parked keys,
-    the list shown, the delete confirmation, a file to download and the shown one's name."""
+    """What the list's own events change besides the chat: the records to write, the page's
+    book, the list shown, the delete confirmation, a file to download and the shown one's name."""
 
-    store: Any = None
-    parked: Any = None
+    outbox: Any = None
+    book: Any = None
     chats: Any = None
     confirm_delete: Any = None
     download: Any = None
@@ -118,14 +74,13 @@ class ListOutputs:
 
     def to_gradio(self) -> tuple:
         return tuple(gr.skip() if value is None else value for value in
-                     (self.store, self.parked, self.chats, self.confirm_delete, self.download, self.title))
+                     (self.outbox, self.book, self.chats, self.confirm_delete, self.download, self.title))
 
     @classmethod
-    def of(cls, store: dict[str, Any], parked: dict[str, str] | None = None, **changes: Any) -> "ListOutputs":
+    def of(cls, book: Book, *records: dict[str, Any], **changes: Any) -> "ListOutputs":
         """The list as it now stands, with the shown conversation's name in the rename box."""
-        entry = _entry(store, store["current"])
-        return cls(store=store, parked=parked, chats=choices_of(store),
-                   title=entry["title"] if entry is not None else "", **changes)
+        return cls(outbox=outbox(book, *records), book=book, chats=choices_of(book), title=book.title(book.current),
+                   **changes)
 
 
 class ChatList:
@@ -136,87 +91,156 @@ class ChatList:
         self.files = ChatFiles(handlers.directory)
 
     # ---- around every conversation event -----------------------------------------------------
-    def ensure(self, request: gr.Request, key: Any, store: Any) -> Any:
-        """Before an event: the server rebuilds the shown conversation from the browser's copy
-        when it no longer has it (a reload, a restart, an expiry). Returns the key to use."""
-        recovered = self.recover(request, key, store)
-        return gr.skip() if recovered is key else recovered
+    def ensure(self, probe: Any, key: Any, book: Any) -> tuple:
+        """Before an event: whether the server must rebuild the shown conversation from the
+        browser's record (it no longer has it, or another tab changed it). Returns the key, the
+        book and what to ask the page for (the record's id, or nothing)."""
+        said, book = checked_probe(probe), checked_book(book)
+        self._hear(said, book)
+        if book.current is None:  # a new chat: its record's id, for the drafts of its first reply
+            book.current = browser_copy.new_id()
+            return gr.skip(), book, None
+        chat, known = self.directory.find(key), book.revs.get(book.current)
+        stale = said.current == book.current and said.rev is not None and said.rev != known
+        if said.rev is not None and (chat is None or stale):
+            return gr.skip(), book, {"id": book.current}
+        return gr.skip(), book, None
 
-    def recover(self, request: gr.Request | None, key: Any, store: Any) -> Any:
-        if self.directory.find(key) is not None:
-            return key
-        store = checked_store(store)
-        entry = _entry(store, store["current"])
-        if entry is None:
-            return key
+    def recover(self, request: gr.Request, record: Any, key: Any, book: Any) -> tuple:
+        """The record `ensure` asked for, made a conversation again (checked as an Import)."""
+        book, record = checked_book(book), checked_record(record)
+        if record is None or record["id"] != book.current:
+            return gr.skip(), gr.skip()
         try:
-            new_key, _ = self.directory.restore(entry["data"], page=page_of(request), client=client_of(request))
+            new_key, chat = self.directory.restore(record["data"], page=page_of(request), client=client_of(request))
         except ChatError as error:
             gr.Warning(f"This conversation could not be opened again: {error}")
-            return key
-        return new_key
-
-    def sync(self, key: Any, store: Any) -> tuple:
-        """After an event: the browser's copy of the shown conversation, brought up to date."""
-        chat = self.directory.find(key)
-        if chat is None or not chat.shown:
             return gr.skip(), gr.skip()
-        store = checked_store(store)
-        save_into(store, chat)
-        return store, choices_of(store)
+        if self.directory.find(key) is not None:
+            self.directory.close(key)  # an older copy of it (another tab changed it since)
+        self._read(book, record, new_key, chat)
+        return new_key, book
+
+    def drafting(self, handler: Callable[..., Iterator[tuple]]) -> Callable[..., Iterator[tuple]]:
+        """A generating event's stream with the browser's copy of its reply so far besides it
+        (`key` and `book` as its last two inputs; the outbox as its last output): the message is
+        in the browser before the reply streams, and what was written is there every
+        `DRAFT_EVERY_S`, so a reload mid-reply loses neither."""
+        key_field = ChatOutputs.names().index("key")
+
+        @functools.wraps(handler)
+        def run(*args: Any) -> Iterator[tuple]:
+            *args, key, book = args
+            book, drafted_at = checked_book(book), None
+            for outputs in handler(*args):
+                key = outputs[key_field] if isinstance(outputs[key_field], str) else key
+                chat = self.directory.find(key)
+                due = drafted_at is None or time.monotonic() - drafted_at >= DRAFT_EVERY_S
+                if due and chat is not None and chat.shown and book.current and chat.conversation.is_running:
+                    data = chat.conversation.snapshot()
+                    if said_anything(data):
+                        drafted_at = time.monotonic()
+                        yield (*outputs, outbox(book, browser_copy.record(book, book.current, data, draft=True)))
+                        continue
+                yield (*outputs, gr.skip())
+        return run
+
+    def sync(self, key: Any, book: Any) -> tuple:
+        """After an event: the shown conversation's record, if the event changed it."""
+        book, chat = checked_book(book), self.directory.find(key)
+        if chat is None or not chat.shown or book.current is None \
+                or book.saved == (key, chat.conversation.revision):
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        written = self._write(book, key, chat)
+        if written is None:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return outbox(book, written), book, choices_of(book), book.title(book.current)
 
     # ---- the page and the list's own events -------------------------------------------------------
-    def load(self, store: Any) -> tuple:
-        """Page load: the conversation shown last, from the browser's copy (nothing made on the server)."""
-        store = checked_store(store)
-        return (*self._show_stored(store).to_gradio(), *ListOutputs.of(store).to_gradio())
-
-    def open(self, chosen: Any, key: Any, store: Any, parked: Any) -> tuple:
-        """Show another conversation of the list; the one left is kept (its reply, if one runs, stopped)."""
-        store, parked = checked_store(store), dict(parked or {})
-        if not isinstance(chosen, str) or _entry(store, chosen) is None or chosen == store["current"]:
+    def load(self, probe: Any, book: Any) -> tuple:
+        """Page load: the conversation this tab showed, from the browser's record (nothing made on
+        the server until the next event), and the list. An event of this page that began first
+        (a quick first message) is left as it is."""
+        said, book = checked_probe(probe), checked_book(book)
+        if book.current is not None or book.revs:
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
-        self._leave(key, store, parked)
-        store["current"] = chosen
-        return self._show(store, parked)
+        self._hear(said, book)
+        outputs = self.handlers.empty()
+        outputs.textbox = gr.update(placeholder=views.READY)
+        if said.record is not None and said.record["id"] == said.current:
+            outputs = self._drawn(said.record, outputs)
+            if outputs.chat is not gr.skip() and outputs.chat:
+                book.current = said.record["id"]
+                self._read(book, said.record)
+        listed = ListOutputs.of(book)
+        listed.outbox = None  # nothing to write
+        return (*outputs.to_gradio(), *listed.to_gradio())
 
-    def new_chat(self, key: Any, store: Any, parked: Any) -> tuple:
+    def refresh(self, probe: Any, book: Any) -> tuple:
+        """Another tab changed the list (or this one kept a copy): show it as the browser has it."""
+        book = checked_book(book)
+        self._hear(checked_probe(probe), book)
+        return book, choices_of(book)
+
+    def open(self, request: gr.Request, chosen: Any, probe: Any, key: Any, book: Any) -> tuple:
+        """Show another conversation of the list; the one left is kept (its reply, if one runs, stopped)."""
+        said, book = checked_probe(probe), checked_book(book)
+        chosen = browser_copy.checked_id(chosen)
+        record = said.record if said.record is not None and said.record["id"] == chosen else None
+        if chosen is None or chosen == book.current or record is None:
+            if chosen is not None and chosen != book.current:
+                gr.Warning("That conversation is no longer kept in this browser.")
+            return (*ChatOutputs().to_gradio(), *ListOutputs(book=book, chats=choices_of(book)).to_gradio())
+        left = self._leave(key, book)
+        book.current = chosen
+        parked_key = book.parked.pop(chosen, None)
+        chat = self.directory.find(parked_key)
+        if chat is not None and book.revs.get(chosen) == record["rev"]:  # the server still holds it: no prefill
+            chat.shown = True
+            book.saved = (parked_key, chat.conversation.revision)
+            outputs = self.handlers.view(parked_key, chat, stats="",
+                                         system_prompt=chat.conversation.system_prompt or "")
+        else:
+            self.directory.close(parked_key)
+            outputs = self._drawn(record, self.handlers.empty())
+            self._read(book, record)
+        return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
+
+    def new_chat(self, key: Any, book: Any) -> tuple:
         """New chat: the current conversation stays in the list (a running reply is stopped and kept)."""
-        store, parked = checked_store(store), dict(parked or {})
-        self._leave(key, store, parked)
-        store["current"] = None
+        book = checked_book(book)
+        left = self._leave(key, book)
+        book.current = None
         outputs = replace(self.handlers.empty(), textbox=gr.update(value="", placeholder=views.READY))
-        return (*outputs.to_gradio(), *ListOutputs.of(store, parked).to_gradio())
+        return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
 
-    def rename(self, title: Any, store: Any) -> tuple:
-        store = checked_store(store)
-        entry = _entry(store, store["current"])
-        text = " ".join(title.split())[:MAX_TITLE_CHARS] if isinstance(title, str) else ""
-        if entry is None or not text:
+    def rename(self, title: Any, book: Any) -> tuple:
+        book = checked_book(book)
+        text = browser_copy.checked_title(title)
+        if book.current is None or all(entry != book.current for entry, _ in book.index) or not text:
             gr.Warning("Open a conversation and type its new name first.")
-            return gr.skip(), gr.skip()
-        entry["title"], entry["renamed"] = text, True
-        return store, choices_of(store)
+            return gr.skip(), gr.skip(), gr.skip()
+        return outbox(book, browser_copy.rename(book, book.current, text)), book, choices_of(book)
 
     def ask_delete(self) -> Any:
         return gr.update(visible=True)
 
-    def delete(self, key: Any, store: Any, parked: Any) -> tuple:
-        """Confirmed: the shown conversation leaves the list and the server."""
-        store, parked = checked_store(store), dict(parked or {})
-        entry = _entry(store, store["current"])
+    def delete(self, key: Any, book: Any) -> tuple:
+        """Confirmed: the shown conversation leaves the list (a tombstone, so no tab brings it back)
+        and the server."""
+        book = checked_book(book)
         self.directory.close(key)
-        if entry is not None:
-            store["chats"].remove(entry)
-        store["current"] = None
+        listed = book.current is not None and any(entry == book.current for entry, _ in book.index)
+        records = [browser_copy.tombstone(book, book.current)] if listed and book.current else []
+        book.current, book.saved = None, None
         outputs = self.handlers.empty()
-        outputs.stats = "Deleted." if entry is not None else ""
-        listed = ListOutputs.of(store, parked, confirm_delete=gr.update(visible=False))
-        return (*outputs.to_gradio(), *listed.to_gradio())
+        outputs.stats = "Deleted." if records else ""
+        return (*outputs.to_gradio(), *ListOutputs.of(book, *records, confirm_delete=gr.update(visible=False))
+                .to_gradio())
 
-    def import_file(self, request: gr.Request, file: Any, key: Any, store: Any, parked: Any) -> tuple:
+    def import_file(self, request: gr.Request, file: Any, key: Any, book: Any) -> tuple:
         """A JSON export, checked whole (`engine.restore`), opened as a new entry of the list."""
-        store, parked = checked_store(store), dict(parked or {})
+        book = checked_book(book)
         path = getattr(file, "name", file)
         try:
             raw = read_once(path, saved.MAX_JSON_BYTES + 1) if isinstance(path, str) else b""
@@ -225,50 +249,77 @@ class ChatList:
         except (ChatError, OSError) as error:
             gr.Warning(f"That file cannot be imported: {error}")
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
-        self._leave(key, store, parked)
-        store["current"] = None
-        save_into(store, chat)
+        left = self._leave(key, book)
+        book.current = browser_copy.new_id()
+        if title := browser_copy.checked_title(data.get("title")):  # the name it was exported with
+            book.renamed.add(book.current)
+            book.put_first(book.current, title)
+        written = self._write(book, new_key, chat)
         outputs = self.handlers.view(new_key, chat, stats="Imported: its cache is computed at the next message.")
-        return (*outputs.to_gradio(), *ListOutputs.of(store, parked).to_gradio())
+        return (*outputs.to_gradio(), *ListOutputs.of(book, *left, *([written] if written else [])).to_gradio())
 
-    # ---- moving between conversations --------------------------------------------------------------
-    def _leave(self, key: Any, store: dict[str, Any], parked: dict[str, str]) -> None:
+    # ---- reading and writing records -----------------------------------------------------------------
+    def _hear(self, said: Probe, book: Book) -> None:
+        """What the page said besides the event: copies its tab kept, refused writes, the list."""
+        if book.current is not None and said.moved.get(book.current) == said.current:
+            book.revs[said.current], book.current = 1, said.current  # this tab goes on with its copy
+            if book.current in book.parked:
+                book.parked.pop(book.current)
+        if said.full:
+            gr.Warning("This browser's storage is full: the latest changes are not kept in it. Export or delete "
+                       "some conversations.")
+        for title in said.notices:
+            gr.Warning(f"This browser keeps {browser_copy.MAX_CHATS} conversations: the oldest, “{title}”, was "
+                       "removed from the list.")
+        if said.index is not None:
+            book.index = said.index
+            book.renamed &= {entry for entry, _ in said.index}
+
+    def _read(self, book: Book, record: dict[str, Any], key: str | None = None,
+              chat: BrowserChat | None = None) -> None:
+        """This page now knows `record` at its revision (and, given, the conversation made of it)."""
+        book.revs[record["id"]] = record["rev"]
+        if record["renamed"]:
+            book.renamed.add(record["id"])
+        if all(entry != record["id"] for entry, _ in book.index):
+            book.put_first(record["id"], record["title"])
+        book.saved = (key, chat.conversation.revision) if key is not None and chat is not None else None
+
+    def _write(self, book: Book, key: str, chat: BrowserChat) -> dict[str, Any] | None:
+        """The shown conversation's record at the next revision; None before anything was said."""
+        data = chat.conversation.snapshot()
+        if book.current is None or not said_anything(data):
+            return None
+        written = browser_copy.record(book, book.current, data)
+        book.saved = (key, chat.conversation.revision)
+        return written
+
+    def _leave(self, key: Any, book: Book) -> list[dict[str, Any]]:
         """The shown conversation goes to the list: a running reply is stopped (and kept), its
-        latest state saved, its server key parked for a cheap return."""
+        latest state written, its server key parked for a cheap return. Returns what to write."""
         chat = self.directory.find(key)
         if chat is None:
-            return
+            return []
         chat.shown = False
         chat.conversation.stop()
         deadline = time.monotonic() + STOP_WAIT_S
-        while chat.conversation.is_busy and time.monotonic() < deadline:
-            time.sleep(0.02)
-        save_into(store, chat)
-        if store["current"] is not None:
-            parked[store["current"]] = key
-        for old in [name for name in parked if _entry(store, name) is None]:  # deleted or dropped entries
-            self.directory.close(parked.pop(old))
-
-    def _show(self, store: dict[str, Any], parked: dict[str, str]) -> tuple:
-        current = store["current"]
-        key = parked.pop(current, None)
-        chat = self.directory.find(key)
-        if chat is not None:  # the server still holds it: no prefill to come back
-            chat.shown = True
-            outputs = self.handlers.view(key, chat, stats="", system_prompt=chat.conversation.system_prompt or "")
+        while (chat.conversation.is_busy or chat.streams) and time.monotonic() < deadline:
+            time.sleep(0.02)  # its stream ends too: no update of it can arrive after this page's next view
+        written = self._write(book, key, chat) if book.saved != (key, chat.conversation.revision) else None
+        if book.current is not None and any(entry == book.current for entry, _ in book.index):
+            book.parked[book.current] = key
         else:
-            outputs = self._show_stored(store)
-        return (*outputs.to_gradio(), *ListOutputs.of(store, parked).to_gradio())
+            self.directory.close(key)  # nothing said in it: nothing to come back to
+        listed = {entry for entry, _ in book.index}
+        for old in [name for name in book.parked if name not in listed]:  # deleted or dropped entries
+            self.directory.close(book.parked.pop(old))
+        book.saved = None
+        return [written] if written else []
 
-    def _show_stored(self, store: dict[str, Any]) -> ChatOutputs:
-        """The chat drawn from the browser's copy; the server makes the conversation at its next event."""
-        outputs = self.handlers.empty()
-        outputs.textbox = gr.update(placeholder=views.READY)
-        entry = _entry(store, store["current"])
-        if entry is None:
-            return outputs
+    def _drawn(self, record: dict[str, Any], outputs: ChatOutputs) -> ChatOutputs:
+        """The chat drawn from a record; the server makes the conversation at its next event."""
         try:
-            history = saved.from_dict(entry["data"])
+            history = saved.from_dict(record["data"])
         except ChatError as error:
             gr.Warning(f"This conversation could not be opened: {error}")
             return outputs
@@ -286,10 +337,6 @@ def read_once(path: str, limit: int) -> bytes:
         Path(path).unlink(missing_ok=True)
 
 
-def _entry(store: dict[str, Any], chat_id: Any) -> dict[str, Any] | None:
-    return next((c for c in store["chats"] if c["id"] == chat_id), None)
-
-
 class ChatFiles:
     """Exports of the shown conversation, as files the page offers for download."""
 
@@ -298,26 +345,19 @@ class ChatFiles:
         self._files = Path(tempfile.mkdtemp(prefix="rewind-chat-exports-"))
         atexit.register(shutil.rmtree, self._files, True)
 
-    def export(self, kind: str, key: Any, store: Any) -> Any:
-        """The shown conversation as a file: JSON (the whole tree, `to_dict`) or Markdown (the shown
-        path), always from a checked conversation: the server's, or the browser's copy once it
-        passed the checks of an Import. Gradio serves its own copy of the file; ours goes soon."""
+    def export(self, kind: str, key: Any, book: Any) -> Any:
+        """The shown conversation as a file: JSON (the whole tree, `to_dict`, with its name) or
+        Markdown (the shown path), from the server's conversation (the event's `ensure` rebuilt
+        it from the browser's record if need be). Gradio serves its own copy; ours goes soon."""
         self._sweep()
-        chat = self.directory.find(key)
-        store = checked_store(store)
-        entry = _entry(store, store["current"])
-        try:
-            history = chat.conversation.history if chat is not None else \
-                saved.from_dict(entry["data"]) if entry is not None else None
-        except ChatError as error:
-            gr.Warning(f"This conversation cannot be exported: {error}")
-            return gr.skip()
-        if history is None:
+        book, chat = checked_book(book), self.directory.find(key)
+        data = chat.conversation.snapshot() if chat is not None else None
+        if data is None or not said_anything(data):
             gr.Warning("There is no conversation to export yet.")
             return gr.skip()
-        data = saved.to_dict(history)
-        title = entry["title"] if entry is not None and entry["title"] else title_of(data)
-        text = json.dumps(data, ensure_ascii=False, indent=1) if kind == "json" else markdown_of(data, title)
+        title = book.title(book.current) or browser_copy.title_of(data)
+        text = json.dumps({**data, "title": title}, ensure_ascii=False, indent=1) if kind == "json" \
+            else markdown_of(data, title)
         name = re.sub(r"[^A-Za-z0-9]+", "-", title).strip("-")[:40] or "conversation"
         folder = self._files / secrets.token_hex(8)
         folder.mkdir()

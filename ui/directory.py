@@ -19,7 +19,7 @@ from chat import Conversation, ServerBusyError
 
 class Closes:
     """A page's `gr.State` delete callback: closes the conversation its value names (or, for the
-    parked ones, every one). An object, neither a bound method nor a closure: Gradio deep-copies
+    book, every one it parked). An object, neither a bound method nor a closure: Gradio deep-copies
     component props for every page it serves (this copies as itself, not the directory, engine and
     model behind it) and lists them in /config (this shows as words, not a memory address)."""
 
@@ -27,7 +27,7 @@ class Closes:
         self._directory, self._parked = directory, parked
 
     def __call__(self, value: Any) -> None:
-        keys = (value or {}).values() if self._parked and isinstance(value, dict) else [value]
+        keys = list(getattr(value, "parked", {}).values()) if self._parked else [value]
         for key in keys:
             self._directory.close(key)
 
@@ -46,6 +46,12 @@ class BrowserChat:
     thinking_seconds: dict[int, float] = field(default_factory=dict)  # by message (node) id
     client: str | None = None  # the address that opened it
     shown: bool = True  # False while the page shows another conversation of its list
+    streams: int = 0  # events streaming into the page from it (a page's next view waits for them)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def streaming(self) -> "_Streaming":
+        """Held while an event streams its updates: once released, none of them is still on its way."""
+        return _Streaming(self)
 
     @property
     def busy(self) -> bool:  # what the session manager asks before it closes one for room
@@ -59,6 +65,19 @@ class BrowserChat:
         """How long each shown reply thought, by its index in the shown path."""
         path = self.conversation.history.entries
         return {i: self.thinking_seconds[node.uid] for i, node in enumerate(path) if node.uid in self.thinking_seconds}
+
+
+class _Streaming:
+    def __init__(self, chat: BrowserChat):
+        self.chat = chat
+
+    def __enter__(self) -> None:
+        with self.chat._lock:
+            self.chat.streams += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.chat._lock:
+            self.chat.streams -= 1
 
 
 class ChatDirectory:

@@ -4,7 +4,7 @@ returns (or streams) `ChatOutputs`. Refusals are `ChatError`s: shown as a warnin
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import gradio as gr
 
@@ -91,23 +91,18 @@ class ChatHandlers(ReplyEvents):
 
 
 class PageEvents:
-    """The Chatbot's own events (they carry the index of a shown message), page load and unload,
-    and the operators' status endpoint."""
+    """The Chatbot's own events (their data, which message and what text, comes as `event`: the
+    dict `ui.wiring.capturing` kept), page unload, and the operators' status endpoint."""
 
-    def __init__(self, handlers: ChatHandlers, recover: Callable[[Any, Any, Any], Any] | None = None):
-        """`recover(request, key, store)`: the key of the page's conversation, rebuilt from the
-        browser's copy (`store`) when the server no longer has it (ui/chat_list.py)."""
+    def __init__(self, handlers: ChatHandlers):
         self.handlers = handlers
         self.directory = handlers.directory
-        self.recover = recover or (lambda request, key, store: key)
 
-    def on_retry(self, retry: gr.RetryData, request: gr.Request, key: Any, store: Any,
-                 *values: Any) -> Iterator[ChatOutputs]:
+    def on_retry(self, event: Any, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         """Retry on a reply makes a new sibling of it; on a user message, a new branch there with
         the same text. Either way what followed stays on the old branch."""
-        key = self.recover(request, key, store)
         chat = self.directory.find(key)
-        index = self._conversation_index(chat, retry.index)
+        index = self._conversation_index(chat, _event_index(event))
         if chat is None or index is None:
             yield from self.handlers.regenerate(request, key, *values)
             return
@@ -119,37 +114,34 @@ class PageEvents:
         else:
             yield from self.handlers.edit(request, index, messages[index]["content"], key, *values)
 
-    def on_undo(self, undo: gr.UndoData, request: gr.Request, key: Any, store: Any, *values: Any) -> ChatOutputs:
-        return self.handlers.undo(self.recover(request, key, store), *values)
+    def on_undo(self, event: Any, key: Any, *values: Any) -> ChatOutputs:
+        return self.handlers.undo(key, *values)
 
-    def on_edit(self, edited: gr.EditData, request: gr.Request, key: Any, store: Any,
-                *values: Any) -> Iterator[ChatOutputs]:
-        key = self.recover(request, key, store)
+    def on_edit(self, event: Any, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         chat = self.directory.find(key)
-        index = self._conversation_index(chat, edited.index)
-        if chat is None or index is None:
+        position = _event_index(event)
+        index = self._conversation_index(chat, position)
+        if chat is None or index is None or position is None:
             gr.Warning("That message cannot be edited.")
             yield self.handlers.view(key, chat) if chat else ChatOutputs()
             return
-        position = edited.index[0] if isinstance(edited.index, (list, tuple)) else edited.index
+        text = event.get("value") if isinstance(event, dict) else None
         shown = self.handlers.chatbot_messages(chat)[0][position]
         if shown.get("metadata"):  # the reply's thinking block
             gr.Warning("Only a reply's answer can be edited, not its thinking.")
             yield self.handlers.view(key, chat)
         elif chat.conversation.messages[index]["role"] == "assistant":
-            yield self.handlers.edit_reply(index, edited.value, key, *values)
+            yield self.handlers.edit_reply(index, text, key, *values)
         else:
-            yield from self.handlers.edit(request, index, edited.value, key, *values)
+            yield from self.handlers.edit(request, index, text, key, *values)
 
-    def on_example(self, selected: gr.SelectData, request: gr.Request, key: Any, store: Any,
-                   *values: Any) -> Iterator[ChatOutputs]:
-        yield from self.handlers.send(request, selected.value["text"], key, *values)
+    def on_example(self, event: Any, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        value = event.get("value") if isinstance(event, dict) else None
+        yield from self.handlers.send(request, value.get("text") if isinstance(value, dict) else value, key, *values)
 
-    def _conversation_index(self, chat: BrowserChat | None, shown_index: Any) -> int | None:
+    def _conversation_index(self, chat: BrowserChat | None, shown_index: int | None) -> int | None:
         if chat is None:
             return None
-        if isinstance(shown_index, (list, tuple)):
-            shown_index = shown_index[0]
         index_of = self.handlers.chatbot_messages(chat)[1]
         return index_of[shown_index] if isinstance(shown_index, int) and 0 <= shown_index < len(index_of) else None
 
@@ -162,3 +154,11 @@ class PageEvents:
     def server_status(self) -> dict:
         """Aggregate numbers only (no session keys): what an operator of a shared Space needs."""
         return server_status(self.directory)
+
+
+def _event_index(event: Any) -> int | None:
+    """The shown message a Chatbot event names (Gradio sends an index, or [index, part])."""
+    index = event.get("index") if isinstance(event, dict) else None
+    if isinstance(index, (list, tuple)) and index:
+        index = index[0]
+    return index if isinstance(index, int) and not isinstance(index, bool) else None

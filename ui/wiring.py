@@ -44,71 +44,122 @@ def settings_of(page: dict[str, Any]) -> list[Any]:
     return [page["panel"][name] for name in Settings.names()]
 
 
+# The page's side of the browser's copy (ui/browser_copy.py): what its script adds to an event's inputs.
+PROBE = "(probe, ...rest) => [window.rewindCopy.probe(), ...rest]"
+RECORD = "(need, ...rest) => [need && need.id ? window.rewindCopy.record(need.id) : null, ...rest]"
+WITH_LIST = "(probe, ...rest) => [window.rewindCopy.withList(), ...rest]"
+ON_LOAD = "(probe, ...rest) => [window.rewindCopy.onLoad(), ...rest]"
+CHOSEN = ("(chosen, probe, ...rest) => "
+          "[chosen, {...window.rewindCopy.probe(), record: window.rewindCopy.record(chosen)}, ...rest]")
+APPLY = "(box) => { window.rewindCopy.apply(box); }"
+QUIET = dict(queue=False, api_name=False, show_progress="hidden")
+
+
+def with_conversation(chat_list: ChatList, page: dict[str, Any], trigger: Callable) -> Any:
+    """The steps before an event: the server says whether it needs the shown conversation's
+    record (it lost it, or another tab changed it) and, if so, rebuilds it from the one the page
+    then sends. Returns what the event itself is chained to."""
+    key, book = page["key"], page["book"]
+    return trigger(chat_list.ensure, [page["probe"], key, book], [key, book, page["need"]], js=PROBE, **QUIET) \
+        .then(chat_list.recover, [page["need"], key, book], [key, book], js=RECORD, **QUIET)
+
+
+def capturing(kind: type) -> Callable[..., dict]:
+    """A Chatbot event's data (which message, what text), kept for the event's later steps
+    (Gradio hands event data to the first step of a chain only)."""
+    def capture(event: Any) -> dict:
+        return {"index": event.index, "value": event.value}
+    capture.__annotations__ = {"event": kind, "return": dict}
+    return capture
+
+
 def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: ChatList, page: dict[str, Any]) -> None:
     """The conversation's own events, as the browser runs them."""
-    key, store, outputs = page["key"], page["store"], outputs_of(page)
-    with_settings, with_store = [key, *settings_of(page)], [key, store, *settings_of(page)]
+    key, book, outputs = page["key"], page["book"], outputs_of(page)
+    with_settings = [key, *settings_of(page)]
     generating = dict(concurrency_id="generate")  # shares the queue's default concurrency limit
-    quiet = dict(queue=False, api_name=False, show_progress="hidden")
+    saved_list = [page["outbox"], book, page["chats"], page["title"]]
 
-    def on(trigger: Any, fn: Callable, inputs: list, **options: Any) -> None:
-        """The server first gets the shown conversation back if it lost it, then the event, then
-        the browser's copy is updated. (API clients call the event itself, by its name.)"""
-        trigger(chat_list.ensure, [key, store], [key], **quiet) \
-            .then(fn, inputs, outputs, **options) \
-            .then(chat_list.sync, [key, store], [store, page["chats"]], **quiet)
+    def on(trigger: Any, fn: Callable, inputs: list, *, drafts: bool = False, **options: Any) -> None:
+        """The server first gets the shown conversation back if it lost it, then the event (with
+        drafts of its reply in the browser's copy while it streams), then the browser's copy is
+        updated. (API clients call the event itself, by its name.)"""
+        step = with_conversation(chat_list, page, trigger)
+        if drafts:
+            step = step.then(chat_list.drafting(fn), [*inputs, key, book], [*outputs, page["outbox"]], **options)
+        else:
+            step = step.then(fn, inputs, outputs, **options)
+        step.then(chat_list.sync, [key, book], saved_list, **QUIET)
 
     textbox, target = page["textbox"], page["branch_target"]
-    on(textbox.submit, streamed(handlers.send), [textbox, *with_settings], api_name=False, **generating)
-    on(page["send"].click, streamed(handlers.send), [textbox, *with_settings], api_name="send", **generating)
-    on(page["continue_button"].click, streamed(handlers.continue_reply), with_settings, api_name="continue",
+    on(textbox.submit, streamed(handlers.send), [textbox, *with_settings], drafts=True, api_name=False, **generating)
+    on(page["send"].click, streamed(handlers.send), [textbox, *with_settings], drafts=True, api_name=False,
        **generating)
+    on(page["continue_button"].click, streamed(handlers.continue_reply), with_settings, drafts=True,
+       api_name=False, **generating)
     on(page["previous_version"].click, instant(lambda k, *s: handlers.select_version(-1, k, *s)), with_settings,
        api_name="previous_version")
     on(page["next_version"].click, instant(lambda k, *s: handlers.select_version(1, k, *s)), with_settings,
        api_name="next_version")
     on(page["branch_go"].click, instant(handlers.switch_branch), [target, *with_settings], api_name="switch_branch",
        js=TARGET_INPUT)
-    on(page["retry_go"].click, streamed(handlers.retry_at), [target, *with_settings], api_name=False, js=TARGET_INPUT,
-       **generating)
-    chatbot = page["chatbot"]  # its own events carry the shown message's index; they get the conversation back
-    for trigger, fn, name, extra in ((chatbot.retry, streamed(events.on_retry), "chatbot_retry", generating),
-                                     (chatbot.undo, instant(events.on_undo), "chatbot_undo", {}),
-                                     (chatbot.edit, streamed(events.on_edit), "chatbot_edit", generating),
-                                     (chatbot.example_select, streamed(events.on_example), "chatbot_example",
-                                      generating)):
-        trigger(fn, with_store, outputs, api_name=name, api_visibility="private", **extra) \
-            .then(chat_list.sync, [key, store], [store, page["chats"]], **quiet)
+    on(page["retry_go"].click, streamed(handlers.retry_at), [target, *with_settings], drafts=True, api_name=False,
+       js=TARGET_INPUT, **generating)
+    chatbot, event = page["chatbot"], page["event"]  # its own events carry the shown message's index
+    for trigger, kind, fn, name, drafts in (
+            (chatbot.retry, gr.RetryData, streamed(events.on_retry), "chatbot_retry", True),
+            (chatbot.undo, gr.UndoData, instant(events.on_undo), "chatbot_undo", False),
+            (chatbot.edit, gr.EditData, streamed(events.on_edit), "chatbot_edit", True),
+            (chatbot.example_select, gr.SelectData, streamed(events.on_example), "chatbot_example", True)):
+        captured = trigger(capturing(kind), None, [event], **QUIET)
+        on(captured.then, fn, [event, *with_settings], drafts=drafts, api_name=name, api_visibility="private",
+           **(generating if drafts else {}))
     page["stop"].click(handlers.stop, [key], None, api_name="stop", queue=False)
     page["dark"].click(None, js="() => document.body.classList.toggle('dark')", api_name=False)
+    page["outbox"].change(None, [page["outbox"]], None, js=APPLY, **QUIET)
 
 
 def list_outputs(page: dict[str, Any]) -> list[Any]:
     """The chat's outputs, then those of the list (in `ListOutputs`' order)."""
-    return [*outputs_of(page), page["store"], page["parked"], page["chats"], page["confirm_delete"], page["download"],
+    return [*outputs_of(page), page["outbox"], page["book"], page["chats"], page["confirm_delete"], page["download"],
             page["title"]]
 
 
 def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     """The list of conversations kept in the browser."""
-    key, store, parked, with_list = page["key"], page["store"], page["parked"], list_outputs(page)
+    key, book, probe, with_list = page["key"], page["book"], page["probe"], list_outputs(page)
     for button in (page["new_chat"], page["sidebar_new_chat"]):
-        button.click(chat_list.new_chat, [key, store, parked], with_list, api_name=False)
-    page["chats"].input(chat_list.open, [page["chats"], key, store, parked], with_list, api_name=False)
-    page["rename"].click(chat_list.rename, [page["title"], store], [store, page["chats"]], api_name=False)
+        button.click(chat_list.new_chat, [key, book], with_list, api_name=False)
+    page["chats"].input(chat_list.open, [page["chats"], probe, key, book], with_list, api_name=False, js=CHOSEN)
+    page["rename"].click(chat_list.rename, [page["title"], book], [page["outbox"], book, page["chats"]],
+                         api_name=False)
     page["delete"].click(chat_list.ask_delete, None, page["confirm_delete"], api_name=False)
-    page["confirm_delete"].click(chat_list.delete, [key, store, parked], with_list, api_name=False)
+    page["confirm_delete"].click(chat_list.delete, [key, book], with_list, api_name=False)
     for button, kind in ((page["export_json"], "json"), (page["export_markdown"], "markdown")):
-        button.click(functools.partial(chat_list.files.export, kind), [key, store], page["download"], api_name=False)
+        with_conversation(chat_list, page, button.click) \
+            .then(functools.partial(chat_list.files.export, kind), [key, book], page["download"], api_name=False)
     # one Import at a time: parsing and checking a large file costs memory for a while
-    page["import_file"].upload(chat_list.import_file, [page["import_file"], key, store, parked], with_list,
+    page["import_file"].upload(chat_list.import_file, [page["import_file"], key, book], with_list,
                                api_name=False, concurrency_limit=1, concurrency_id="import")
+    page["list_refresh"].click(chat_list.refresh, [probe, book], [book, page["chats"]], js=WITH_LIST, **QUIET)
+
+
+def wire_load(chat_list: ChatList, page: dict[str, Any], demo: gr.Blocks) -> None:
+    """The page's first event: what this tab showed, from the browser's copy (at once, unqueued:
+    a message typed in the first moment must not be drawn over)."""
+    demo.load(chat_list.load, [page["probe"], page["book"]], list_outputs(page), js=ON_LOAD, **QUIET)
 
 
 def wire_api_twins(handlers: ChatHandlers, page: dict[str, Any]) -> None:
-    """API twins of the browser's events (the Chatbot's need browser event data)."""
+    """API twins of the browser's events: the Chatbot's need browser event data, and the page's
+    generating ones carry drafts for the browser's copy (an API client keeps its own)."""
     outputs, with_settings = outputs_of(page), [page["key"], *settings_of(page)]
     generating = dict(concurrency_id="generate")
+    message = gr.Textbox(visible=False)
+    gr.Button(visible=False).click(streamed(handlers.send), [message, *with_settings], outputs, api_name="send",
+                                   **generating)
+    gr.Button(visible=False).click(streamed(handlers.continue_reply), with_settings, outputs, api_name="continue",
+                                   **generating)
     gr.Button(visible=False).click(instant(handlers.clear), with_settings, outputs, api_name="clear")
     gr.Button(visible=False).click(streamed(handlers.regenerate), with_settings, outputs,
                                    api_name="regenerate", **generating)

@@ -1,0 +1,259 @@
+"""The copy of its conversations each browser keeps: one record per conversation, merged by revision.
+
+The browser holds the records (localStorage, written by `SCRIPT`); the server holds caches only,
+and per page a `Book` (`gr.State`) of which record the page shows and at which revision. What
+travels per event is what changed: down, the records an event changed (`outbox`); up, the shown
+record's id and revision (`probe`), and a whole record only when the server must rebuild a
+conversation from it (a reload, a restart, an expiry, another tab changed it) or a page opens one.
+
+  record     {"id", "rev", "title", "renamed", "data": Conversation.to_dict(), "draft"}
+  tombstone  {"id", "rev", "deleted": true}       (a delete: other tabs must not bring it back)
+  rename     {"id", "rev", "title", "renamed"}    (the stored data kept)
+
+The browser adds "tab" and "updated". It writes a record when it holds none of that id, an older
+revision, or its own draft of the same revision (a draft is the reply so far: written while it
+streams, replaced by the final record). Another tab's record of the same or a newer revision is
+never overwritten: the incoming one is kept under a new id and this tab goes on with that copy
+(the next probe says so: `moved`). A draft never displaces anything; a write no newer than a
+tombstone is dropped (a tab that goes on in a deleted conversation writes it again, newer). Nothing the browser sends
+is trusted: records are checked here, their conversations as an Import (`engine.restore`).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from chat import saved
+
+MAX_CHATS = 50
+MAX_TITLE_CHARS = 80
+MAX_NOTICES = 5
+_ID = re.compile(r"[A-Za-z0-9_-]{8,40}")
+
+
+@dataclass
+class Book:
+    """What the server knows, per page, of its browser's copy."""
+
+    current: str | None = None  # the record the page shows (made here when a new chat starts)
+    revs: dict[str, int] = field(default_factory=dict)  # each record's revision as this page last read or wrote it
+    parked: dict[str, str] = field(default_factory=dict)  # record id -> server key of a conversation left shown
+    index: list[tuple[str, str]] = field(default_factory=list)  # (id, title), newest first: the list shown
+    renamed: set[str] = field(default_factory=set)  # ids whose name the user chose
+    saved: tuple[str, int] | None = None  # (server key, conversation revision) the shown record was written from
+
+    def title(self, chat_id: str | None) -> str:
+        return next((title for entry, title in self.index if entry == chat_id), "")
+
+    def put_first(self, chat_id: str, title: str) -> None:
+        self.index = [(chat_id, title)] + [(entry, name) for entry, name in self.index if entry != chat_id]
+        del self.index[MAX_CHATS:]
+
+    def forget(self, chat_id: str) -> None:
+        self.index = [(entry, name) for entry, name in self.index if entry != chat_id]
+        self.revs.pop(chat_id, None)
+        self.renamed.discard(chat_id)
+
+    def next_rev(self, chat_id: str) -> int:
+        """The revision the next write of `chat_id` carries (and this page then knows)."""
+        self.revs[chat_id] = self.revs.get(chat_id, 0) + 1
+        return self.revs[chat_id]
+
+
+def new_id() -> str:
+    return secrets.token_urlsafe(12)
+
+
+def checked_id(value: Any) -> str | None:
+    return value if isinstance(value, str) and _ID.fullmatch(value) else None
+
+
+def checked_rev(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else None
+
+
+def checked_title(value: Any) -> str:
+    return " ".join(value.split())[:MAX_TITLE_CHARS] if isinstance(value, str) else ""
+
+
+@dataclass
+class Probe:
+    """What the page says before an event: the record it shows (as its tab knows it), copies its
+    tab made of records another tab had changed, and whether the browser refused a write."""
+
+    current: str | None = None
+    rev: int | None = None  # None: the browser holds no record of `current` (a new chat, or deleted)
+    moved: dict[str, str] = field(default_factory=dict)
+    full: bool = False
+    notices: list[str] = field(default_factory=list)
+    index: list[tuple[str, str]] | None = None  # the list (on load and when another tab changed it)
+    record: dict[str, Any] | None = None  # the shown record (on load, opening one, rebuilding one)
+
+
+def checked_probe(value: Any) -> Probe:
+    """Anything malformed left out (a probe is small: bounded before it is looked at)."""
+    if not isinstance(value, dict) or saved.nests_deeper(value, saved.MAX_NESTING + 2):
+        return Probe()
+    moved = value.get("moved") if isinstance(value.get("moved"), dict) else {}
+    notices = value.get("notices") if isinstance(value.get("notices"), list) else []
+    return Probe(current=checked_id(value.get("current")), rev=checked_rev(value.get("rev")),
+                 moved={old: new for old, new in list(moved.items())[:MAX_CHATS]
+                        if checked_id(old) and checked_id(new)},
+                 full=value.get("full") is True,
+                 notices=[checked_title(text) for text in notices[:MAX_NOTICES] if isinstance(text, str)],
+                 index=checked_index(value["index"]) if "index" in value else None,
+                 record=checked_record(value.get("record")))
+
+
+def checked_index(value: Any) -> list[tuple[str, str]]:
+    index: list[tuple[str, str]] = []
+    for entry in value[:MAX_CHATS] if isinstance(value, list) else []:
+        if isinstance(entry, list) and len(entry) == 2 and (chat_id := checked_id(entry[0])) \
+                and all(chat_id != seen for seen, _ in index):
+            index.append((chat_id, checked_title(entry[1]) or "New chat"))
+    return index
+
+
+def checked_record(value: Any) -> dict[str, Any] | None:
+    """A live record with its fields in shape (its conversation is checked when it is opened)."""
+    if not isinstance(value, dict) or value.get("deleted") or saved.nests_deeper(value, saved.MAX_NESTING + 1):
+        return None
+    chat_id, rev = checked_id(value.get("id")), checked_rev(value.get("rev"))
+    if chat_id is None or rev is None or not isinstance(value.get("data"), dict):
+        return None
+    return {"id": chat_id, "rev": rev, "title": checked_title(value.get("title")),
+            "renamed": value.get("renamed") is True, "data": value["data"]}
+
+
+def record(book: Book, chat_id: str, data: dict[str, Any], *, draft: bool = False) -> dict[str, Any]:
+    """The record of `data` to write: the next revision (a draft carries the revision its final
+    record will have, and this page does not count it as written)."""
+    title = book.title(chat_id) if chat_id in book.renamed else title_of(data)
+    rev = book.revs.get(chat_id, 0) + 1 if draft else book.next_rev(chat_id)
+    if not draft:
+        book.put_first(chat_id, title)
+    return {"id": chat_id, "rev": rev, "title": title, "renamed": chat_id in book.renamed, "data": data,
+            "draft": draft}
+
+
+def tombstone(book: Book, chat_id: str) -> dict[str, Any]:
+    rev = book.next_rev(chat_id)
+    book.forget(chat_id)
+    return {"id": chat_id, "rev": rev, "deleted": True}
+
+
+def rename(book: Book, chat_id: str, title: str) -> dict[str, Any]:
+    book.renamed.add(chat_id)
+    book.put_first(chat_id, title)
+    return {"id": chat_id, "rev": book.next_rev(chat_id), "title": title, "renamed": True}
+
+
+def outbox(book: Book, *records: dict[str, Any]) -> dict[str, Any]:
+    """What the page's script applies: the records, then which one this tab shows."""
+    return {"records": list(records), "current": book.current}
+
+
+def said_anything(data: dict[str, Any]) -> bool:
+    return any(message.get("role") == "user" for message in data.get("messages", []))
+
+
+def title_of(data: dict[str, Any]) -> str:
+    first = next((m["content"] for m in data.get("messages", []) if m.get("role") == "user"), "New chat")
+    first = " ".join(first.split())
+    return first if len(first) <= MAX_TITLE_CHARS else first[: MAX_TITLE_CHARS - 1] + "…"
+
+
+# The page's side (in <head>, before Gradio starts: the load event's `js` calls it). Which record
+# a tab shows is the tab's own (sessionStorage: it survives a reload, a new tab starts a new chat).
+SCRIPT = """<script>
+window.rewindCopy = (() => {
+  const PREFIX = "rewind-chat:chat:", MAX_CHATS = %(max_chats)d, TOMBSTONE_DAYS = 30;
+  const token = () => Array.from(crypto.getRandomValues(new Uint8Array(12)),
+      (b) => "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"[b & 63]).join("");
+  let tab = sessionStorage.getItem("rewind-chat:tab");
+  if (!tab) { tab = token(); sessionStorage.setItem("rewind-chat:tab", tab); }
+  const moved = {}, notices = [];
+  let full = false, shownList = "";
+  const current = () => sessionStorage.getItem("rewind-chat:current");
+  const setCurrent = (id) => id ? sessionStorage.setItem("rewind-chat:current", id)
+                                : sessionStorage.removeItem("rewind-chat:current");
+  const read = (id) => { try { return JSON.parse(localStorage.getItem(PREFIX + id)); } catch { return null; } };
+  const write = (rec) => {
+    try { localStorage.setItem(PREFIX + rec.id, JSON.stringify(rec)); return true; }
+    catch (error) { full = true; return false; }  // over the browser's quota: the server says so
+  };
+  const all = () => {
+    const records = [];
+    for (let i = 0; i < localStorage.length; i++) {
+      const key = localStorage.key(i);
+      const rec = key && key.startsWith(PREFIX) ? read(key.slice(PREFIX.length)) : null;
+      if (rec && rec.id) records.push(rec);
+    }
+    return records;
+  };
+  const index = () => all().filter((r) => !r.deleted).sort((a, b) => (b.updated || 0) - (a.updated || 0))
+      .map((r) => [r.id, r.title || ""]);
+  const prune = () => {
+    const now = Date.now(), live = [];
+    for (const rec of all()) {
+      if (rec.deleted && now - (rec.updated || 0) > TOMBSTONE_DAYS * 864e5) localStorage.removeItem(PREFIX + rec.id);
+      else if (!rec.deleted) live.push(rec);
+    }
+    live.sort((a, b) => (b.updated || 0) - (a.updated || 0));
+    for (const rec of live.slice(MAX_CHATS)) {
+      if (rec.id === current()) continue;
+      write({id: rec.id, rev: rec.rev + 1, deleted: true, tab, updated: now});
+      notices.push(rec.title || "a conversation");
+    }
+  };
+  const apply = (box) => {
+    if (!box || !Array.isArray(box.records)) return;
+    let copied = false;
+    for (const incoming of box.records) {
+      const stored = read(incoming.id), now = Date.now();
+      const rec = {...incoming, tab, updated: now};
+      if (!("data" in incoming) && !incoming.deleted) {  // a rename: the stored data stays
+        if (stored && !stored.deleted) write({...stored, title: rec.title, renamed: rec.renamed,
+                                              rev: Math.max(stored.rev, rec.rev), tab, updated: now});
+        continue;
+      }
+      const ownDraft = stored && stored.tab === tab && stored.draft && stored.rev === rec.rev;
+      if (!stored || stored.rev < rec.rev || ownDraft) { write(rec); continue; }
+      if (rec.draft) continue;  // a draft never displaces anything
+      if (rec.deleted) { write({...rec, rev: stored.rev + 1}); continue; }  // the person deleted what they saw
+      if (stored.deleted) continue;  // deleted since: a late write of what was there does not bring it back
+      if (JSON.stringify(stored.data) === JSON.stringify(rec.data)) continue;  // the same
+      // another tab wrote this conversation meanwhile: both are kept, this tab goes on with its copy
+      const copy = {...rec, id: token(), rev: 1};
+      if (write(copy)) { moved[incoming.id] = copy.id; copied = true; }
+    }
+    if ("current" in box) setCurrent(moved[box.current] ?? box.current);
+    prune();
+    const listed = JSON.stringify(index());
+    if (copied || listed !== shownList) { shownList = listed; if (copied) refreshList(); }
+  };
+  const refreshList = () => document.querySelector("#list-refresh")?.click();
+  window.addEventListener("storage", (event) => {  // another tab changed the list
+    if (!event.key || !event.key.startsWith(PREFIX)) return;
+    const listed = JSON.stringify(index());
+    if (listed !== shownList) { shownList = listed; refreshList(); }
+  });
+  const live = (id) => { const rec = id ? read(id) : null; return rec && !rec.deleted ? rec : null; };
+  const probe = () => {
+    const id = current(), rec = live(id);
+    const said = {current: id, rev: rec ? rec.rev : null, moved: {...moved}, full, notices: notices.splice(0)};
+    full = false;
+    return said;
+  };
+  return {
+    apply, probe, record: live,
+    withList: () => { prune(); const listed = index(); shownList = JSON.stringify(listed);
+                      return {...probe(), index: listed}; },
+    onLoad: () => { prune(); const listed = index(); shownList = JSON.stringify(listed);
+                    return {...probe(), index: listed, record: live(current())}; },
+  };
+})();
+</script>""" % {"max_chats": MAX_CHATS}
