@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 from gradio_client import Client
+from gradio_client.exceptions import AppError
 
 from app_server import AppServer
 from ui.outputs import Settings
@@ -108,15 +109,23 @@ def test_stop_keeps_the_partial_reply(client):
     assert [text for role, text in texts(after[0]) if role == "user"] == ["Write a very long story.", "Next one."]
 
 
-def test_bad_input_changes_nothing(client):
-    assert client.predict(*settings(), api_name="/regenerate")[0] == []  # retry with no reply: a warning
-    assert client.predict(*settings(), api_name="/continue")[0] == []
-    client.predict("A question.", *settings(), api_name="/send")
-    before = client.predict(*settings(), api_name="/next_version")[0]  # a no-op read of the chat
-    for call in (lambda: client.predict("   ", *settings(), api_name="/send"),
-                 lambda: client.predict(0, "edit the system prompt?", *settings(), api_name="/edit"),
-                 lambda: client.predict("x " * 5000, *settings(), api_name="/send")):
-        assert call()[0] == before
+def test_refusals_are_errors_a_client_can_catch_and_change_nothing(client):
+    """Issue #20: a refusal is an error for an API client (before, `predict` returned normally
+    with only a toast for a page), with its reason, and the conversation is as it was."""
+    for api_name, reason in (("/regenerate", "no conversation yet"), ("/continue", "no conversation yet"),
+                             ("/undo", "nothing to undo")):
+        with pytest.raises(AppError, match=reason):
+            client.predict(*settings(), api_name=api_name)
+    first = client.predict("A question.", *settings(), api_name="/send")[0]
+    for args, api_name, reason in ((("   ",), "/send", "empty"),
+                                   ((0, "edit the system prompt?"), "/edit", "not a user one"),
+                                   (("x " * 5000,), "/send", "context"), ((), "/next_version", "has no branch 1")):
+        with pytest.raises(AppError, match=reason):
+            client.predict(*args, *settings(), api_name=api_name)
+    after = client.predict("Next.", *settings(), api_name="/send")[0]
+    answers = [t for r, t in texts(first) if r == "assistant"]
+    assert [t for r, t in texts(after) if r == "user"] == ["A question.", "Next."]
+    assert all(answer in [t for r, t in texts(after) if r == "assistant"] for answer in answers)
 
 
 def test_two_clients_see_only_their_own_conversations(app):

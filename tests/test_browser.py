@@ -212,10 +212,15 @@ def test_closing_the_tab_frees_its_conversation(browser, demo_app):
 
 def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
     page = open_chat(browser, demo_app.url)
+    tracebacks = Path(demo_app.log.name).read_text().count("Traceback")
     page.click("#continue")  # nothing to continue yet
     expect_warning(page, "There is no conversation yet")
     send(page, "   ")
     expect_warning(page, "the message is empty")
+    # a refusal is one toast: no "Error" badge over the chat, the input, the stats or the settings
+    expect(page.locator("[data-testid='status-tracker'] .error >> visible=true")).to_have_count(0)
+    expect(page.locator(".toast-body", has_text="the message is empty")).to_have_count(1)
+    assert Path(demo_app.log.name).read_text().count("Traceback") == tracebacks  # routine: no traceback
     wait_reply(page, send(page, "First real message."))
     def shown():  # the messages, not whether the thinking block happens to be open or folded
         return messages(page, "user").all_inner_texts(), messages(page, "bot").count(), \

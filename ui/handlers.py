@@ -1,5 +1,5 @@
 """One method per UI event. Each finds the browser's conversation, runs one operation on it and
-returns (or streams) `ChatOutputs`. Refusals are `ChatError`s: shown as a warning, nothing changed."""
+returns (or streams) `ChatOutputs`. A refusal raises `inputs.refused` before anything changed."""
 
 from __future__ import annotations
 
@@ -24,27 +24,23 @@ class ChatHandlers(ReplyEvents):
     def undo(self, key: Any, *values: Any) -> ChatOutputs:
         self.settings(values)
         if (chat := self.directory.find(key)) is None:
-            gr.Warning("There is nothing to undo.")
-            return self.empty()
+            raise inputs.refused("There is nothing to undo.")
         users = [m["content"] for m in chat.conversation.messages if m["role"] == "user"]
         try:
             chat.conversation.undo()
         except ChatError as error:
-            gr.Warning(str(error))
-            return self.view(key, chat)
+            raise inputs.refused(error) from None
         return self.view(key, chat, textbox=users[-1], stats=views.UNDONE)  # the message goes back in the box
 
     def select_version(self, step: int, key: Any, *values: Any) -> ChatOutputs:
         self.settings(values)
         if (chat := self.directory.find(key)) is None:
-            gr.Warning("There is no reply to switch.")
-            return self.empty()
+            raise inputs.refused("There is no reply to switch.")
         active, count = chat.conversation.versions
         try:
             restored = chat.conversation.select_version(active + step)
         except ChatError as error:
-            gr.Warning(str(error))
-            return self.view(key, chat)
+            raise inputs.refused(error) from None
         return self.view(key, chat, stats=views.version_note(active + step, count, restored))
 
     def edit_reply(self, index: Any, text: str, key: Any, *values: Any) -> ChatOutputs:
@@ -53,13 +49,11 @@ class ChatHandlers(ReplyEvents):
         whole = inputs.whole_number(index, "index", 0, 1_000_000)
         text = inputs.text(text, "reply", self.limits.max_message_chars)
         if (chat := self.directory.find(key)) is None:
-            gr.Warning("There is no conversation yet: send a message first.")
-            return self.empty()
+            raise inputs.refused("There is no conversation yet: send a message first.")
         try:
             chat.conversation.edit_reply(whole, text)
         except ChatError as error:
-            gr.Warning(str(error))
-            return self.view(key, chat)
+            raise inputs.refused(error) from None
         return self.view(key, chat, stats=views.EDITED_REPLY)
 
     def switch_branch(self, target: Any, key: Any, *values: Any) -> ChatOutputs:
@@ -67,13 +61,11 @@ class ChatHandlers(ReplyEvents):
         self.settings(values)
         index, branch = inputs.branch_target(target)
         if (chat := self.directory.find(key)) is None:
-            gr.Warning("There is no conversation to switch.")
-            return self.empty()
+            raise inputs.refused("There is no conversation to switch.")
         try:
             restored = chat.conversation.switch_branch(index, branch)
         except ChatError as error:
-            gr.Warning(str(error))
-            return self.view(key, chat)
+            raise inputs.refused(error) from None
         count = chat.conversation.branches(index)[1]
         return self.view(key, chat, stats=views.branch_note(branch, count, restored),
                          system_prompt=(chat.conversation.system_prompt or "") if index == 0 else gr.skip())
@@ -122,15 +114,12 @@ class PageEvents:
         position = _event_index(event)
         index = self._conversation_index(chat, position)
         if chat is None or index is None or position is None:
-            gr.Warning("That message cannot be edited.")
-            yield self.handlers.view(key, chat) if chat else ChatOutputs()
-            return
+            raise inputs.refused("That message cannot be edited.")
         text = event.get("value") if isinstance(event, dict) else None
         shown = self.handlers.chatbot_messages(chat)[0][position]
         if shown.get("metadata"):  # the reply's thinking block
-            gr.Warning("Only a reply's answer can be edited, not its thinking.")
-            yield self.handlers.view(key, chat)
-        elif chat.conversation.messages[index]["role"] == "assistant":
+            raise inputs.refused("Only a reply's answer can be edited, not its thinking.")
+        if chat.conversation.messages[index]["role"] == "assistant":
             yield self.handlers.edit_reply(index, text, key, *values)
         else:
             yield from self.handlers.edit(request, index, text, key, *values)

@@ -21,7 +21,14 @@ class Limits:
 
 
 def refuse(field: str, problem: str) -> gr.Error:
-    return gr.Error(f"{field}: {problem}", title="Not accepted")
+    return refused(f"{field}: {problem}")
+
+
+def refused(reason: Any) -> gr.Error:
+    """A refusal, raised by a handler before it changes anything: an API client gets an error it
+    can catch, the page one toast with every component left as it was (the page's style hides
+    Gradio's per-output error badges), and the log no traceback (it is routine, not a fault)."""
+    return gr.Error(str(reason), title="Not accepted", print_exception=False)
 
 
 def text(value: Any, field: str, max_chars: int) -> str:

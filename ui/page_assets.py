@@ -32,6 +32,8 @@ PAGE_SCRIPT = """() => {
 # event's first input (API clients send their own; this runs only in a page).
 TARGET_INPUT = "(target, ...settings) => [window.rewindBranchTarget ?? target, ...settings]"
 CSS = """
+/* a refusal is one toast: Gradio's "Error" badge over each of the event's outputs stays hidden */
+[data-testid="status-tracker"]:has(.error) { display: none !important; }
 #versions-row { flex-wrap: nowrap; align-items: center; }
 .branch-nav { font-size: 0.85em; opacity: 0.85; white-space: nowrap; }
 .message-row:has(.branch-nav) .message { background: none !important; border: none !important;

@@ -1,5 +1,6 @@
 """The events that make a reply (send, regenerate, edit, continue, retry): plan the operation (a
-refusal changes nothing), then stream the reply into the chat, reasoning and answer apart."""
+refusal, raised as `inputs.refused`, changes nothing), then stream the reply into the chat,
+reasoning and answer apart."""
 
 from __future__ import annotations
 
@@ -27,10 +28,7 @@ class ReplyEvents(HandlersBase):
         try:
             operation = make()  # checked when made: an empty message is refused here
         except ChatError as error:
-            gr.Warning(str(error))
-            chat = self.directory.find(key)
-            yield self.view(key, chat) if chat else ChatOutputs()
-            return
+            raise inputs.refused(error) from None
         try:
             if isinstance(operation, Send):
                 current = self.directory.find(key)
@@ -40,20 +38,14 @@ class ReplyEvents(HandlersBase):
                                                                                           settings.options())
                 key, chat = self.chat(request, key, settings)
             elif (chat := self.directory.find(key)) is None:
-                gr.Warning("There is no conversation yet: send a message first.")
-                yield self.empty()
-                return
+                raise inputs.refused("There is no conversation yet: send a message first.")
         except ChatError as error:  # the server is full, or busy
-            gr.Warning(str(error))
-            yield ChatOutputs()
-            return
+            raise inputs.refused(error) from None
         try:
             gone = lambda: key not in self.directory.manager or not chat.shown  # noqa: E731  (the page moved on)
             stream = chat.conversation.start(operation, settings.options(), cancelled=gone)
         except ChatError as error:
-            gr.Warning(str(error))
-            yield self.view(key, chat)  # the message stays in the box
-            return
+            raise inputs.refused(error) from None  # the message stays in the box
         if stream.dropped_turns:
             gr.Warning(f"The conversation was too long for the model's context: the {stream.dropped_turns} "
                        "oldest turn(s) were dropped (the system prompt is kept).")

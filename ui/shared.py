@@ -1,6 +1,6 @@
 """What every UI event handler shares: the engine, the browsers' conversations, the limits, the
-metrics, and how a conversation is drawn (`ChatOutputs`). Refusals are `ChatError`s: shown as a
-warning, nothing changed."""
+metrics, and how a conversation is drawn (`ChatOutputs`). A refusal raises `inputs.refused`
+before anything changed: an error an API client can catch, one toast on the page."""
 
 from __future__ import annotations
 
