@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from gradio_client.exceptions import AppError
 
 from chat import ConversationError
 from chat.demo import demo_folder
@@ -209,8 +210,9 @@ def test_the_app_talks_to_the_server(server, tmp_path):
         assert "What is 47 + 38?" in str(result[0]) and "did not say" in result[2]
         again = client.predict(*values, api_name="/regenerate")
         assert "2 / 2" in str(again[0])
-        refused = client.predict(*values, api_name="/continue")
-        assert refused[0] == again[0]  # transformers serve takes no continue_final_message: a warning, nothing changed
+        with pytest.raises(AppError):  # transformers serve takes no continue_final_message: refused
+            client.predict(*values, api_name="/continue")
+        assert "1 / 2" in str(client.predict(*values, api_name="/previous_version")[0])  # nothing changed
     finally:
         app.close()
 
