@@ -73,7 +73,6 @@ class CacheOwner:
         self.accounts.reset()
         self._batch: BatchedCache | SingleRow | None = None
         self._batch_bytes = 0
-        self._unsettled = False  # something the budget counts changed since the last settle
         self.evictions = self.segments_freed = 0
 
     # ---- any thread ------------------------------------------------------------------------------
@@ -88,13 +87,11 @@ class CacheOwner:
 
     def unpin(self, session: CacheSession) -> None:
         if self.accounts.unpin(session):
-            self._unsettled = True
             self.loop.post(self.settle)  # a close waiting for it, or a budget it may now give way to
 
     def close(self, session: CacheSession) -> None:
         """Its conversation is gone: free it now if idle, else when its operation ends."""
         self.accounts.close(session)
-        self._unsettled = True
         self.loop.post(self.settle)
 
     def stats(self) -> CacheStats:
@@ -106,7 +103,7 @@ class CacheOwner:
 
     def enforce_budget(self) -> None:
         """Bring the caches within the budget now (after the budget changed, say)."""
-        self.loop.call(self.settle, True)
+        self.loop.call(self.settle)
 
     # ---- the loop: a reply ---------------------------------------------------------------------
     def begin(self, session: CacheSession, prompt_ids: Sequence[int], keep: BranchKeep | None,
@@ -143,7 +140,6 @@ class CacheOwner:
         assert self._batch is not None
         self._batch.fed(token_ids)
         self._batch_bytes = self._batch.nbytes()
-        self._unsettled = self._unsettled or self.budget_bytes is not None  # the batch grew: idle ones may give way
 
     def scatter(self) -> None:
         """Every row's new states back to its own session; no batch is held afterwards."""
@@ -189,13 +185,9 @@ class CacheOwner:
         session.take_state_of(returned)
         self._measure(session)
 
-    def settle(self, force: bool = False) -> None:
-        """After each step and command: free closed sessions, keep the budget. Nothing to do (the
-        common case, a decode step) unless something it counts changed since the last time."""
+    def settle(self) -> None:
+        """After each step and command: free closed sessions, keep the budget."""
         self._on_loop()
-        if not (self._unsettled or force):
-            return
-        self._unsettled = False  # before the work: a change made meanwhile posts its own settle
         for session in self.accounts.take_closed():
             session.release()
         if self.budget_bytes is not None:
@@ -218,15 +210,13 @@ class CacheOwner:
             self.evictions += 1
         else:
             return self.prefix_store is not None and self.prefix_store.evict_one()
-        self.accounts.measured(session, session.nbytes())  # (the budget loop checks again itself)
+        self._measure(session)
         return True
 
     def _measure(self, session: CacheSession) -> int:
-        """Its bytes, as `stats` and the budget count them (each storage once); the next settle
-        looks at the budget again."""
+        """Its bytes, as `stats` and the budget count them (each storage once)."""
         nbytes = session.nbytes()
         self.accounts.measured(session, nbytes)
-        self._unsettled = True
         return nbytes
 
     def _on_loop(self, session: CacheSession | None = None) -> None:

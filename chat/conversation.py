@@ -10,7 +10,7 @@ the source how the shown path changes, so it can keep and put back its states.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from cache_sessions.branches import BranchMove
@@ -36,7 +36,7 @@ class Conversation:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._revision = 0
-        self._running: tuple[Plan, dict[str, list[str]]] | None = None  # a reply's plan and its text so far
+        self._running: RunningReply | None = None
 
     # ---- read-only views -------------------------------------------------------------------
     @property
@@ -93,20 +93,8 @@ class Conversation:
         running = self._running
         if running is None:
             return self.to_dict()
-        plan, written = running
-        copy = saved.from_dict(self.to_dict())  # the same tree, node for node, in the same order
-        same = dict(zip((node.uid for node in self.history.nodes()), copy.nodes()))
-        path = [same.get(node.uid) or copy.node(node.role, node.content) for node in plan.history]
-        answer, reasoning = "".join(written["answer"]), "".join(written["reasoning"])
-        if plan.reply is None:  # Continue: the last reply, longer
-            earlier = path[-1].reply
-            assert earlier is not None
-            path[-1].reply = replace(earlier, content=earlier.content + answer,
-                                     reasoning_content=earlier.reasoning_content + reasoning, stopped=True)
-        else:
-            version = ReplyVersion(answer, reasoning, None, None, plan.request.opens_reasoning, True)
-            copy.record_reply(path, copy.node("assistant"), version)
-        return saved.to_dict(copy)
+        plan = running.plan
+        return saved.to_dict_as_recorded(self.history, plan.history, plan.reply, running.stopped_now())
 
     # ---- operations that make a reply ----------------------------------------------------------
     def send(self, text: str, *, fit_context: bool = False, **options: Any) -> ReplyStream:
@@ -130,7 +118,7 @@ class Conversation:
         """Plan `operation` now (raising before anything changes) and return its stream. From now
         until the stream ends, `snapshot()` includes the new message and the text so far."""
         plan = self.plan(operation, options or GenerationOptions(), cancelled)
-        self._running = (plan, {"answer": [], "reasoning": []})
+        self._running = RunningReply(plan)
         return ReplyStream(self.run(plan), plan.dropped_turns)
 
     def plan(self, operation: Operation, options: GenerationOptions, cancelled: Cancelled = lambda: False) -> Plan:
@@ -142,7 +130,7 @@ class Conversation:
 
     def run(self, plan: Plan) -> Iterator[Delta]:
         """Stream the reply of a plan made by `plan()`; refused if the conversation changed since."""
-        written = self._running[1] if self._running is not None and self._running[0] is plan else None
+        running = self._running if self._running is not None and self._running.plan is plan else None
         try:
             with self.exclusive():
                 if plan.revision != self._revision:
@@ -151,8 +139,8 @@ class Conversation:
                 run = self.source.reply(plan.request, self._stop)
                 try:
                     for delta in run:
-                        if written is not None:
-                            written["reasoning" if delta.kind == "reasoning" else "answer"].append(delta.text)
+                        if running is not None:
+                            (running.reasoning if delta.kind == "reasoning" else running.answer).append(delta.text)
                         yield delta
                 finally:
                     if (reply := run.result()) is not None:  # recorded, stopped or not
@@ -167,7 +155,7 @@ class Conversation:
             self._end_running(plan)  # (refused before it ran)
 
     def _end_running(self, plan: Plan) -> None:
-        if self._running is not None and self._running[0] is plan:
+        if self._running is not None and self._running.plan is plan:
             self._running = None
 
     # ---- operations that change what is shown --------------------------------------------------
@@ -243,6 +231,25 @@ class Conversation:
     def exclusive(self) -> "_Exclusive":
         """Hold the conversation (and its states, busy) for one operation."""
         return _Exclusive(self._lock, self.source)
+
+
+@dataclass
+class RunningReply:
+    """A reply started and not ended yet: its plan and the text streamed so far."""
+
+    plan: Plan
+    answer: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+
+    def stopped_now(self) -> ReplyVersion:
+        """The version the history would record if the reply stopped now."""
+        answer, reasoning = "".join(self.answer), "".join(self.reasoning)
+        if self.plan.reply is None:  # Continue: the last reply, longer
+            earlier = self.plan.history[-1].reply
+            assert earlier is not None
+            return replace(earlier, content=earlier.content + answer,
+                           reasoning_content=earlier.reasoning_content + reasoning, stopped=True)
+        return ReplyVersion(answer, reasoning, None, None, self.plan.request.opens_reasoning, True)
 
 
 class _Exclusive:

@@ -55,6 +55,21 @@ def to_dict(history: History) -> dict[str, Any]:
             "path": [index_of[node.uid] for node in history.entries], "system_prompt": history.system_prompt}
 
 
+def to_dict_as_recorded(history: History, path: list[Node], reply: Node | None,
+                        version: ReplyVersion) -> dict[str, Any]:
+    """`to_dict(history)` as it will be once `version` is recorded for a planned `path` (`reply`:
+    the plan's new node; None for a Continue, which replaces the last reply of `path`), worked out
+    on a copy: the tree itself is unchanged."""
+    copy = from_dict(to_dict(history))  # the same tree, node for node, in the same order
+    same = dict(zip((node.uid for node in history.nodes()), copy.nodes()))
+    copied = [same.get(node.uid) or copy.node(node.role, node.content) for node in path]
+    if reply is None:
+        copy.record_continuation(copied, version)
+    else:
+        copy.record_reply(copied, copy.node("assistant"), version)
+    return to_dict(copy)
+
+
 def nests_deeper(value: Any, depth: int) -> bool:
     """Whether `value` has lists or dicts more than `depth` levels down (found without recursion,
     before anything that recurses, a JSON encoder or a deep copy, meets it). The saved format is

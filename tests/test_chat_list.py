@@ -60,7 +60,7 @@ def send(chat_list, browser, book, text, key, settings=GREEDY):
 
 
 def event_key(chat_list, browser, book, key):
-    new_key, book_out, need = chat_list.ensure(browser.probe(), key, book)
+    book_out, need = chat_list.ensure(browser.probe(), key, book)
     assert book_out is book
     if need:
         record = browser.records[need["id"]]
@@ -259,3 +259,27 @@ def test_a_record_for_another_id_or_a_broken_one_changes_nothing(make_engine, mo
     before = len(handlers.directory.manager)
     assert chat_list.recover(None, broken, None, book) == (gr.skip(), gr.skip())
     assert len(handlers.directory.manager) == before and "could not be opened" in warnings[-1]
+
+
+def test_a_snapshot_mid_reply_is_the_conversation_as_a_stop_there_leaves_it(make_engine):
+    """`Conversation.snapshot()` (what drafts carry), for a new reply and for a Continue: the
+    shown path with the reply so far, marked stopped; the tree itself is untouched meanwhile."""
+    engine = make_engine("full")
+    conversation = engine.conversation("Be brief.")
+    list(conversation.send("First?", max_new_tokens=3, do_sample=False))
+    for start, new_messages in ((lambda: conversation.send("Second?", max_new_tokens=30, do_sample=False), 2),
+                                (lambda: conversation.continue_reply(max_new_tokens=30, do_sample=False), 0)):
+        before = conversation.to_dict()
+        stream = iter(start())
+        for _ in range(4):
+            next(stream)
+        snapshot = conversation.snapshot()
+        assert conversation.to_dict() == before  # nothing recorded yet
+        list(stream)
+        final = conversation.to_dict()
+        shown = [snapshot["messages"][i] for i in snapshot["path"]]
+        assert [m["content"] for m in shown[:-1]] == [final["messages"][i]["content"] for i in final["path"][:-1]]
+        assert shown[-1]["stopped"] and final["messages"][final["path"][-1]]["content"].startswith(shown[-1]["content"])
+        assert len(snapshot["path"]) == len(before["path"]) + new_messages
+        if not new_messages:  # a Continue: the earlier reply, longer
+            assert shown[-1]["content"].startswith(before["messages"][before["path"][-1]]["content"])

@@ -57,6 +57,33 @@ class Book:
         self.revs.pop(chat_id, None)
         self.renamed.discard(chat_id)
 
+    def hear(self, said: "Probe") -> list[str]:
+        """What the page said besides its event: copies its tab kept of records another tab had
+        changed (this page goes on with its copy), the list, refused writes. Returns what to tell
+        the person."""
+        if self.current is not None and said.current is not None and said.moved.get(self.current) == said.current:
+            self.revs[said.current], self.current = 1, said.current
+            self.parked.pop(said.current, None)
+        if said.index is not None:
+            self.index = said.index
+            self.renamed &= {entry for entry, _ in said.index}
+        notices = [f"This browser keeps {MAX_CHATS} conversations: the oldest, “{title}”, was removed from the list."
+                   for title in said.notices]
+        if said.full:
+            notices.append("This browser's storage is full: the latest changes are not kept in it. Export or delete "
+                           "some conversations.")
+        return notices
+
+    def read(self, record: dict[str, Any], saved: tuple[str, int] | None = None) -> None:
+        """This page now knows `record` at its revision (`saved`: the server key and revision of
+        the conversation made of it, if one was)."""
+        self.revs[record["id"]] = record["rev"]
+        if record["renamed"]:
+            self.renamed.add(record["id"])
+        if all(entry != record["id"] for entry, _ in self.index):
+            self.put_first(record["id"], record["title"])
+        self.saved = saved
+
     def next_rev(self, chat_id: str) -> int:
         """The revision the next write of `chat_id` carries (and this page then knows)."""
         self.revs[chat_id] = self.revs.get(chat_id, 0) + 1
@@ -232,8 +259,8 @@ window.rewindCopy = (() => {
     }
     if ("current" in box) setCurrent(moved[box.current] ?? box.current);
     prune();
-    const listed = JSON.stringify(index());
-    if (copied || listed !== shownList) { shownList = listed; if (copied) refreshList(); }
+    shownList = JSON.stringify(index());  // the server lists what this tab wrote; a copy it must be told of
+    if (copied) refreshList();
   };
   const refreshList = () => document.querySelector("#list-refresh")?.click();
   window.addEventListener("storage", (event) => {  // another tab changed the list

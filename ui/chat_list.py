@@ -83,28 +83,29 @@ class ListOutputs:
                    **changes)
 
 
-class ChatList:
+class CopyKeeping:
+    """Around every conversation event: the server gets the shown conversation back if it must
+    (`ensure`, `recover`), a streaming reply is drafted into the browser's copy (`drafting`), and
+    the copy is brought up to date (`sync`)."""
+
     def __init__(self, handlers: ChatHandlers):
         self.handlers = handlers
         self.directory = handlers.directory
-        self.engine = handlers.engine
-        self.files = ChatFiles(handlers.directory)
 
-    # ---- around every conversation event -----------------------------------------------------
     def ensure(self, probe: Any, key: Any, book: Any) -> tuple:
         """Before an event: whether the server must rebuild the shown conversation from the
-        browser's record (it no longer has it, or another tab changed it). Returns the key, the
-        book and what to ask the page for (the record's id, or nothing)."""
+        browser's record (it no longer has it, or another tab changed it). Returns the book and
+        what to ask the page for (the record's id, or nothing)."""
         said, book = checked_probe(probe), checked_book(book)
         self._hear(said, book)
         if book.current is None:  # a new chat: its record's id, for the drafts of its first reply
             book.current = browser_copy.new_id()
-            return gr.skip(), book, None
+            return book, None
         chat, known = self.directory.find(key), book.revs.get(book.current)
         stale = said.current == book.current and said.rev is not None and said.rev != known
         if said.rev is not None and (chat is None or stale):
-            return gr.skip(), book, {"id": book.current}
-        return gr.skip(), book, None
+            return book, {"id": book.current}
+        return book, None
 
     def recover(self, request: gr.Request, record: Any, key: Any, book: Any) -> tuple:
         """The record `ensure` asked for, made a conversation again (checked as an Import)."""
@@ -118,7 +119,7 @@ class ChatList:
             return gr.skip(), gr.skip()
         if self.directory.find(key) is not None:
             self.directory.close(key)  # an older copy of it (another tab changed it since)
-        self._read(book, record, new_key, chat)
+        book.read(record, (new_key, chat.conversation.revision))
         return new_key, book
 
     def drafting(self, handler: Callable[..., Iterator[tuple]]) -> Callable[..., Iterator[tuple]]:
@@ -156,7 +157,28 @@ class ChatList:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return outbox(book, written), book, choices_of(book), book.title(book.current)
 
-    # ---- the page and the list's own events -------------------------------------------------------
+    def _hear(self, said: Probe, book: Book) -> None:
+        for notice in book.hear(said):
+            gr.Warning(notice)
+
+    def _write(self, book: Book, key: str, chat: BrowserChat) -> dict[str, Any] | None:
+        """The shown conversation's record at the next revision; None before anything was said."""
+        data = chat.conversation.snapshot()
+        if book.current is None or not said_anything(data):
+            return None
+        written = browser_copy.record(book, book.current, data)
+        book.saved = (key, chat.conversation.revision)
+        return written
+
+
+class ChatList(CopyKeeping):
+    """The list's own events: the page's load, another tab's change, open, New chat, rename,
+    delete, import (and, through `files`, export)."""
+
+    def __init__(self, handlers: ChatHandlers):
+        super().__init__(handlers)
+        self.files = ChatFiles(handlers.directory)
+
     def load(self, probe: Any, book: Any) -> tuple:
         """Page load: the conversation this tab showed, from the browser's record (nothing made on
         the server until the next event), and the list. An event of this page that began first
@@ -169,9 +191,9 @@ class ChatList:
         outputs.textbox = gr.update(placeholder=views.READY)
         if said.record is not None and said.record["id"] == said.current:
             outputs = self._drawn(said.record, outputs)
-            if outputs.chat is not gr.skip() and outputs.chat:
+            if outputs.chat:  # drawn (else a warning said why)
                 book.current = said.record["id"]
-                self._read(book, said.record)
+                book.read(said.record)
         listed = ListOutputs.of(book)
         listed.outbox = None  # nothing to write
         return (*outputs.to_gradio(), *listed.to_gradio())
@@ -203,7 +225,7 @@ class ChatList:
         else:
             self.directory.close(parked_key)
             outputs = self._drawn(record, self.handlers.empty())
-            self._read(book, record)
+            book.read(record)
         return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
 
     def new_chat(self, key: Any, book: Any) -> tuple:
@@ -258,42 +280,7 @@ class ChatList:
         outputs = self.handlers.view(new_key, chat, stats="Imported: its cache is computed at the next message.")
         return (*outputs.to_gradio(), *ListOutputs.of(book, *left, *([written] if written else [])).to_gradio())
 
-    # ---- reading and writing records -----------------------------------------------------------------
-    def _hear(self, said: Probe, book: Book) -> None:
-        """What the page said besides the event: copies its tab kept, refused writes, the list."""
-        if book.current is not None and said.moved.get(book.current) == said.current:
-            book.revs[said.current], book.current = 1, said.current  # this tab goes on with its copy
-            if book.current in book.parked:
-                book.parked.pop(book.current)
-        if said.full:
-            gr.Warning("This browser's storage is full: the latest changes are not kept in it. Export or delete "
-                       "some conversations.")
-        for title in said.notices:
-            gr.Warning(f"This browser keeps {browser_copy.MAX_CHATS} conversations: the oldest, “{title}”, was "
-                       "removed from the list.")
-        if said.index is not None:
-            book.index = said.index
-            book.renamed &= {entry for entry, _ in said.index}
-
-    def _read(self, book: Book, record: dict[str, Any], key: str | None = None,
-              chat: BrowserChat | None = None) -> None:
-        """This page now knows `record` at its revision (and, given, the conversation made of it)."""
-        book.revs[record["id"]] = record["rev"]
-        if record["renamed"]:
-            book.renamed.add(record["id"])
-        if all(entry != record["id"] for entry, _ in book.index):
-            book.put_first(record["id"], record["title"])
-        book.saved = (key, chat.conversation.revision) if key is not None and chat is not None else None
-
-    def _write(self, book: Book, key: str, chat: BrowserChat) -> dict[str, Any] | None:
-        """The shown conversation's record at the next revision; None before anything was said."""
-        data = chat.conversation.snapshot()
-        if book.current is None or not said_anything(data):
-            return None
-        written = browser_copy.record(book, book.current, data)
-        book.saved = (key, chat.conversation.revision)
-        return written
-
+    # ---- moving between conversations --------------------------------------------------------------
     def _leave(self, key: Any, book: Book) -> list[dict[str, Any]]:
         """The shown conversation goes to the list: a running reply is stopped (and kept), its
         latest state written, its server key parked for a cheap return. Returns what to write."""

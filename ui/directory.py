@@ -10,8 +10,9 @@ nothing, so idle pages and cheap calls hold no memory and no session slot.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from cache_sessions.manager import SessionManager, TooManySessions
 from chat import Conversation, ServerBusyError
@@ -49,9 +50,16 @@ class BrowserChat:
     streams: int = 0  # events streaming into the page from it (a page's next view waits for them)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def streaming(self) -> "_Streaming":
+    @contextmanager
+    def streaming(self) -> Iterator[None]:
         """Held while an event streams its updates: once released, none of them is still on its way."""
-        return _Streaming(self)
+        with self._lock:
+            self.streams += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.streams -= 1
 
     @property
     def busy(self) -> bool:  # what the session manager asks before it closes one for room
@@ -65,19 +73,6 @@ class BrowserChat:
         """How long each shown reply thought, by its index in the shown path."""
         path = self.conversation.history.entries
         return {i: self.thinking_seconds[node.uid] for i, node in enumerate(path) if node.uid in self.thinking_seconds}
-
-
-class _Streaming:
-    def __init__(self, chat: BrowserChat):
-        self.chat = chat
-
-    def __enter__(self) -> None:
-        with self.chat._lock:
-            self.chat.streams += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self.chat._lock:
-            self.chat.streams -= 1
 
 
 class ChatDirectory:

@@ -60,7 +60,7 @@ def with_conversation(chat_list: ChatList, page: dict[str, Any], trigger: Callab
     record (it lost it, or another tab changed it) and, if so, rebuilds it from the one the page
     then sends. Returns what the event itself is chained to."""
     key, book = page["key"], page["book"]
-    return trigger(chat_list.ensure, [page["probe"], key, book], [key, book, page["need"]], js=PROBE, **QUIET) \
+    return trigger(chat_list.ensure, [page["probe"], key, book], [book, page["need"]], js=PROBE, **QUIET) \
         .then(chat_list.recover, [page["need"], key, book], [key, book], js=RECORD, **QUIET)
 
 
