@@ -11,6 +11,7 @@ Module map:
   saved.py         a conversation as JSON-safe data, and the checked way back (restore)
   plans.py         planning an operation: history, prompt ids, context fitted (no changes)
   fitting.py       leaving the oldest turns out to fit the context, in time bounded by the context
+  in_flight.py     a count of things under way (plans being made, streams into a page), from any thread
   sources.py       where replies come from: ReplyRequest in, deltas and a Reply out (a protocol)
   local.py         replies from the embedded engine (the scheduler and the cache owner)
   served.py        replies from an OpenAI-compatible server

@@ -10,16 +10,15 @@ when its caller says it went away.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 from cache_sessions.branches import BranchKeep
 from cache_sessions.session import common_prefix_length
 from chat.errors import ContextOverflowError, NotAUserMessageError, NothingToRegenerateError
 from chat.fitting import fit_to_context
 from chat.history import History, Node
+from chat.in_flight import InFlight
 from chat.operations import Continue, Edit, Operation, Regenerate, Send
 from chat.options import GenerationOptions
 from chat.sources import ReplyKind, ReplyRequest
@@ -46,17 +45,16 @@ class Planner:
 
     def __init__(self, template: ChatTemplate, context_limit: int | None):
         self.template, self.context_limit = template, context_limit
-        self._lock = threading.Lock()
-        self._planning = 0
+        self._planning = InFlight()
 
     @property
     def planning(self) -> int:
         """Operations being planned now."""
-        return self._planning
+        return self._planning.count
 
     def plan(self, operation: Operation, history: History, options: GenerationOptions, revision: int,
              cancelled: Callable[[], bool] = lambda: False) -> Plan:
-        with self._counted():
+        with self._planning.held():
             if isinstance(operation, Continue):
                 return self._continue(history, options, revision, cancelled)
             fit = isinstance(operation, Send) and operation.fit_context
@@ -121,15 +119,6 @@ class Planner:
                 f"exceeds the model's context of {limit} tokens",
                 prompt_tokens=prompt_tokens, max_new_tokens=options.max_new_tokens, context_limit=limit)
 
-    @contextmanager
-    def _counted(self) -> Iterator[None]:
-        with self._lock:
-            self._planning += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._planning -= 1
 
 
 def answered_path(operation: Operation, history: History) -> list[Node]:

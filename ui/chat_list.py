@@ -290,7 +290,7 @@ class ChatList(CopyKeeping):
         chat.shown = False
         chat.conversation.stop()
         deadline = time.monotonic() + STOP_WAIT_S
-        while (chat.conversation.is_busy or chat.streams) and time.monotonic() < deadline:
+        while (chat.conversation.is_busy or chat.streams.count) and time.monotonic() < deadline:
             time.sleep(0.02)  # its stream ends too: no update of it can arrive after this page's next view
         written = self._write(book, key, chat) if book.saved != (key, chat.conversation.revision) else None
         if book.current is not None and any(entry == book.current for entry, _ in book.index):

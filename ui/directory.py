@@ -10,12 +10,12 @@ nothing, so idle pages and cheap calls hold no memory and no session slot.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from cache_sessions.manager import SessionManager, TooManySessions
 from chat import Conversation, ServerBusyError
+from chat.in_flight import InFlight
 
 
 class Closes:
@@ -47,19 +47,9 @@ class BrowserChat:
     thinking_seconds: dict[int, float] = field(default_factory=dict)  # by message (node) id
     client: str | None = None  # the address that opened it
     shown: bool = True  # False while the page shows another conversation of its list
-    streams: int = 0  # events streaming into the page from it (a page's next view waits for them)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @contextmanager
-    def streaming(self) -> Iterator[None]:
-        """Held while an event streams its updates: once released, none of them is still on its way."""
-        with self._lock:
-            self.streams += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.streams -= 1
+    # events streaming into the page from it, each held while it streams: once none is, no update
+    # of theirs is still on its way (a page's next view waits for that)
+    streams: InFlight = field(default_factory=InFlight, repr=False)
 
     @property
     def busy(self) -> bool:  # what the session manager asks before it closes one for room

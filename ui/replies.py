@@ -54,7 +54,7 @@ class ReplyEvents(HandlersBase):
             yield self.view(key, chat, chat=base, stats=views.GENERATING, **_BUSY,
                             textbox=gr.update(value="", placeholder=views.BUSY) if isinstance(operation, Send)
                             else gr.update(placeholder=views.BUSY))
-        with chat.streaming():  # (Gradio has sent every earlier update when it asks for the next)
+        with chat.streams.held():  # (Gradio has sent every earlier update when it asks for the next)
             yield from self._stream(key, chat, stream, base, reasoning, answer, type(operation).__name__.lower())
 
     def _before_reply(self, chat: BrowserChat, operation: Operation) -> tuple[list[dict], str, str]:
