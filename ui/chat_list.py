@@ -149,10 +149,7 @@ class CopyKeeping:
     def sync(self, key: Any, book: Any) -> tuple:
         """After an event: the shown conversation's record, if the event changed it."""
         book, chat = checked_book(book), self.directory.find(key)
-        if chat is None or not chat.shown or book.current is None \
-                or book.saved == (key, chat.conversation.revision):
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        written = self._write(book, key, chat)
+        written = self._write(book, key, chat) if chat is not None and chat.shown else None
         if written is None:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return outbox(book, written), book, choices_of(book), book.title(book.current)
@@ -162,9 +159,12 @@ class CopyKeeping:
             gr.Warning(notice)
 
     def _write(self, book: Book, key: str, chat: BrowserChat) -> dict[str, Any] | None:
-        """The shown conversation's record at the next revision; None before anything was said."""
+        """The shown conversation's record at the next revision; None when nothing changed since
+        it was last written, or nothing was said yet."""
+        if book.current is None or book.saved == (key, chat.conversation.revision):
+            return None
         data = chat.conversation.snapshot()
-        if book.current is None or not said_anything(data):
+        if not said_anything(data):
             return None
         written = browser_copy.record(book, book.current, data)
         book.saved = (key, chat.conversation.revision)
@@ -292,7 +292,7 @@ class ChatList(CopyKeeping):
         deadline = time.monotonic() + STOP_WAIT_S
         while (chat.conversation.is_busy or chat.streams.count) and time.monotonic() < deadline:
             time.sleep(0.02)  # its stream ends too: no update of it can arrive after this page's next view
-        written = self._write(book, key, chat) if book.saved != (key, chat.conversation.revision) else None
+        written = self._write(book, key, chat)
         if book.current is not None and any(entry == book.current for entry, _ in book.index):
             book.parked[book.current] = key
         else:
