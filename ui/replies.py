@@ -91,6 +91,7 @@ class ReplyEvents(HandlersBase):
                     if key not in self.directory.manager or not chat.shown:  # the page shows another
                         # conversation (New chat, the list), or the tab closed: the page
                         self._abandon(chat, deltas)  # has moved on; write nothing over it
+                        yield ChatOutputs()  # (why: see the end)
                         return
                     if time.perf_counter() - shown_at < UPDATE_INTERVAL_S:
                         continue  # each update resends the chat: coalesce fast tokens
@@ -115,6 +116,8 @@ class ReplyEvents(HandlersBase):
             chat.thinking_seconds[path[-1].uid] = thought_for or (time.perf_counter() - (thinking_since or started))
         if key in self.directory.manager and chat.shown:  # unless the page moved on meanwhile
             yield self.view(key, chat, write_key=False, textbox=gr.update(placeholder=views.READY))
+        else:  # Gradio's message that the event ended repeats its last update, which may come after
+            yield ChatOutputs()  # the next view's: the last must change nothing
 
     def _abandon(self, chat: BrowserChat, deltas: Iterator[Any]) -> None:
         """Stop a reply nobody reads any more and let it end as Stop ends it: the partial reply
