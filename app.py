@@ -21,12 +21,12 @@ from ui.chat_list import ChatList
 from ui.config import AppConfig
 from ui.directory import ChatDirectory, Closes
 from ui.handlers import ChatHandlers, PageEvents
-from ui.inputs import Limits
+from ui.inputs import Limits, StrictBlocks
 from ui.operator import Metrics, routes
 from ui.security import SecurityHeaders
 from ui import gradio_tuning, views
 from ui.outputs import Settings
-from ui.page_assets import CSS, LATEX, PAGE_SCRIPT
+from ui.page_assets import CSS, LATEX, PAGE_SCRIPT, SETTINGS_SCRIPT
 from ui.wiring import wire_api_twins, wire_conversation, wire_list, wire_load
 
 try:  # Hugging Face ZeroGPU: generation must run inside `spaces.GPU`
@@ -48,13 +48,14 @@ DEMO_PLACEHOLDER = ("The `demo` model is a toy trained here in under an hour: it
 
 
 EXPORTS_KEPT_S = 600  # Gradio's copies of exports and uploads are deleted this long after they were made
+PAGE_HEAD = BROWSER_COPY_SCRIPT + SETTINGS_SCRIPT  # the page's own scripts: its copy of the conversations, its settings
 
 
 def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
           placeholder: str = "Ask anything.") -> gr.Blocks:
     chat_list = ChatList(handlers)
     directory = handlers.directory
-    with gr.Blocks(title="rewind-chat", fill_height=True, delete_cache=(EXPORTS_KEPT_S, EXPORTS_KEPT_S)) as demo:
+    with StrictBlocks(title="rewind-chat", fill_height=True, delete_cache=(EXPORTS_KEPT_S, EXPORTS_KEPT_S)) as demo:
         # the browser's copy (ui/browser_copy.py): the page's book of it, what the server sends
         # to be written, what the page's script says before an event, what the server asks for
         page = dict(key=gr.State(None, delete_callback=Closes(directory)),
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.launch(server_name=config.host, server_port=config.port, enable_monitoring=config.monitoring, show_error=True,
                 footer_links=["api"], run_history=False, quiet=True, prevent_thread_lock=True,
                 state_session_capacity=config.page_states,
-                css=CSS, js=PAGE_SCRIPT, head=BROWSER_COPY_SCRIPT, max_file_size=saved.MAX_JSON_BYTES,
+                css=CSS, js=PAGE_SCRIPT, head=PAGE_HEAD, max_file_size=saved.MAX_JSON_BYTES,
                 app_kwargs={"middleware": [Middleware(SecurityHeaders)], "routes": routes(directory, metrics),
                             "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
     print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",

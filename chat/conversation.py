@@ -10,6 +10,7 @@ the source how the shown path changes, so it can keep and put back its states.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
@@ -130,7 +131,7 @@ class Conversation:
 
     def run(self, plan: Plan) -> Iterator[Delta]:
         """Stream the reply of a plan made by `plan()`; refused if the conversation changed since."""
-        running = self._running if self._running is not None and self._running.plan is plan else None
+        running = self._running if self._running is not None and self._running.plan is plan else RunningReply(plan)
         try:
             with self.exclusive():
                 if plan.revision != self._revision:
@@ -139,15 +140,14 @@ class Conversation:
                 run = self.source.reply(plan.request, self._stop)
                 try:
                     for delta in run:
-                        if running is not None:
-                            (running.reasoning if delta.kind == "reasoning" else running.answer).append(delta.text)
+                        running.take(delta)
                         yield delta
                 finally:
                     if (reply := run.result()) is not None:  # recorded, stopped or not
                         if plan.reply is None:
-                            self.history.record_continuation(plan.history, reply.version)
+                            self.history.record_continuation(plan.history, running.recorded(reply.version))
                         else:
-                            self.history.record_reply(plan.history, plan.reply, reply.version)
+                            self.history.record_reply(plan.history, plan.reply, running.recorded(reply.version))
                         self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
                         self._revision += 1
                     self._end_running(plan)  # still holding the lock: no snapshot sees the reply twice
@@ -240,6 +240,30 @@ class RunningReply:
     plan: Plan
     answer: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
+    thinking_from: float | None = None  # when its first reasoning came
+    answering_from: float | None = None  # when its first answer after reasoning came
+
+    def take(self, delta: Delta) -> None:
+        now = time.perf_counter()
+        if delta.kind == "reasoning":
+            self.reasoning.append(delta.text)
+            self.thinking_from = self.thinking_from or now
+        else:
+            self.answer.append(delta.text)
+            if self.thinking_from is not None and self.answering_from is None:
+                self.answering_from = now
+
+    def thought_s(self) -> float | None:
+        """How long this run has thought (so far, if it still does); None if it did not think. A
+        continued reply adds its earlier thinking."""
+        earlier = self.plan.history[-1].reply.thought_s if self.plan.reply is None else None  # type: ignore[union-attr]
+        if self.thinking_from is None:
+            return earlier
+        return (earlier or 0.0) + (self.answering_from or time.perf_counter()) - self.thinking_from
+
+    def recorded(self, version: ReplyVersion) -> ReplyVersion:
+        """What the history records of the source's version: with how long it thought."""
+        return replace(version, thought_s=self.thought_s())
 
     def stopped_now(self) -> ReplyVersion:
         """The version the history would record if the reply stopped now."""
@@ -247,9 +271,10 @@ class RunningReply:
         if self.plan.reply is None:  # Continue: the last reply, longer
             earlier = self.plan.history[-1].reply
             assert earlier is not None
-            return replace(earlier, content=earlier.content + answer,
-                           reasoning_content=earlier.reasoning_content + reasoning, stopped=True)
-        return ReplyVersion(answer, reasoning, None, None, self.plan.request.opens_reasoning, True)
+            return replace(earlier, content=earlier.content + answer, reasoning_content=earlier.reasoning_content
+                           + reasoning, stopped=True, ended=False, thought_s=self.thought_s())
+        return ReplyVersion(answer, reasoning, None, None, self.plan.request.opens_reasoning, True,
+                            thought_s=self.thought_s())
 
 
 class _Exclusive:

@@ -24,6 +24,10 @@ class NothingToUndoError(ConversationError):
     pass
 
 
+class ReplyEndedError(ConversationError):
+    """Continue on a reply the model ended itself: it would only write an end-of-turn token."""
+
+
 class NotAUserMessageError(ConversationError):
     pass
 

@@ -34,6 +34,8 @@ class ReplyVersion:
     opens_reasoning: bool
     stopped: bool
     edited: bool = False
+    ended: bool = False  # the model ended it (an end-of-turn token): a Continue would add nothing
+    thought_s: float | None = None  # how long it thought before answering (shown on its Thinking bubble)
 
 
 @dataclass(eq=False)

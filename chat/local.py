@@ -94,14 +94,18 @@ class LocalReply:
 
     def _version(self, sequence: list[int], stopped: bool) -> ReplyVersion:
         request, tokenizer = self.request, self.runtime.tokenizer
-        new_ids = [token for token in sequence[len(request.prompt_ids):] if token not in self.runtime.eos_token_ids]
+        generated = sequence[len(request.prompt_ids):]
+        new_ids = [token for token in generated if token not in self.runtime.eos_token_ids]
+        # the model ended it: an end token, or (the chooser's own end tokens) before its length ran out
+        ended = not stopped and bool(generated) and (generated[-1] in self.runtime.eos_token_ids
+                                                    or len(generated) < request.options.max_new_tokens)
         reply_ids = request.earlier_ids + new_ids
         splitter = ReasoningSplitter(starts_in_reasoning=request.opens_reasoning)
         splitter.feed(tokenizer.decode(reply_ids, skip_special_tokens=False))
         splitter.finish()
         content, reasoning = splitter.message_fields()
         prompt_ids = request.prompt_ids[: len(request.prompt_ids) - len(request.earlier_ids)]
-        return ReplyVersion(content, reasoning, reply_ids, prompt_ids, request.opens_reasoning, stopped)
+        return ReplyVersion(content, reasoning, reply_ids, prompt_ids, request.opens_reasoning, stopped, ended=ended)
 
     def _stats(self, sequence: list[int], stopped: bool) -> TurnStats:
         run = self.generation

@@ -15,7 +15,7 @@ from typing import Callable
 
 from cache_sessions.branches import BranchKeep
 from cache_sessions.session import common_prefix_length
-from chat.errors import ContextOverflowError, NotAUserMessageError, NothingToRegenerateError
+from chat.errors import ContextOverflowError, NotAUserMessageError, NothingToRegenerateError, ReplyEndedError
 from chat.fitting import fit_to_context
 from chat.history import History, Node
 from chat.in_flight import InFlight
@@ -83,6 +83,8 @@ class Planner:
         last = history.last_reply()
         if last is None or last.reply is None:
             raise NothingToRegenerateError("there is no reply to continue")
+        if last.reply.ended:
+            raise ReplyEndedError("this reply had ended: there is nothing to continue (Regenerate writes another)")
         entries = history.entries
         messages = [node.message() for node in entries]
         rendered = None

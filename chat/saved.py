@@ -4,7 +4,8 @@ The format is flat (no nesting, however deep the tree), so it parses without rec
   {"format": "rewind-chat.conversation", "version": 1,
    "messages": [{"parent": null | index of an earlier message, "role": "system"|"user"|"assistant",
                  "content": str, "shown": index among its children | null,
-                 assistant only: "reasoning_content": str, "stopped": bool, "edited": bool}, ...],
+                 assistant only: "reasoning_content": str, "stopped": bool, "edited": bool,
+                 optional "ended": bool, optional "thought_s": seconds it thought}, ...],
    "shown": index among the top-level messages | null,
    "path": [message indices of the shown path], "system_prompt": str | null,
    optional "title": str (the name the list showed; exports carry it)}
@@ -30,7 +31,9 @@ MAX_TOTAL_CHARS = 2_000_000
 MAX_JSON_BYTES = 8 * MAX_TOTAL_CHARS  # escaped text can be several bytes a character
 MAX_NESTING = 4  # the object, its messages, a message, the path
 _CHILD_ROLES = {"root": ("system", "user"), "system": ("user",), "user": ("assistant",), "assistant": ("user",)}
-_KEYS = {"parent", "role", "content", "shown", "reasoning_content", "stopped", "edited"}
+_REPLY_KEYS = {"reasoning_content", "stopped", "edited", "ended", "thought_s"}
+_KEYS = {"parent", "role", "content", "shown", *_REPLY_KEYS}
+MAX_THOUGHT_S = 1e6
 
 
 class SavedConversationError(ConversationError):
@@ -46,8 +49,13 @@ def to_dict(history: History) -> dict[str, Any]:
                                 "role": node.role, "shown": node.active}
         if node.role == "assistant":
             assert node.reply is not None
-            item.update(content=node.reply.content, reasoning_content=node.reply.reasoning_content,
-                        stopped=node.reply.stopped, edited=node.reply.edited)
+            reply = node.reply
+            item.update(content=reply.content, reasoning_content=reply.reasoning_content,
+                        stopped=reply.stopped, edited=reply.edited)
+            if reply.ended:
+                item["ended"] = True
+            if reply.thought_s is not None:
+                item["thought_s"] = round(reply.thought_s, 1)
         else:
             item["content"] = node.content
         messages.append(item)
@@ -171,12 +179,18 @@ def _node(history: History, item: dict[str, Any], parent: Node, where: str) -> N
     content = _text(item.get("content"), f"{where}.content")
     if role == "assistant":
         reasoning = _text(item.get("reasoning_content", ""), f"{where}.reasoning_content")
-        flags = [item.get(name, False) for name in ("stopped", "edited")]
-        if not all(isinstance(flag, bool) for flag in flags):
-            _fail(f"{where}.stopped and .edited must be true or false")
-        return history.node("assistant", reply=ReplyVersion(content, reasoning, None, None, False, *flags))
-    if set(item) & {"reasoning_content", "stopped", "edited"}:
-        _fail(f"{where}: only replies have reasoning_content, stopped or edited")
+        stopped, edited, ended = (item.get(name, False) for name in ("stopped", "edited", "ended"))
+        if not all(isinstance(flag, bool) for flag in (stopped, edited, ended)):
+            _fail(f"{where}.stopped, .edited and .ended must be true or false")
+        thought_s = item.get("thought_s")
+        if thought_s is not None and (isinstance(thought_s, bool) or not isinstance(thought_s, (int, float))
+                                      or not 0 <= thought_s <= MAX_THOUGHT_S):
+            _fail(f"{where}.thought_s must be a number of seconds from 0 to {MAX_THOUGHT_S:g}")
+        version = ReplyVersion(content, reasoning, None, None, False, stopped, edited, ended,
+                               None if thought_s is None else float(thought_s))
+        return history.node("assistant", reply=version)
+    if set(item) & _REPLY_KEYS:
+        _fail(f"{where}: only replies have {', '.join(sorted(_REPLY_KEYS))}")
     if not content.strip():
         _fail(f"{where}.content is empty")
     return history.node(role, content)

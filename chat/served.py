@@ -138,7 +138,8 @@ class ServedReply:
                 content, reasoning = splitter.message_fields()
                 if progress.server_reasoning:  # split by the server: cleaned as the splitter cleans its own
                     content, reasoning = content.lstrip(), (progress.server_reasoning + reasoning).strip("\n")
-                version = ReplyVersion(content, reasoning, None, None, request.opens_reasoning, stopped)
+                version = ReplyVersion(content, reasoning, None, None, request.opens_reasoning, stopped,
+                                       ended=not stopped and progress.finish_reason == "stop")
                 self._reply = Reply(version, progress.stats(request, stopped))
 
     def _open(self) -> Any:
@@ -185,6 +186,7 @@ class _Progress:
         self.first_at: float | None = None
         self.last_at: float | None = None
         self.chunks = 0
+        self.finish_reason: str | None = None  # "stop": the model ended the reply; "length": cut off
 
     def take(self, chunk: Any, splitter: ReasoningSplitter, prompt_format: str) -> list[Delta]:
         if chunk.usage is not None:
@@ -192,6 +194,7 @@ class _Progress:
         if not chunk.choices:
             return []
         choice = chunk.choices[0]
+        self.finish_reason = getattr(choice, "finish_reason", None) or self.finish_reason
         if prompt_format == "messages":
             text = choice.delta.content or ""
             thought = getattr(choice.delta, "reasoning_content", None) or ""

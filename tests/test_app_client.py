@@ -128,6 +128,35 @@ def test_refusals_are_errors_a_client_can_catch_and_change_nothing(client):
     assert all(answer in [t for r, t in texts(after) if r == "assistant"] for answer in answers)
 
 
+def test_the_api_names_its_parameters_and_refuses_a_wrong_number_of_inputs(app, client):
+    """Issue #20: the parameters were `param_2`... and an input too many was silently dropped on
+    every endpoint. Now they are named, the settings have the panel's defaults, and a call with
+    more values than its event takes is refused with an error that says so."""
+    import json
+    import urllib.request
+    info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    names = [parameter["parameter_name"] for parameter in info["/send"]["parameters"]]
+    assert names == ["text", *Settings.names()]
+    assert all(parameter["parameter_name"].startswith("param_") is False for endpoint in info.values()
+               for parameter in endpoint["parameters"])
+    reply = client.predict("A question.", max_new_tokens=4, api_name="/send")[0]  # the settings left out
+    assert [t for r, t in texts(reply) if r == "user"] == ["A question."]
+
+    def call(api_name: str, data: list) -> str:
+        """The raw HTTP API (gradio_client counts the arguments itself): what the event stream says."""
+        request = urllib.request.Request(f"{app.url}gradio_api/call/{api_name}", json.dumps({"data": data}).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            event_id = json.load(response)["event_id"]
+        with urllib.request.urlopen(f"{app.url}gradio_api/call/{api_name}/{event_id}", timeout=60) as response:
+            return response.read().decode()
+
+    # (the raw protocol carries the page's state as its first value: null for an API client)
+    refused = call("clear", [None, *settings(), "one too many"])
+    assert "event: error" in refused and "takes 8 input values, not 9" in refused
+    assert "event: complete" in call("clear", [None, *settings()])
+
+
 def test_two_clients_see_only_their_own_conversations(app):
     first, second = Client(app.url, verbose=False), Client(app.url, verbose=False)
     results = {}

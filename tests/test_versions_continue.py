@@ -105,3 +105,31 @@ def test_shared_system_prompt_is_prefilled_once(make_engine, models, tokenizers,
     list(other.send("Hello!", **GREEDY))
     assert other.stats.shared_prefix_tokens == 0
     check_exact(other, model, tokenizer, max_new_tokens=8)
+
+
+def test_continue_on_a_reply_the_model_ended_is_refused_and_changes_nothing():
+    """The trained demo ends its answers itself: Continue then says so and leaves everything as it
+    was (it once wrote one more end token, "0 tokens/s · 1 tokens written", and dropped "edited").
+    A reply cut off by its length goes on."""
+    from chat.demo import demo_folder
+    from chat.loading import load_model_and_tokenizer
+    from chat import ReplyEndedError, saved
+
+    model, tokenizer = load_model_and_tokenizer(str(demo_folder()), device="cpu")
+    conv = ChatEngine(model, tokenizer).conversation()
+    list(conv.send("What is 10 + 10?", max_new_tokens=200, do_sample=False))
+    assert conv.history.entries[-1].reply.ended and "20" in conv.messages[-1]["content"]
+    before = (saved.to_dict(conv.history), list(conv.session.token_ids), conv.stats)
+    with pytest.raises(ReplyEndedError, match="had ended"):
+        conv.continue_reply(max_new_tokens=20, do_sample=False)
+    assert (saved.to_dict(conv.history), list(conv.session.token_ids), conv.stats) == before
+    restored = saved.from_dict(saved.to_dict(conv.history))  # the mark travels with the saved record
+    assert restored.entries[-1].reply.ended
+    # it thought first: how long travels too (a reload or an import once lost it)
+    thought = conv.history.entries[-1].reply.thought_s
+    assert conv.messages[-1]["reasoning_content"] and thought is not None and thought >= 0
+    assert restored.entries[-1].reply.thought_s == round(thought, 1)
+    list(conv.regenerate(max_new_tokens=3, do_sample=False))  # cut off by its length: not ended
+    assert not conv.history.entries[-1].reply.ended
+    list(conv.continue_reply(max_new_tokens=200, do_sample=False))
+    assert conv.history.entries[-1].reply.ended and conv.stats.generated_tokens > 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import json
 import re
 import secrets
@@ -144,6 +145,11 @@ class CopyKeeping:
                         yield (*outputs, outbox(book, browser_copy.record(book, book.current, data, draft=True)))
                         continue
                 yield (*outputs, gr.skip())
+        parameters = list(inspect.signature(handler).parameters.values())
+        if all(parameter.kind is not inspect.Parameter.VAR_POSITIONAL for parameter in parameters):
+            parameters += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
+                           for name in ("page_key", "page_book")]  # Gradio checks the inputs against it
+            run.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
         return run
 
     def sync(self, key: Any, book: Any) -> tuple:
@@ -310,7 +316,7 @@ class ChatList(CopyKeeping):
         except ChatError as error:
             gr.Warning(f"This conversation could not be opened: {error}")
             return outputs
-        outputs.chat = views.path_messages(history.entries, {})[0]
+        outputs.chat = views.path_messages(history.entries)[0]
         outputs.system_prompt = history.system_prompt or ""
         return outputs
 

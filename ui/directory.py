@@ -41,10 +41,9 @@ class Closes:
 
 @dataclass
 class BrowserChat:
-    """What one browser owns: its conversation and how long each of its replies thought."""
+    """What one browser owns: its conversation, and where the page is with it."""
 
     conversation: Conversation
-    thinking_seconds: dict[int, float] = field(default_factory=dict)  # by message (node) id
     client: str | None = None  # the address that opened it
     shown: bool = True  # False while the page shows another conversation of its list
     # events streaming into the page from it, each held while it streams: once none is, no update
@@ -58,11 +57,6 @@ class BrowserChat:
     def close(self) -> None:
         """Its reply (if one runs) stopped; its cache freed once the reply ended."""
         self.conversation.close()
-
-    def thinking_by_index(self) -> dict[int, float]:
-        """How long each shown reply thought, by its index in the shown path."""
-        path = self.conversation.history.entries
-        return {i: self.thinking_seconds[node.uid] for i, node in enumerate(path) if node.uid in self.thinking_seconds}
 
 
 class ChatDirectory:

@@ -81,3 +81,15 @@ def message_index(value: Any) -> int:
     if match is None:
         raise refuse("index", "must be a whole number")
     return int(value)
+
+
+class StrictBlocks(gr.Blocks):
+    """Blocks that refuse a call with more input values than its event takes (Gradio checks for
+    too few only, and drops the rest): an API client with a wrong idea of the inputs is told so
+    instead of having part of its call ignored."""
+
+    def validate_inputs(self, block_fn: Any, inputs: list[Any]) -> None:
+        super().validate_inputs(block_fn, inputs)
+        if len(inputs) > len(block_fn.inputs):
+            name = f"{block_fn.api_name} " if isinstance(block_fn.api_name, str) else ""
+            raise refused(f"{name}takes {len(block_fn.inputs)} input values, not {len(inputs)}")

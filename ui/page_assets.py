@@ -54,3 +54,37 @@ CSS = """
 """
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "\\[", "right": "\\]", "display": True},
          {"left": "$", "right": "$", "display": False}, {"left": "\\(", "right": "\\)", "display": False}]
+
+# The settings panel and the light/dark choice, kept in this browser (localStorage) so a reload
+# keeps them: plain values, never a conversation. Each stored value is used only if it has the
+# type of its default and lies in its control's range; the server checks every event anyway.
+SETTINGS_KEY = "rewind-chat:settings"
+THEME_KEY = "rewind-chat:theme"
+SETTINGS_SCRIPT = """<script>
+window.rewindSettings = {
+  save(names, values) {
+    try { localStorage.setItem(%(settings)s, JSON.stringify(Object.fromEntries(names.map((n, i) => [n, values[i]])))); }
+    catch (error) {}
+  },
+  restore(spec, values) {
+    let kept = {};
+    try { kept = JSON.parse(localStorage.getItem(%(settings)s) || "{}") || {}; } catch (error) {}
+    return spec.map(([name, kind, low, high], i) => {
+      const value = kept[name];
+      if (kind === "number" && typeof value === "number" && value >= low && value <= high) return value;
+      if (kind === "boolean" && typeof value === "boolean") return value;
+      if (kind === "string" && typeof value === "string" && value.length <= high) return value;
+      return values[i];
+    });
+  },
+  toggleTheme() {
+    const dark = document.body.classList.toggle("dark");
+    try { localStorage.setItem(%(theme)s, dark ? "dark" : "light"); } catch (error) {}
+  },
+  restoreTheme() {
+    let theme = null;
+    try { theme = localStorage.getItem(%(theme)s); } catch (error) {}
+    if (theme === "dark" || theme === "light") document.body.classList.toggle("dark", theme === "dark");
+  },
+};
+</script>""" % {"settings": repr(SETTINGS_KEY).replace("'", '"'), "theme": repr(THEME_KEY).replace("'", '"')}

@@ -60,7 +60,7 @@ class ReplyEvents(HandlersBase):
     def _before_reply(self, chat: BrowserChat, operation: Operation) -> tuple[list[dict], str, str]:
         """What stays on screen above the streaming reply, and the reply text it starts from."""
         messages = chat.conversation.messages
-        thinking = chat.thinking_by_index()
+        thinking = views.thinking_of(chat.conversation.history.entries)
         shown = lambda upto: views.chatbot_messages(messages[:upto], thinking)[0]  # noqa: E731
         if isinstance(operation, Send):
             return shown(len(messages)) + [{"role": "user", "content": operation.text}], "", ""
@@ -75,7 +75,7 @@ class ReplyEvents(HandlersBase):
     def _stream(self, key: str, chat: BrowserChat, stream: Any, base: list[dict], reasoning: str,
                 answer: str, operation: str) -> Iterator[ChatOutputs]:
         """Show the reply as it streams: reasoning in a collapsible message, then the answer."""
-        started, thinking_since, thought_for, failed = time.perf_counter(), None, None, False
+        thinking_since, thought_for, failed = None, None, False
         shown_at = 0.0  # when the last update went out: at most one per UPDATE_INTERVAL_S
         deltas = iter(stream)
         try:
@@ -111,9 +111,6 @@ class ReplyEvents(HandlersBase):
         finally:
             if self.metrics is not None:
                 self.metrics.reply_done(operation, chat.conversation.stats, failed)
-        path = chat.conversation.history.entries
-        if reasoning.strip() and path and path[-1].role == "assistant":
-            chat.thinking_seconds[path[-1].uid] = thought_for or (time.perf_counter() - (thinking_since or started))
         if key in self.directory.manager and chat.shown:  # unless the page moved on meanwhile
             yield self.view(key, chat, write_key=False, textbox=gr.update(placeholder=views.READY))
         else:  # Gradio's message that the event ended repeats its last update, which may come after

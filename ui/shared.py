@@ -63,7 +63,7 @@ class HandlersBase:
 
     @staticmethod
     def chatbot_messages(browser: BrowserChat) -> tuple[list[dict], list[int | None]]:
-        return views.path_messages(browser.conversation.history.entries, browser.thinking_by_index())
+        return views.path_messages(browser.conversation.history.entries)
 
 
 def page_of(request: gr.Request | None) -> str | None:

@@ -84,9 +84,15 @@ def branch_navs(entries: list[Any]) -> dict[int, Nav]:
     return navs
 
 
-def path_messages(path: list[Any], thinking_seconds: dict[int, float]) -> tuple[list[dict], list[int | None]]:
+def path_messages(path: list[Any]) -> tuple[list[dict], list[int | None]]:
     """`chatbot_messages` for a shown path of the history (its nodes), with its marks and controls."""
-    return chatbot_messages([node.message() for node in path], thinking_seconds, reply_marks(path), branch_navs(path))
+    return chatbot_messages([node.message() for node in path], thinking_of(path), reply_marks(path), branch_navs(path))
+
+
+def thinking_of(path: list[Any]) -> dict[int, float]:
+    """How long each reply of a shown path thought, by message index (the history keeps it)."""
+    return {index: node.reply.thought_s for index, node in enumerate(path)
+            if node.reply is not None and node.reply.thought_s is not None}
 
 
 def reply_marks(entries: list[Any]) -> dict[int, str]:

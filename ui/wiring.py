@@ -7,6 +7,8 @@ tuples, made here from those names and nowhere else.
 from __future__ import annotations
 
 import functools
+import inspect
+import json
 from typing import Any, Callable, Iterator
 
 import gradio as gr
@@ -19,18 +21,36 @@ from ui.page_assets import TARGET_INPUT
 
 def streamed(handler: Callable[..., Iterator[ChatOutputs]]) -> Callable[..., Iterator[tuple]]:
     """Gradio wants output tuples: a streaming handler's ChatOutputs, turned into them one by one.
-    `wraps` keeps the handler's signature, from which Gradio injects event data and requests."""
+    The handler's signature stays (Gradio injects event data and requests by it), the settings named."""
     @functools.wraps(handler)
     def run(*args: Any) -> Iterator[tuple]:
         for outputs in handler(*args):
             yield outputs.to_gradio()
-    return run
+    return settings_named(run)
 
 
 def instant(handler: Callable[..., ChatOutputs]) -> Callable[..., tuple]:
     @functools.wraps(handler)
     def run(*args: Any) -> tuple:
         return handler(*args).to_gradio()
+    return settings_named(run)
+
+
+def settings_named(run: Callable) -> Callable:
+    """A handler's `*values` (the settings panel) as named parameters with their defaults, so the
+    API's parameters read `system_prompt`, `thinking`, `max_new_tokens`... (Gradio names what it
+    sees in the signature, `param_2`... for the rest) and a client may leave the settings out."""
+    signature = inspect.signature(run)
+    defaults = Settings()
+    parameters = []
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            parameters += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                             default=getattr(defaults, name), annotation=type(getattr(defaults, name)))
+                           for name in Settings.names()]
+        else:
+            parameters.append(parameter)
+    run.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
     return run
 
 
@@ -97,9 +117,9 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
        **generating)
     on(page["continue_button"].click, streamed(handlers.continue_reply), with_settings, drafts=True,
        api_name=False, **generating)
-    on(page["previous_version"].click, instant(lambda k, *s: handlers.select_version(-1, k, *s)), with_settings,
+    on(page["previous_version"].click, instant(functools.partial(handlers.select_version, -1)), with_settings,
        api_name="previous_version")
-    on(page["next_version"].click, instant(lambda k, *s: handlers.select_version(1, k, *s)), with_settings,
+    on(page["next_version"].click, instant(functools.partial(handlers.select_version, 1)), with_settings,
        api_name="next_version")
     on(page["branch_go"].click, instant(handlers.switch_branch), [target, *with_settings], api_name="switch_branch",
        js=TARGET_INPUT)
@@ -115,7 +135,7 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
         on(captured.then, fn, [event, *with_settings], drafts=drafts, api_name=name, api_visibility="private",
            **(generating if drafts else {}))
     page["stop"].click(handlers.stop, [key], None, api_name="stop", queue=False)
-    page["dark"].click(None, js="() => document.body.classList.toggle('dark')", api_name=False)
+    page["dark"].click(None, js="() => window.rewindSettings.toggleTheme()", api_name=False)
     page["outbox"].change(None, [page["outbox"]], None, js=APPLY, **QUIET)
 
 
@@ -148,6 +168,28 @@ def wire_load(chat_list: ChatList, page: dict[str, Any], demo: gr.Blocks) -> Non
     """The page's first event: what this tab showed, from the browser's copy (at once, unqueued:
     a message typed in the first moment must not be drawn over)."""
     demo.load(chat_list.load, [page["probe"], page["book"]], list_outputs(page), js=ON_LOAD, **QUIET)
+    remember_settings(page, chat_list.handlers.limits.max_system_chars, demo)
+
+
+def remember_settings(page: dict[str, Any], max_system_chars: int, demo: gr.Blocks) -> None:
+    """The settings and the light/dark choice survive a reload: the page's script keeps them in
+    the browser (ui/page_assets.py), with no server step; each value back is checked against its
+    control's range before it is shown."""
+    panel = settings_of(page)
+    spec = []
+    for name, component in zip(Settings.names(), panel):
+        if isinstance(component, gr.Slider):
+            spec.append([name, "number", component.minimum, component.maximum])
+        elif isinstance(component, gr.Checkbox):
+            spec.append([name, "boolean", 0, 0])
+        else:
+            spec.append([name, "string", 0, max_system_chars])
+    restore = (f"(...values) => {{ window.rewindSettings.restoreTheme(); "
+               f"return window.rewindSettings.restore({json.dumps(spec)}, values); }}")
+    demo.load(None, panel, panel, js=restore, **QUIET)
+    save = f"(...values) => {{ window.rewindSettings.save({json.dumps(Settings.names())}, values); }}"
+    for component in panel:
+        component.input(None, panel, None, js=save, **QUIET)
 
 
 def wire_api_twins(handlers: ChatHandlers, page: dict[str, Any]) -> None:
