@@ -61,7 +61,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
         page = dict(key=gr.State(None, delete_callback=Closes(directory)),
                     book=gr.State(Book(), delete_callback=Closes(directory, parked=True)),
                     outbox=gr.JSON(visible=False), probe=gr.JSON(visible=False), need=gr.JSON(visible=False),
-                    event=gr.JSON(visible=False))
+                    event=gr.JSON(visible=False), applied_prompt=gr.JSON(visible=False))
         page |= sidebar()
         gr.Markdown(f"## rewind-chat · {model_label}\n"
                     "One KV cache per conversation, rolled back instead of recomputed: "
@@ -107,10 +107,9 @@ def chat_area(placeholder: str) -> dict[str, Any]:
                                     placeholder=placeholder, sanitize_html=True, elem_id="chatbot",
                                     latex_delimiters=LATEX, buttons=["copy"], feedback_options=None,
                                     group_consecutive_messages=False))
-    with gr.Row(equal_height=True, elem_id="versions-row"):
-        parts |= dict(versions=gr.Markdown("", visible=False, elem_id="versions"),
-                      previous_version=gr.Button("◀", size="sm", visible=False, scale=0, elem_id="previous-version"),
-                      next_version=gr.Button("▶", size="sm", visible=False, scale=0, elem_id="next-version"))
+    # the last reply's versions: shown in the chat as its ‹ 2 / 3 › (one control for every branch);
+    # this label is for API clients
+    parts["versions"] = gr.Markdown("", visible=False, elem_id="versions")
     with gr.Row(elem_id="input-row", equal_height=True):  # Send turns into Stop while a reply streams
         parts |= dict(textbox=gr.Textbox(placeholder=views.READY, show_label=False, scale=6, elem_id="message",
                                          autofocus=True),
@@ -130,6 +129,7 @@ def settings_panel(max_new_tokens: int) -> dict[str, Any]:
         return dict(
             system_prompt=gr.Textbox(label="System prompt (changing it starts a new branch; the old one is kept)",
                                      value=defaults.system_prompt, elem_id="system-prompt"),
+            prompt_note=gr.Markdown("", elem_id="prompt-note"),
             thinking=gr.Checkbox(label="Thinking (for models whose template supports it)", value=defaults.thinking),
             max_new_tokens=gr.Slider(1, max_new_tokens, value=min(defaults.max_new_tokens, max_new_tokens), step=1,
                                      label="Max new tokens", elem_id="max-new-tokens"),

@@ -117,8 +117,10 @@ class Conversation:
     def start(self, operation: Operation, options: GenerationOptions | None = None,
               cancelled: Cancelled = lambda: False) -> ReplyStream:
         """Plan `operation` now (raising before anything changes) and return its stream. From now
-        until the stream ends, `snapshot()` includes the new message and the text so far."""
+        until the stream ends, `snapshot()` includes the new message and the text so far, and a
+        `stop()` ends it (even one before its first step: it then ends at once)."""
         plan = self.plan(operation, options or GenerationOptions(), cancelled)
+        self._stop.clear()
         self._running = RunningReply(plan)
         return ReplyStream(self.run(plan), plan.dropped_turns)
 
@@ -131,12 +133,14 @@ class Conversation:
 
     def run(self, plan: Plan) -> Iterator[Delta]:
         """Stream the reply of a plan made by `plan()`; refused if the conversation changed since."""
-        running = self._running if self._running is not None and self._running.plan is plan else RunningReply(plan)
+        started = self._running is not None and self._running.plan is plan  # by start(), which cleared Stop
+        running = self._running if started else RunningReply(plan)
         try:
             with self.exclusive():
                 if plan.revision != self._revision:
                     raise StalePlanError("the conversation changed after this operation was planned")
-                self._stop.clear()
+                if not started:
+                    self._stop.clear()
                 run = self.source.reply(plan.request, self._stop)
                 try:
                     for delta in run:

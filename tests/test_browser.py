@@ -93,10 +93,11 @@ def test_a_person_chats_retries_undoes_edits_and_stops(browser, demo_app):
     before = stats_text(page)
     page.click("#chatbot button[aria-label='Retry']")
     wait_reply(page, before)
-    expect(page.locator("#versions")).to_contain_text("2 / 2")
+    expect(switcher(page).last).to_contain_text("2 / 2")  # one control for branches: in the chat
     expect(page.locator("#stats")).to_contain_text("1 computed")
-    page.click("#previous-version")
-    expect(page.locator("#versions")).to_contain_text("1 / 2")
+    switcher(page).last.get_by_role("button", name="Previous branch").click()
+    expect(switcher(page).last).to_contain_text("1 / 2")
+    expect(page.locator("#stats")).to_contain_text("without running the model")
 
     page.click("#chatbot button[aria-label='Undo']")
     expect(page.locator("#message textarea")).to_have_value("Hello from a real browser!")
@@ -169,12 +170,97 @@ def test_the_demo_thinks_answers_and_regenerates(browser, demo_app):
     before = stats_text(page)
     page.click("#chatbot button[aria-label='Retry']")
     wait_reply(page, before)
-    expect(page.locator("#versions")).to_contain_text("2 / 2")
+    expect(switcher(page).last).to_contain_text("2 / 2")
     expect(messages(page, "bot").last).to_contain_text(re.compile(r"\d"))  # a well-formed answer again
+    # a thinking block has no Edit pencil (its edit was always refused, the typed text lost); the answer has
+    under_thinking = page.locator("#chatbot .message-row:has(.thought-group) + .message-buttons")
+    expect(under_thinking).not_to_have_count(0)
+    expect(under_thinking.locator("button[aria-label='Edit']:visible")).to_have_count(0)
+    expect(messages(page, "bot").last.locator("xpath=following-sibling::div[1]")
+           .locator("button[aria-label='Edit']")).to_be_visible()
     page.locator("#chatbot").get_by_text("Thinking").first.click()  # open the first reply's thinking
     page.wait_for_timeout(500)
     ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "readme.png"), full_page=True)
+    page.screenshot(path=str(ARTIFACTS / "readme-desktop.png"), full_page=True)  # docs/screenshot-desktop.png
+    # Continue on a reply the model ended: said so, nothing changed (it once wrote an end token and
+    # dropped the reply's marks)
+    shown, stats = page.locator("#chatbot").inner_text(), stats_text(page)
+    page.click("#continue")
+    expect_warning(page, "this reply had ended")
+    assert page.locator("#chatbot").inner_text() == shown and stats_text(page) == stats
+    page.close()
+
+
+def test_on_a_phone_a_retry_keeps_everything_in_view_and_the_list_folds_away(browser, demo_app):
+    """Issue #20 at 390×844: after a Retry the version label took the width and pushed Send below
+    the screen; the branch controls were 19×21 px; the list stayed open over the chat after a pick
+    and its toggle sat half off-screen. Saves the README's phone screenshot."""
+    width, height = 390, 844
+    page = browser.new_page(viewport={"width": width, "height": height}, has_touch=True)
+    page.goto(demo_app.url)
+    page.wait_for_selector("#message textarea")
+    toggle = page.locator("button[aria-label='Toggle Sidebar']")
+
+    def in_view(locator) -> bool:
+        box = locator.bounding_box()
+        return box is not None and box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= width \
+            and box["y"] + box["height"] <= height
+
+    def overlaps(first, second) -> bool:
+        a, b = first.bounding_box(), second.bounding_box()
+        return a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"] and \
+            a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"]
+
+    expect(page.locator(".sidebar")).not_to_have_class(re.compile(r"\bopen\b"))  # folded away at first
+    expect(toggle).to_be_in_viewport(ratio=1.0)  # (once its slide has ended)
+    assert not overlaps(toggle, page.locator("#header h2")) and min(toggle.bounding_box()["width"],
+                                                                    toggle.bounding_box()["height"]) >= 40
+    wait_reply(page, send(page, "What is 10 + 10?"))
+    before = stats_text(page)
+    page.click("#chatbot button[aria-label='Retry']")
+    wait_reply(page, before)
+    expect(switcher(page).last).to_contain_text("2 / 2")
+    assert in_view(page.locator("#send")) and in_view(page.locator("#message textarea"))
+    assert page.evaluate("document.documentElement.scrollWidth") <= width  # nothing past the right edge
+    buttons = switcher(page).last.get_by_role("button")
+    expect(buttons).to_have_count(2)
+    for button in buttons.all():  # (the chat may have scrolled them out of its own view)
+        button.scroll_into_view_if_needed()
+        assert in_view(button)
+    assert all(min(box["width"], box["height"]) >= 40 for box in (button.bounding_box() for button in buttons.all()))
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "readme-phone.png"))  # docs/screenshot-phone.png
+
+    for pick in (lambda: page.click("#sidebar-new-chat"),
+                 lambda: page.locator("#chat-list label").filter(has_text="What is 10 + 10?").click()):
+        toggle.click()
+        expect(page.locator(".sidebar")).to_have_class(re.compile(r"\bopen\b"))
+        expect(toggle).to_be_in_viewport(ratio=1.0)
+        expect(page.locator("#sidebar-new-chat")).to_be_in_viewport(ratio=1.0)
+        assert not overlaps(toggle, page.locator("#sidebar-new-chat"))
+        pick()
+        expect(page.locator(".sidebar")).not_to_have_class(re.compile(r"\bopen\b"))  # the chat is in view
+    expect(page.locator("#chatbot")).to_contain_text("What is 10 + 10?")
+    page.close()
+
+
+def test_the_settings_and_the_theme_survive_a_reload(browser, demo_app):
+    """Issue #20: thinking, temperature... and light/dark were back to their defaults after a reload."""
+    page = open_chat(browser, demo_app.url)
+    page.get_by_text("Settings", exact=True).click()
+    temperature = page.locator("#temperature input[type='number']")
+    temperature.fill("1.3")
+    temperature.press("Enter")
+    page.get_by_label("Thinking", exact=False).uncheck()
+    dark = page.evaluate("document.body.classList.contains('dark')")
+    page.click("#dark-mode")
+    page.wait_for_function("(was) => document.body.classList.contains('dark') !== was", arg=dark)
+    page.reload()
+    page.wait_for_selector("#message textarea")
+    page.get_by_text("Settings", exact=True).click()
+    expect(page.locator("#temperature input[type='number']")).to_have_value("1.3")
+    expect(page.get_by_label("Thinking", exact=False)).not_to_be_checked()
+    page.wait_for_function("(was) => document.body.classList.contains('dark') !== was", arg=dark)
     page.close()
 
 
@@ -527,4 +613,26 @@ def test_the_browsers_copy_merges_by_record_and_never_overwrites_another_tabs(br
     assert seen["moved"] == {"conversation1": seen["current"]}
     assert seen["afterDraft"] == "theirs" and seen["final"] == "final" and seen["deleted"]
     assert seen["renamed"] == ["Renamed", "mine"] and seen["listed"] == ["Renamed", "one"]
+    page.close()
+
+
+def test_a_changed_system_prompt_shows_as_pending_until_the_next_message(browser, demo_app):
+    """Issue #20: after the system prompt was changed, Retry answered with the old one while the box
+    showed the new one. The page now says the new one is not applied until the next message."""
+    page = open_chat(browser, demo_app.url)
+    wait_reply(page, send(page, "What is 10 + 10?"))
+    page.get_by_text("Settings", exact=True).click()
+    note = page.locator("#prompt-note")
+    expect(note).not_to_contain_text("Not applied yet")
+    page.fill("#system-prompt textarea", "You answer in one line.")
+    expect(note).to_contain_text("Not applied yet")
+    before = stats_text(page)
+    page.click("#chatbot button[aria-label='Retry']")
+    wait_reply(page, before)
+    expect(note).to_contain_text("Not applied yet")  # Retry kept the conversation's own prompt
+    wait_reply(page, send(page, "What is 20 + 20?"))
+    expect(note).not_to_contain_text("Not applied yet")  # the next message applied it (a new branch)
+    expect(page.get_by_text("The system prompt changed").first).to_be_visible()
+    page.fill("#system-prompt textarea", "You are a helpful assistant.")  # the old branch's: pending again
+    expect(note).to_contain_text("Not applied yet")
     page.close()

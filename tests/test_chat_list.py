@@ -285,3 +285,19 @@ def test_a_snapshot_mid_reply_is_the_conversation_as_a_stop_there_leaves_it(make
         assert len(snapshot["path"]) == len(before["path"]) + new_messages
         if not new_messages:  # a Continue: the earlier reply, longer
             assert shown[-1]["content"].startswith(before["messages"][before["path"][-1]]["content"])
+
+
+def test_a_reply_stopped_before_its_first_word_says_stopped_at_once(make_engine):
+    """Issue #20: a reply stopped before any text was an empty bubble until a reload. Stop comes
+    right after the message is shown, before the stream's first step: the reply ends at once
+    (a stop at that moment was once cleared as the stream began) and the last view says so."""
+    handlers, _ = make_list(make_engine)
+    long = Settings(system_prompt="Be brief.", max_new_tokens=400, temperature=0.0).values()
+    stream = handlers.send(None, "Write a lot.", None, *long)
+    shown = next(stream)  # the message, before the reply
+    handlers.stop(shown.key)
+    outputs = list(stream)
+    chat = handlers.directory.find(shown.key)
+    reply = chat.conversation.history.entries[-1].reply
+    assert reply.stopped and chat.conversation.stats.generated_tokens <= 2
+    assert outputs[-1].chat[-1]["role"] == "assistant" and "stopped" in outputs[-1].chat[-1]["content"]

@@ -1,5 +1,7 @@
 """The app's parts without a server: flags and environment, the browser directory, named I/O."""
 
+import re
+
 import gradio as gr
 import pytest
 
@@ -91,6 +93,8 @@ def test_a_reply_says_which_version_it_is_and_whether_it_was_stopped():
                                              views.branch_navs(entries))
     assert shown[2]["content"] == "B\n\n<sub>stopped</sub>"
     switcher = shown[1]["content"]  # a message of its own above the reply: ‹ 2 / 2 › and ↻ (an earlier reply)
-    assert 'class="branch-step bs-1-0"' in switcher and "2 / 2" in switcher and "bs-1-2\" title=\"branch 3\" disabled" in switcher
-    assert 'class="branch-step br-1"' in switcher and index_of[1] is None
+    assert re.search(r'class="branch-step prev bs-1-0"[^>]*><span class="sr-only">Previous branch<', switcher)
+    assert re.search(r'class="branch-step next bs-1-2"[^>]* disabled><span class="sr-only">Next branch<', switcher)
+    assert "2 / 2</span>" in switcher and index_of[1] is None
+    assert re.search(r'class="branch-step regen br-1"[^>]*><span class="sr-only">Regenerate this reply<', switcher)
     assert shown[4]["content"] == "C" and len(shown) == 5  # the last reply, one version, not stopped: nothing

@@ -69,12 +69,13 @@ class ChatOutputs:
     textbox: Any = field(default_factory=gr.skip)
     key: Any = field(default_factory=gr.skip)
     stats: Any = field(default_factory=gr.skip)
-    versions: Any = field(default_factory=gr.skip)
-    previous_version: Any = field(default_factory=gr.skip)
-    next_version: Any = field(default_factory=gr.skip)
+    versions: Any = field(default_factory=gr.skip)  # "version 2 / 3" of the last reply (for API clients)
     send: Any = field(default_factory=gr.skip)  # one of Send and Stop shows: Stop while a reply streams
     stop: Any = field(default_factory=gr.skip)
     system_prompt: Any = field(default_factory=gr.skip)  # set when the shown branch's system prompt changes
+    # the system prompt the shown conversation runs with ({"prompt": text}; None: no conversation
+    # yet): the page says when the box holds another, not applied until the next message
+    applied_prompt: Any = field(default_factory=gr.skip)
 
     @classmethod
     def names(cls) -> list[str]:

@@ -12,6 +12,21 @@ PAGE_SCRIPT = """() => {
             }
         }, wait);
     }
+    const foldList = (event, picked) => {  // a phone: the list folds away once a chat is picked
+        if (!window.matchMedia("(max-width: 700px)").matches || !event.target.closest?.(picked)) return;
+        const toggle = document.querySelector(".sidebar.open button[aria-label='Toggle Sidebar']");
+        if (toggle) setTimeout(() => toggle.click(), 0);
+    };
+    document.addEventListener("click", (event) => foldList(event, "#sidebar-new-chat"));
+    document.addEventListener("change", (event) => foldList(event, "#chat-list"));  // (a label's click is two)
+    // Gradio names each message by its raw text: for the branch controls, their markup. They are
+    // named by what they are instead ("Branches: Previous branch 2 / 3 Next branch").
+    const nameControls = () => document.querySelectorAll('#chatbot [aria-label*="branch-nav"]').forEach((message) => {
+        const nav = message.querySelector(".branch-nav");
+        message.setAttribute("aria-label", `Branches: ${nav ? nav.textContent.trim() : ""}`);
+    });
+    new MutationObserver(nameControls).observe(document.body, {subtree: true, childList: true, attributes: true,
+                                                               attributeFilter: ["aria-label"]});
     document.addEventListener("keydown", (event) => {  // Escape stops a reply
         if (event.key === "Escape") document.querySelector("#stop")?.click();
     });
@@ -34,16 +49,30 @@ TARGET_INPUT = "(target, ...settings) => [window.rewindBranchTarget ?? target, .
 CSS = """
 /* a refusal is one toast: Gradio's "Error" badge over each of the event's outputs stays hidden */
 [data-testid="status-tracker"]:has(.error) { display: none !important; }
-#versions-row { flex-wrap: nowrap; align-items: center; }
 .branch-nav { font-size: 0.85em; opacity: 0.85; white-space: nowrap; }
 .message-row:has(.branch-nav) .message { background: none !important; border: none !important;
   padding: 0 !important; box-shadow: none !important; }
 .branch-nav button { padding: 0 0.5em; font-size: 1.1em; cursor: pointer; }
+.branch-step.prev::before { content: "‹" / ""; }  /* drawn, not read: the button's name is its text */
+.branch-step.next::before { content: "›" / ""; }
+.branch-step.regen::before { content: "↻" / ""; }
+.sr-only { position: absolute; width: 1px; height: 1px; overflow: hidden; clip-path: inset(50%); white-space: nowrap; }
+@media (max-width: 640px), (pointer: coarse) {  /* a finger's size */
+  .branch-nav button { min-width: 40px; min-height: 40px; }
+}
+/* a reply's thinking is not edited (its answer is): no Edit pencil under it */
+.message-row:has(.thought-group) + .message-buttons button[aria-label="Edit"] { display: none !important; }
 .branch-nav button:disabled { opacity: 0.3; cursor: default; }
 /* the controls under a message are a message of their own: no copy or edit buttons on them */
 .message-row:has(.branch-nav) + .message-buttons { display: none !important; }
 @media (max-width: 640px) {  /* a phone: the chat fills the screen, the input and its button stay in view */
   #header p { display: none; }
+  /* the list's toggle: a whole 40 px circle in view, open or closed, beside the title (not over it) */
+  .sidebar .toggle-button { width: 40px !important; height: 40px !important; border-radius: 50% !important; }
+  .sidebar:not(.open) .toggle-button { left: auto !important; right: -44px !important; }
+  .sidebar.open .toggle-button { left: auto !important; right: 16px !important; top: auto !important;
+                                 bottom: 16px !important; }  /* under the thumb, clear of the list */
+  #header { padding-left: 20px; }
   #header h2 { font-size: 1.05rem; margin: 0; }
   #chatbot { height: calc(100dvh - 260px) !important; min-height: 160px; }
   #input-row { position: sticky; bottom: 0; z-index: 10; flex-wrap: nowrap !important;

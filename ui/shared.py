@@ -39,8 +39,7 @@ class HandlersBase:
 
     def empty(self) -> ChatOutputs:
         """What a page without a conversation shows."""
-        return ChatOutputs(chat=[], key=None, stats="", versions=gr.update(visible=False),
-                           previous_version=gr.update(visible=False), next_version=gr.update(visible=False),
+        return ChatOutputs(chat=[], key=None, stats="", versions="", applied_prompt=None,
                            send=gr.update(visible=True), stop=gr.update(visible=False))
 
     def view(self, key: str, browser: BrowserChat, *, write_key: bool = True, **changes: Any) -> ChatOutputs:
@@ -51,9 +50,8 @@ class HandlersBase:
         outputs = ChatOutputs(
             chat=self.chatbot_messages(browser)[0], key=key,
             stats=views.stats_line(conversation.stats),
-            versions=gr.update(value=views.version_label(active, count), visible=count > 1),
-            previous_version=gr.update(visible=count > 1, interactive=active > 0),
-            next_version=gr.update(visible=count > 1, interactive=active < count - 1))
+            versions=views.version_label(active, count),
+            applied_prompt={"prompt": conversation.system_prompt or ""})
         if not write_key:
             outputs.key = gr.skip()
         outputs.send, outputs.stop = gr.update(visible=True), gr.update(visible=False)

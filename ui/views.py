@@ -59,18 +59,23 @@ class Nav:
 
 
 def branch_switcher(index: int, nav: Nav, label: str = "") -> str:
-    """Buttons the page's script turns into events (see app.py). The target is in the class: the
-    chat's sanitizer keeps classes, not data attributes."""
+    """Buttons the page's script turns into events (ui/page_assets.py), named by their text
+    ("Previous branch", "Regenerate this reply": read by a screen reader, hidden on screen, where
+    the page's style draws ‹ › ↻). The chat's sanitizer keeps classes, titles and roles, not data
+    or aria attributes: the target is in the class."""
+    def button(kind: str, target: str, name: str, usable: bool = True) -> str:
+        return (f'<button class="branch-step {kind} {target}" title="{name}"{"" if usable else " disabled"}>'
+                f'<span class="sr-only">{name}</span></button>')
+
     parts = [label] if label else []
     if nav.count > 1:
-        def step(to: int, text: str) -> str:
-            usable = 0 <= to < nav.count
-            return (f'<button class="branch-step bs-{index}-{to}" title="branch {to + 1}"'
-                    f'{"" if usable else " disabled"}>{text}</button>')
-        parts.append(f"{step(nav.shown - 1, '‹')} {nav.shown + 1} / {nav.count} {step(nav.shown + 1, '›')}")
+        before, after = nav.shown - 1, nav.shown + 1
+        parts.append(f'{button("prev", f"bs-{index}-{before}", "Previous branch", before >= 0)} '
+                     f'<span class="branch-count">{nav.shown + 1} / {nav.count}</span> '
+                     f'{button("next", f"bs-{index}-{after}", "Next branch", after < nav.count)}')
     if nav.retry:
-        parts.append(f'<button class="branch-step br-{index}" title="a new reply here (this one is kept)">↻</button>')
-    return f'<div class="{SWITCHER_CLASS}">{" ".join(parts)}</div>'
+        parts.append(button("regen", f"br-{index}", "Regenerate this reply"))
+    return f'<div class="{SWITCHER_CLASS}" role="group">{" ".join(parts)}</div>'
 
 
 def branch_navs(entries: list[Any]) -> dict[int, Nav]:

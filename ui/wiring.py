@@ -72,6 +72,10 @@ ON_LOAD = "(probe, ...rest) => [window.rewindCopy.onLoad(), ...rest]"
 CHOSEN = ("(chosen, probe, ...rest) => "
           "[chosen, {...window.rewindCopy.probe(), record: window.rewindCopy.record(chosen)}, ...rest]")
 APPLY = "(box) => { window.rewindCopy.apply(box); }"
+PROMPT_NOTE = ("(applied, typed) => applied && typeof applied.prompt === 'string' && "
+               "applied.prompt.trim() !== (typed || '').trim() ? " + json.dumps(
+                   "**Not applied yet:** this system prompt starts a new branch at your next message; until then "
+                   "Retry, Edit and Continue use the conversation's own (the old one stays a branch).") + " : ''")
 QUIET = dict(queue=False, api_name=False, show_progress="hidden")
 
 
@@ -117,10 +121,6 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
        **generating)
     on(page["continue_button"].click, streamed(handlers.continue_reply), with_settings, drafts=True,
        api_name=False, **generating)
-    on(page["previous_version"].click, instant(functools.partial(handlers.select_version, -1)), with_settings,
-       api_name="previous_version")
-    on(page["next_version"].click, instant(functools.partial(handlers.select_version, 1)), with_settings,
-       api_name="next_version")
     on(page["branch_go"].click, instant(handlers.switch_branch), [target, *with_settings], api_name="switch_branch",
        js=TARGET_INPUT)
     on(page["retry_go"].click, streamed(handlers.retry_at), [target, *with_settings], drafts=True, api_name=False,
@@ -137,6 +137,9 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
     page["stop"].click(handlers.stop, [key], None, api_name="stop", queue=False)
     page["dark"].click(None, js="() => window.rewindSettings.toggleTheme()", api_name=False)
     page["outbox"].change(None, [page["outbox"]], None, js=APPLY, **QUIET)
+    applied, box = page["applied_prompt"], page["panel"]["system_prompt"]
+    for trigger in (applied.change, box.input, box.change):  # in the page alone, no server step
+        trigger(None, [applied, box], page["panel"]["prompt_note"], js=PROMPT_NOTE, **QUIET)
 
 
 def list_outputs(page: dict[str, Any]) -> list[Any]:
@@ -209,6 +212,9 @@ def wire_api_twins(handlers: ChatHandlers, page: dict[str, Any]) -> None:
     gr.Button(visible=False).click(streamed(handlers.regenerate_at), [regenerate_index, *with_settings], outputs,
                                    api_name="regenerate_at", **generating)
     gr.Button(visible=False).click(instant(handlers.undo), with_settings, outputs, api_name="undo")
+    for step, name in ((-1, "previous_version"), (1, "next_version")):  # the page has ‹ › in the chat
+        gr.Button(visible=False).click(instant(functools.partial(handlers.select_version, step)), with_settings,
+                                       outputs, api_name=name)
     edit_index, edit_text = gr.Number(visible=False, precision=0), gr.Textbox(visible=False)
     gr.Button(visible=False).click(streamed(handlers.edit), [edit_index, edit_text, *with_settings], outputs,
                                    api_name="edit", **generating)
