@@ -77,7 +77,7 @@ def texts(chat) -> list[tuple[str, str]]:
     without the controls shown under messages ("‹ 2 / 3 ›", ↻)."""
     shown = [(m["role"], "".join(p["text"] for p in m["content"] if p.get("type") == "text")) for m in chat]
     return [(role, re.sub(r"\n*<sub>[^<]*</sub>$", "", text)) for role, text in shown
-            if not text.startswith('<div class="branch-nav">')]
+            if not text.startswith('<div class="branch-nav"')]
 
 
 def test_a_cancelled_client_stops_its_reply_and_its_next_message_is_answered(app):

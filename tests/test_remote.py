@@ -123,7 +123,7 @@ def test_the_app_runs_every_operation_through_the_worker_on_zerogpu(engine, work
     assert [m["role"] for m in last.chat] == ["user", "assistant"]
     *_, last = handlers.regenerate(None, key, *settings)
     assert "**1 computed**" in last.stats
-    messages = lambda chat: [m for m in chat if not m["content"].startswith('<div class="branch-nav">')]  # noqa: E731
+    messages = lambda chat: [m for m in chat if not m["content"].startswith('<div class="branch-nav"')]  # noqa: E731
     before = messages(last.chat)[-1]["content"]
     *_, last = handlers.continue_reply(None, key, *settings)
     conv = handlers.directory.find(key).conversation
