@@ -4,8 +4,11 @@ Module map:
   config.py     AppConfig: every flag, its default and its environment variable, read in one place
   directory.py  which conversation each browser has (server-made keys), per-client limits, tab close
   shared.py     what every handler shares: the engine, the directory, limits, drawing a conversation
-  replies.py    the events that make a reply: plan, then stream it as ChatOutputs
-  handlers.py   ChatHandlers (the replies' events and the instant ones) and the Chatbot's own events
+  actions.py    what a control asks of the conversation, as plain data (Undo, SwitchBranch... and
+                chat.operations' Send, Regenerate, Edit, Continue)
+  handlers.py   ChatHandlers: each event's inputs made into an action, and `act`, the one way from
+                an action to the conversation; the Chatbot's own events, translated to actions
+  replies.py    the actions that make a reply: plan, then stream it as ChatOutputs
   wiring.py     which component triggers which handler, with which inputs and outputs
   page_assets.py  the page's script, style and LaTeX delimiters
   chat_list.py  the conversations each browser keeps: list, open, new, rename, delete, export, import

@@ -1,5 +1,6 @@
-"""One method per UI event. Each finds the browser's conversation, runs one operation on it and
-returns (or streams) `ChatOutputs`. A refusal raises `inputs.refused` before anything changed."""
+"""One method per UI event: it checks its inputs, makes an action (ui/actions.py) and hands it to
+`ChatHandlers.act`, which runs it on the browser's conversation and returns (or streams)
+`ChatOutputs`. A refusal raises `inputs.refused` before anything changed."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from chat import ChatError
+from chat import ChatError, Continue, Edit, Regenerate, Send
 from ui import inputs, views
+from ui.actions import REPLIES, Action, Clear, EditReply, Instant, SelectVersion, SwitchBranch, Undo, made
 from ui.directory import BrowserChat
 from ui.operator import server_status
 from ui.outputs import ChatOutputs
@@ -17,66 +19,93 @@ from ui.replies import ReplyEvents
 
 
 class ChatHandlers(ReplyEvents):
-    """One method per UI event: the generating ones (ui/replies.py) and the instant ones here.
-    Each finds the browser's conversation, runs one operation on it and returns `ChatOutputs`."""
+    """Every control's event: its inputs checked and made into an action (ui/actions.py), then
+    `act`, the one way from an action to the conversation. The reply-making actions stream
+    (ui/replies.py); the others give one view."""
 
-    # ---- instant events -------------------------------------------------------------------------
-    def undo(self, key: Any, *values: Any) -> ChatOutputs:
-        self.settings(values)
+    def act(self, request: gr.Request | None, key: Any, values: tuple, action: Action) -> Iterator[ChatOutputs]:
+        """Run `action` on the page's conversation (`key`) with the settings panel's `values`; a
+        refusal raises before anything changed."""
+        settings = self.settings(values)
+        if isinstance(action, REPLIES):
+            yield from self._generate(request, key, settings, action)
+        else:
+            yield self._apply(key, action)
+
+    def _apply(self, key: Any, action: Instant) -> ChatOutputs:
+        if isinstance(action, Clear):  # the old conversation (its reply stopped) is freed
+            self.directory.close(key)
+            return dataclasses.replace(self.empty(), textbox=gr.update(value="", placeholder=views.READY))
         if (chat := self.directory.find(key)) is None:
-            raise inputs.refused("There is nothing to undo.")
-        users = [m["content"] for m in chat.conversation.messages if m["role"] == "user"]
+            raise inputs.refused("There is nothing to undo." if isinstance(action, Undo)
+                                 else "There is no conversation yet: send a message first.")
+        conversation = chat.conversation
         try:
-            chat.conversation.undo()
+            if isinstance(action, Undo):
+                users = [m["content"] for m in conversation.messages if m["role"] == "user"]
+                conversation.undo()
+                return self.view(key, chat, textbox=users[-1], stats=views.UNDONE)  # the message back in the box
+            if isinstance(action, SelectVersion):
+                active, count = conversation.versions
+                restored = conversation.select_version(active + action.step)
+                return self.view(key, chat, stats=views.version_note(active + action.step, count, restored))
+            if isinstance(action, EditReply):
+                conversation.edit_reply(action.index, action.text)
+                return self.view(key, chat, stats=views.EDITED_REPLY)
+            restored = conversation.switch_branch(action.index, action.branch)
         except ChatError as error:
             raise inputs.refused(error) from None
-        return self.view(key, chat, textbox=users[-1], stats=views.UNDONE)  # the message goes back in the box
+        count = conversation.branches(action.index)[1]
+        return self.view(key, chat, stats=views.branch_note(action.branch, count, restored),
+                         system_prompt=(conversation.system_prompt or "") if action.index == 0 else gr.skip())
+
+    def _one(self, key: Any, values: tuple, action: Instant) -> ChatOutputs:
+        return next(self.act(None, key, values, action))
+
+    # ---- the events: `request` is Gradio's (injected by its type), or None ----------------------
+    def send(self, request: gr.Request, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        text = inputs.text(text, "message", self.limits.max_message_chars)  # before any tokenizing
+        yield from self.act(request, key, values, made(Send, text, fit_context=True))
+
+    def regenerate(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        yield from self.act(request, key, values, Regenerate())
+
+    def regenerate_at(self, request: gr.Request, index: Any, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        """A new sibling of the reply at `index`; what followed the old one stays on its branch."""
+        yield from self.act(request, key, values, made(Regenerate, inputs.whole_number(index, "index", 0, 1_000_000)))
+
+    def retry_at(self, request: gr.Request, target: Any, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        """↻ under an earlier reply: `target` is its message index, as the page's script sends it."""
+        yield from self.act(request, key, values, made(Regenerate, inputs.message_index(target)))
+
+    def continue_reply(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        yield from self.act(request, key, values, Continue())
+
+    def edit(self, request: gr.Request, index: Any, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
+        whole = inputs.whole_number(index, "index", 0, 1_000_000)
+        text = inputs.text(text, "message", self.limits.max_message_chars)
+        yield from self.act(request, key, values, made(Edit, whole, text))
+
+    def undo(self, key: Any, *values: Any) -> ChatOutputs:
+        return self._one(key, values, Undo())
 
     def select_version(self, step: int, key: Any, *values: Any) -> ChatOutputs:
-        self.settings(values)
-        if (chat := self.directory.find(key)) is None:
-            raise inputs.refused("There is no reply to switch.")
-        active, count = chat.conversation.versions
-        try:
-            restored = chat.conversation.select_version(active + step)
-        except ChatError as error:
-            raise inputs.refused(error) from None
-        return self.view(key, chat, stats=views.version_note(active + step, count, restored))
+        return self._one(key, values, SelectVersion(step))
 
     def edit_reply(self, index: Any, text: str, key: Any, *values: Any) -> ChatOutputs:
         """A reply's text written by hand: a new sibling of it; the next turn goes on from it."""
-        self.settings(values)
         whole = inputs.whole_number(index, "index", 0, 1_000_000)
-        text = inputs.text(text, "reply", self.limits.max_message_chars)
-        if (chat := self.directory.find(key)) is None:
-            raise inputs.refused("There is no conversation yet: send a message first.")
-        try:
-            chat.conversation.edit_reply(whole, text)
-        except ChatError as error:
-            raise inputs.refused(error) from None
-        return self.view(key, chat, stats=views.EDITED_REPLY)
+        return self._one(key, values, EditReply(whole, inputs.text(text, "reply", self.limits.max_message_chars)))
 
     def switch_branch(self, target: Any, key: Any, *values: Any) -> ChatOutputs:
         """`target` is "message index:branch", from a "‹ 2 / 3 ›" in the chat."""
-        self.settings(values)
-        index, branch = inputs.branch_target(target)
-        if (chat := self.directory.find(key)) is None:
-            raise inputs.refused("There is no conversation to switch.")
-        try:
-            restored = chat.conversation.switch_branch(index, branch)
-        except ChatError as error:
-            raise inputs.refused(error) from None
-        count = chat.conversation.branches(index)[1]
-        return self.view(key, chat, stats=views.branch_note(branch, count, restored),
-                         system_prompt=(chat.conversation.system_prompt or "") if index == 0 else gr.skip())
+        return self._one(key, values, SwitchBranch(*inputs.branch_target(target)))
 
     def clear(self, key: Any, *values: Any) -> ChatOutputs:
-        """New chat: the old conversation (its reply stopped) is freed; the next message starts one."""
-        self.settings(values)
-        self.directory.close(key)
-        return dataclasses.replace(self.empty(), textbox=gr.update(value="", placeholder=views.READY))
+        return self._one(key, values, Clear())
 
     def stop(self, key: Any) -> None:
+        """Not an action: it reaches a running reply, whatever the page's events are doing."""
         chat = self.directory.find(key)
         if chat is not None:
             chat.conversation.stop()

@@ -5,14 +5,14 @@ reasoning and answer apart."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import gradio as gr
 
 from chat import ChatError, Continue, Edit, Operation, Regenerate, Send
 from ui import inputs, views
 from ui.directory import BrowserChat
-from ui.outputs import ChatOutputs
+from ui.outputs import ChatOutputs, Settings
 from ui.shared import HandlersBase
 
 UPDATE_INTERVAL_S = 0.04  # the chat's streamed updates: at most 25 a second (the final one always goes)
@@ -20,15 +20,10 @@ _BUSY = dict(send=gr.update(visible=False), stop=gr.update(visible=True))
 
 
 class ReplyEvents(HandlersBase):
-    def _generate(self, request: gr.Request | None, key: Any, values: tuple,
-                  make: Callable[[], Operation]) -> Iterator[ChatOutputs]:
+    def _generate(self, request: gr.Request | None, key: Any, settings: Settings,
+                  operation: Operation) -> Iterator[ChatOutputs]:
         """Plan the operation (a refusal changes nothing), then stream the reply into the chat.
         Only a new message makes a conversation; the other operations need one already."""
-        settings = self.settings(values)
-        try:
-            operation = make()  # checked when made: an empty message is refused here
-        except ChatError as error:
-            raise inputs.refused(error) from None
         try:
             if isinstance(operation, Send):
                 current = self.directory.find(key)
@@ -126,28 +121,3 @@ class ReplyEvents(HandlersBase):
         except Exception:  # noqa: S110  (it failed while ending: the conversation says so itself)
             pass
 
-    # ---- generating events ----------------------------------------------------------------------
-    # `request` is Gradio's (injected by its type), or None: it says which page and address call.
-    def send(self, request: gr.Request, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        text = inputs.text(text, "message", self.limits.max_message_chars)  # before any tokenizing
-        yield from self._generate(request, key, values, lambda: Send(text, fit_context=True))
-
-    def regenerate(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        yield from self._generate(request, key, values, Regenerate)
-
-    def regenerate_at(self, request: gr.Request, index: Any, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        """A new sibling of the reply at `index`; what followed the old one stays on its branch."""
-        whole = inputs.whole_number(index, "index", 0, 1_000_000)
-        yield from self._generate(request, key, values, lambda: Regenerate(whole))
-
-    def continue_reply(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        yield from self._generate(request, key, values, Continue)
-
-    def retry_at(self, request: gr.Request, target: Any, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        """↻ under an earlier reply: `target` is its message index, as the page's script sends it."""
-        yield from self.regenerate_at(request, inputs.message_index(target), key, *values)
-
-    def edit(self, request: gr.Request, index: Any, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        whole = inputs.whole_number(index, "index", 0, 1_000_000)
-        text = inputs.text(text, "message", self.limits.max_message_chars)
-        yield from self._generate(request, key, values, lambda: Edit(whole, text))
