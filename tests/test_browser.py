@@ -636,3 +636,28 @@ def test_a_changed_system_prompt_shows_as_pending_until_the_next_message(browser
     page.fill("#system-prompt textarea", "You are a helpful assistant.")  # the old branch's: pending again
     expect(note).to_contain_text("Not applied yet")
     page.close()
+
+
+MISPLACED_WAITING = """() => [...document.querySelectorAll('#chatbot [aria-label="Loading response"]')]
+    .filter((bubble) => bubble.offsetParent !== null)  // shown
+    .filter((bubble) => {
+        const box = bubble.closest('.message-wrap > *');
+        const before = box && box.previousElementSibling;
+        return !box || box.nextElementSibling !== null || !before || !before.matches('.message-buttons-right, .user-row');
+    }).length"""
+
+
+def test_the_waiting_bubble_shows_only_after_the_new_message(browser, demo_app):
+    """Issue #20: while a reply streamed, an earlier reply sometimes showed Gradio's "•••" bubble
+    (its node is reused as the list grows and landed between the first reply's thinking and
+    answer). Every moment of a second turn is looked at: a shown waiting bubble is the last thing
+    in the chat, right after the user's new message."""
+    page = open_chat(browser, demo_app.url)
+    wait_reply(page, send(page, "What is 10 + 10?"))
+    before = send(page, "What is 20 + 20?")
+    misplaced, looks = 0, 0
+    while not page.evaluate(REPLY_ENDED, before):
+        misplaced, looks = misplaced + page.evaluate(MISPLACED_WAITING), looks + 1
+    assert looks > 1 and misplaced == 0
+    expect(messages(page, "user")).to_have_count(2)
+    page.close()

@@ -60,6 +60,12 @@ CSS = """
 @media (max-width: 640px), (pointer: coarse) {  /* a finger's size */
   .branch-nav button { min-width: 40px; min-height: 40px; }
 }
+/* Gradio's "•••" waiting bubble belongs after the user's message, until the reply's first text.
+   Its node is reused as the list grows and can land between earlier messages (seen under an
+   earlier reply while another streamed): there, or after a reply, it is hidden. */
+#chatbot .message-wrap > .container:has(> [aria-label="Loading response"]):not(:last-child),
+#chatbot .message-wrap > .message-buttons-left + .container:has(> [aria-label="Loading response"]),
+#chatbot .message-wrap > .bot-row + .container:has(> [aria-label="Loading response"]) { display: none !important; }
 /* a reply's thinking is not edited (its answer is): no Edit pencil under it */
 .message-row:has(.thought-group) + .message-buttons button[aria-label="Edit"] { display: none !important; }
 .branch-nav button:disabled { opacity: 0.3; cursor: default; }
