@@ -9,7 +9,9 @@ addition, subtraction and multiplication, thinking on and off; follow-ups ("and 
 "double it", "what was the first number?") in live two- and three-turn conversations, judged
 against the true chain of results; and sampled replies with a regeneration each (the model's own
 sampling settings), which must stay well formed. Well formed: the thinking closed, an answer after it, and the end
-token within the token limit.
+token within the token limit. Then phrasings and conversation shapes the corpus never uses
+(demo_model/held_out.py): a new standalone question at the first turn and after earlier ones, an
+off-topic line after sums, greedy and sampled with a Regenerate.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chat import ChatEngine
+from demo_model import held_out
 from demo_model.corpus import Problem, arithmetic_dialogue, first_problem, question_text
 
 MAX_NEW_TOKENS = 200
@@ -124,6 +127,51 @@ def run(engine: ChatEngine, questions: int, seed: int, workers: int) -> dict:
             "failures": failures}
 
 
+def run_held_out_shapes(engine: ChatEngine, count: int, seed: int, workers: int) -> dict:
+    """Phrasings and conversation shapes the corpus never uses (demo_model/held_out.py), thinking
+    on: greedy, and at the model's own sampling settings with a Regenerate of the last reply."""
+    made = held_out.conversations(random.Random(seed), count)
+
+    def one(conversation: held_out.Conversation) -> dict[str, list[tuple[bool, bool, str]]]:
+        results: dict[str, list[tuple[bool, bool, str]]] = {}
+        for mode, options in (("greedy", {"do_sample": False}), ("sampled", {})):
+            conv = engine.conversation("You are a helpful assistant.")
+            for text in conversation.turns:
+                list(conv.send(text, max_new_tokens=MAX_NEW_TOKENS, **options))
+            replies = [reply_of(conv, engine.tokenizer, True)]
+            if mode == "sampled":
+                list(conv.regenerate(max_new_tokens=MAX_NEW_TOKENS))
+                replies.append(reply_of(conv, engine.tokenizer, True))
+            results[mode] = [(held_out.judged(conversation, r.number, r.answer), r.well_formed, r.answer)
+                             for r in replies]
+        return results
+
+    with ThreadPoolExecutor(workers) as pool:
+        outcomes = list(pool.map(one, made))
+    table: dict[str, dict[str, dict[str, int]]] = {}
+    wrong = []
+    for conversation, outcome in zip(made, outcomes):
+        for mode, judged_replies in outcome.items():
+            for right, well_formed, _ in judged_replies:
+                for category, ok in ((conversation.category, right), ("well formed", well_formed)):
+                    cell = table.setdefault(category, {}).setdefault(mode, {"right": 0, "of": 0})
+                    cell["right"], cell["of"] = cell["right"] + ok, cell["of"] + 1
+            if not judged_replies[0][0] and len(wrong) < 12:
+                wrong.append({"turns": list(conversation.turns), "expected": conversation.value, "mode": mode,
+                              "answer": judged_replies[0][2]})
+    return {"table": table, "wrong": wrong}
+
+
+def held_out_markdown(result: dict) -> str:
+    lines = ["| held-out phrasings and shapes (thinking on) | greedy | sampled, with a Regenerate |",
+             "|---|---:|---:|"]
+    for category in sorted(result["table"], key=lambda name: name == "well formed"):  # well formed last
+        modes = result["table"][category]
+        cells = [f"{share(modes[m]) * 100:.1f} % ({modes[m]['right']}/{modes[m]['of']})" for m in ("greedy", "sampled")]
+        lines.append(f"| {category} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def share(cell: dict) -> float:
     return cell["right"] / cell["of"] if cell["of"] else 0.0
 
@@ -152,15 +200,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--shapes", type=int, default=40, help="conversations of each held-out shape")
     args = parser.parse_args(argv)
     engine = ChatEngine.load(args.model, device="cpu", dtype="float32", max_batch_size=args.workers)
     result = run(engine, args.questions, args.seed, args.workers)
+    result["held_out_shapes"] = run_held_out_shapes(engine, args.shapes, args.seed + 2, args.workers)
     config = engine.model.generation_config
     result["sampling"] = f"the model's own: temperature {config.temperature}, top-k {config.top_k}"
     result["targets_met"] = {category: share(result["table"][category]["thinking"]) >= target
                              for category, target in TARGETS.items()}
     result["command"] = "python -m demo_model.evaluate " + " ".join(argv if argv is not None else sys.argv[1:])
     print(markdown(result))
+    print()
+    print(held_out_markdown(result["held_out_shapes"]))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=1))
     return result
