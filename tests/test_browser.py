@@ -191,6 +191,10 @@ def test_the_demo_thinks_answers_and_regenerates(browser, demo_app):
     page.close()
 
 
+SIDEBAR_AT_REST = """() => { const sidebar = document.querySelector(".sidebar");
+    return sidebar !== null && sidebar.getAnimations({subtree: true}).length === 0; }"""
+
+
 def test_on_a_phone_a_retry_keeps_everything_in_view_and_the_list_folds_away(browser, demo_app):
     """Issue #20 at 390×844: after a Retry the version label took the width and pushed Send below
     the screen; the branch controls were 19×21 px; the list stayed open over the chat after a pick
@@ -211,8 +215,10 @@ def test_on_a_phone_a_retry_keeps_everything_in_view_and_the_list_folds_away(bro
         return a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"] and \
             a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"]
 
+    page.wait_for_selector("#sidebar[data-folded='1']", state="attached")  # the page's script folded it
     expect(page.locator(".sidebar")).not_to_have_class(re.compile(r"\bopen\b"))  # folded away at first
-    expect(toggle).to_be_in_viewport(ratio=1.0)  # (once its slide has ended)
+    page.wait_for_function(SIDEBAR_AT_REST)  # mid-slide the toggle crosses the title
+    expect(toggle).to_be_in_viewport(ratio=1.0)
     assert not overlaps(toggle, page.locator("#header h2")) and min(toggle.bounding_box()["width"],
                                                                     toggle.bounding_box()["height"]) >= 40
     wait_reply(page, send(page, "What is 10 + 10?"))
@@ -235,6 +241,7 @@ def test_on_a_phone_a_retry_keeps_everything_in_view_and_the_list_folds_away(bro
                  lambda: page.locator("#chat-list label").filter(has_text="What is 10 + 10?").click()):
         toggle.click()
         expect(page.locator(".sidebar")).to_have_class(re.compile(r"\bopen\b"))
+        page.wait_for_function(SIDEBAR_AT_REST)
         expect(toggle).to_be_in_viewport(ratio=1.0)
         expect(page.locator("#sidebar-new-chat")).to_be_in_viewport(ratio=1.0)
         assert not overlaps(toggle, page.locator("#sidebar-new-chat"))
