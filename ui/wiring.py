@@ -138,7 +138,7 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
     page["dark"].click(None, js="() => window.rewindSettings.toggleTheme()", api_name=False)
     page["outbox"].change(None, [page["outbox"]], None, js=APPLY, **QUIET)
     applied, box = page["applied_prompt"], page["panel"]["system_prompt"]
-    for trigger in (applied.change, box.input, box.change):  # in the page alone, no server step
+    for trigger in (applied.change, box.change):  # in the page alone, no server step (typing is a change)
         trigger(None, [applied, box], page["panel"]["prompt_note"], js=PROMPT_NOTE, **QUIET)
 
 
