@@ -10,6 +10,7 @@ plus 7?", "double it", "what was the first number?"). Questions whose number pai
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass, field
 
 PLACES = ("ones", "tens", "hundreds", "thousands")
@@ -99,20 +100,70 @@ def held_out(op: str, a: int, b: int) -> bool:
     return (a * 7919 + b * 104729 + "+-*".index(op) * 31) % 8 == 0
 
 
-# ---- questions ----------------------------------------------------------------------------------
-QUESTION_FORMS = {
-    "+": ("What is {a} + {b}?", "{a} + {b} = ?", "How much is {a} plus {b}?", "What is {a} plus {b}?",
-          "Add {a} and {b}.", "{a}+{b}?"),
-    "-": ("What is {a} - {b}?", "{a} - {b} = ?", "What is {a} minus {b}?", "How much is {a} minus {b}?",
-          "{a}-{b}?"),
-    "*": ("What is {a} * {b}?", "{a} * {b} = ?", "What is {a} times {b}?", "Multiply {a} by {b}.", "{a}*{b}?",
-          "What is {a} x {b}?"),
+# ---- how people ask: a prefix, a core that names the operation, a suffix, a case -----------------
+# A question is one of these cores after one of its prefixes. About one (prefix, core) pair in four
+# is *held out* (`held_out_phrasing`): the corpus never asks that way, in any case or punctuation,
+# so demo_model/held_out.py asks in combinations the model never saw. Cores and prefixes each
+# occur in the corpus with other partners. Each core's operands come in the order written; the
+# reasoning starts by writing the question the one way the steps use ("The question is 47 - 38.").
+NOUN_PREFIXES = ("What is ", "What is ", "what is ", "What's ", "How much is ", "Compute ", "Calculate ",
+                 "Tell me ", "", "", "And what is ", "Now what is ", "Work out ", "Quick: ", "Find ",
+                 "So what is ", "Next: ", "Can you tell me ")
+NOUN_CORES = {
+    "+": ("{a} + {b}", "{a} plus {b}", "{a}+{b}", "the sum of {a} and {b}", "{a} added to {b}",
+          "{a} and {b} added together", "{a} + {b} = "),
+    "-": ("{a} - {b}", "{a} minus {b}", "{a}-{b}", "the difference of {a} and {b}", "{a} less {b}",
+          "{b} taken from {a}", "{b} subtracted from {a}", "{a} - {b} = "),
+    "*": ("{a} * {b}", "{a} times {b}", "{a} x {b}", "{a} × {b}", "{a}*{b}", "{a} multiplied by {b}",
+          "the product of {a} and {b}", "{a} * {b} = "),
 }
+VERB_PREFIXES = ("", "", "Please ", "Now ", "Can you ", "And ", "OK, ", "Next, ")
+VERB_CORES = {
+    "+": ("add {a} and {b}", "add {b} to {a}", "sum {a} and {b}"),
+    "-": ("subtract {b} from {a}", "take {b} from {a}", "take away {b} from {a}"),
+    "*": ("multiply {a} by {b}", "multiply {a} and {b}"),
+}
+SUFFIXES = ("?", "?", "?", "", "", ".", " please?", " please", "??")
+# prefixes the corpus never uses at all: evaluation only
+NEW_NOUN_PREFIXES = ("Could you work out ", "I want to know ", "Hey, what is ")
+NEW_VERB_PREFIXES = ("Could you ", "Kindly ", "Hey, ")
+
+
+def held_out_phrasing(prefix: str, core: str) -> bool:
+    """About one pair in four is kept for evaluation only (by its words, not by chance)."""
+    return zlib.crc32(f"{prefix.strip().lower()}|{core}".encode()) % 4 == 0
+
+
+def phrasings(op: str, *, evaluation: bool = False) -> list[tuple[str, str]]:
+    """The (prefix, core) pairs the corpus asks `op` with, or, for evaluation, those it never does."""
+    pairs = [(p, c) for p in NOUN_PREFIXES for c in NOUN_CORES[op]] + \
+            [(p, c) for p in VERB_PREFIXES for c in VERB_CORES[op]]
+    kept = [pair for pair in pairs if held_out_phrasing(*pair) == evaluation]
+    if evaluation:
+        kept += [(p, c) for p in NEW_NOUN_PREFIXES for c in NOUN_CORES[op]] + \
+                [(p, c) for p in NEW_VERB_PREFIXES for c in VERB_CORES[op]]
+    return kept
+
+
+def cased(rng: random.Random, text: str) -> str:
+    """Mostly as written, else all lower case, sometimes all capitals."""
+    roll = rng.random()
+    return text if roll < 0.7 else text.lower() if roll < 0.9 else text.upper()
+
+
+def phrase(rng: random.Random, prefix: str, core: str, **values: int | str) -> str:
+    text = prefix + core.format(**values)
+    if prefix == "" and rng.random() < 0.5:
+        text = text[0].upper() + text[1:]
+    return cased(rng, text + "?" if core.endswith("= ") else text + rng.choice(SUFFIXES))
+
+
+def question_text(rng: random.Random, problem: Problem, *, evaluation: bool = False) -> str:
+    prefix, core = rng.choice(phrasings(problem.op, evaluation=evaluation))
+    return phrase(rng, prefix, core, a=problem.a, b=problem.b)
+
+
 ANSWER_FORMS = ("{problem} = {result}.", "{problem} = {result}.", "The answer is {result}.")
-
-
-def question_text(rng: random.Random, problem: Problem) -> str:
-    return rng.choice(QUESTION_FORMS[problem.op]).format(a=problem.a, b=problem.b)
 
 
 def answer_text(rng: random.Random, problem: Problem) -> str:
@@ -141,6 +192,7 @@ class Turn:
     reasoning: str
     answer: str
     value: int | None = None  # the number the answer gives, for follow-ups and evaluation
+    problem: Problem | None = None  # the question it answered, when it was a standalone one
 
 
 @dataclass
@@ -148,7 +200,7 @@ class Dialogue:
     system: str | None
     turns: list[Turn] = field(default_factory=list)
     thinking: bool = True
-    kind: str = "arithmetic"  # arithmetic, follow-up, fact, chat
+    kind: str = "arithmetic"  # what the last turn is: arithmetic, follow-up, fact, chat, off-topic
 
     def messages(self, upto: int | None = None) -> list[dict]:
         """The conversation before the last reply, as the app keeps it (reasoning stripped)."""
@@ -165,73 +217,108 @@ class Dialogue:
             return last.answer
         return f"<think>\n{last.reasoning}\n</think>\n\n{last.answer}"
 
+    def values(self) -> list[int]:
+        return [turn.value for turn in self.turns if turn.value is not None]
 
-def arithmetic_turn(rng: random.Random, problem: Problem) -> Turn:
-    return Turn(question_text(rng, problem), "\n".join(problem.steps() + [f"So {problem.text} = {problem.result}."]),
-                answer_text(rng, problem), problem.result)
+    def first_question(self) -> Problem | None:
+        return next((turn.problem for turn in self.turns if turn.problem is not None), None)
 
 
-# ---- follow-ups: each needs the last answer or the first question ---------------------------------
-def follow_up(rng: random.Random, first: Problem, last_value: int) -> Turn:
+def arithmetic_turn(rng: random.Random, problem: Problem, *, evaluation: bool = False) -> Turn:
+    steps = [f"The question is {problem.text}."] + problem.steps() + [f"So {problem.text} = {problem.result}."]
+    return Turn(question_text(rng, problem, evaluation=evaluation), "\n".join(steps), answer_text(rng, problem),
+                problem.result, problem)
+
+
+# ---- follow-ups: each needs an earlier answer or the first question --------------------------------
+# kind -> cores; "{ref}" is what the follow-up refers to ("that", "it", "the first answer").
+FOLLOW_UP_CORES = {
+    "plus": ("plus {n}", "add {n}", "add {n} to {ref}", "{n} more", "{ref} plus {n}", "+ {n}", "plus {n} more",
+             "what is {ref} plus {n}"),
+    "minus": ("minus {n}", "take away {n}", "subtract {n}", "subtract {n} from {ref}", "take {n} from {ref}",
+              "- {n}", "{ref} minus {n}", "what is {ref} minus {n}"),
+    "times": ("times {n}", "multiply {ref} by {n}", "x {n}", "× {n}", "{ref} times {n}", "what is {ref} times {n}"),
+    "double": ("double {ref}", "twice {ref}", "what is double {ref}", "what is twice {ref}"),
+    "again": ("what was the answer", "what did you get", "say the answer again", "what was that again",
+              "repeat the answer", "what was {ref} again"),
+    "number": ("what was the {which} number", "which was the {which} number",
+               "what was the {which} number in my first question", "the {which} number of my first question"),
+}
+FOLLOW_UP_PREFIXES = ("", "", "And ", "Now ", "Then ", "OK, ", "and then ", "So ", "Next, ")
+NEW_FOLLOW_UP_PREFIXES = ("Alright, ", "Right, ")  # evaluation only
+LAST_REFERENCES = ("that", "it", "that", "the answer", "the result")
+
+
+def held_out_follow_up(prefix: str, core: str) -> bool:
+    return zlib.crc32(f"follow-up|{prefix.strip().lower()}|{core}".encode()) % 4 == 0
+
+
+def follow_up_phrasings(kind: str, *, evaluation: bool = False) -> list[tuple[str, str]]:
+    kept = [(p, c) for p in FOLLOW_UP_PREFIXES for c in FOLLOW_UP_CORES[kind] if held_out_follow_up(p, c) == evaluation]
+    return kept + ([(p, c) for p in NEW_FOLLOW_UP_PREFIXES for c in FOLLOW_UP_CORES[kind]] if evaluation else [])
+
+
+def follow_up(rng: random.Random, first: Problem, last_value: int, first_value: int | None = None, *,
+              evaluation: bool = False) -> Turn:
+    """A question on the last answer (or, when `first_value` differs from it, sometimes on the
+    first answer), or on the first question's numbers; `evaluation` asks in held-out words."""
     while True:
-        kind = rng.choices(("plus", "minus", "double", "times", "first", "second", "again"),
-                           weights=(26, 20, 14, 14, 10, 8, 8))[0]
+        kind = rng.choices(("plus", "minus", "double", "times", "number", "again"),
+                           weights=(26, 20, 14, 14, 14, 8))[0]
+        prefix, core = rng.choice(follow_up_phrasings(kind, evaluation=evaluation))
+        on_first = first_value is not None and first_value != last_value and "{ref}" in core and rng.random() < 0.3
+        value, name = (first_value, "first") if on_first else (last_value, "last")
+        reference = "the first answer" if on_first else rng.choice(LAST_REFERENCES)
+        said = f"The {name} answer was {value}."
         if kind == "plus":
             n = rng.randint(1, 9) if rng.random() < 0.5 else rng.randint(10, 99)
-            user = rng.choice(("And plus {n}?", "Plus {n}?", "Add {n} to that.", "And if we add {n}?")).format(n=n)
-            return _derived(rng, user, last_value, Problem("+", last_value, n))
-        if kind == "minus" and last_value >= 1:
-            n = rng.randint(1, min(last_value, 9)) if rng.random() < 0.5 else rng.randint(1, min(last_value, 99))
-            user = rng.choice(("And minus {n}?", "Minus {n}?", "Take away {n}.", "Subtract {n} from that.")).format(n=n)
-            return _derived(rng, user, last_value, Problem("-", last_value, n))
-        if kind == "double":
-            user = rng.choice(("Double it.", "Double that.", "And twice that?", "What is double that?"))
-            problem = Problem("+", last_value, last_value)
-            steps = [f"The last answer was {last_value}. Doubling it means {problem.text}."] + problem.steps()
-            return Turn(user, "\n".join(steps + [f"So {problem.text} = {problem.result}."]),
-                        f"Double {last_value} is {problem.result}.", problem.result)
-        if kind == "times" and last_value <= 99:
-            d = rng.randint(2, 9)
-            user = rng.choice(("Times {d}?", "And times {d}?", "Multiply that by {d}.")).format(d=d)
-            return _derived(rng, user, last_value, Problem("*", last_value, d))
-        if kind in ("first", "second"):
-            value = first.a if kind == "first" else first.b
-            user = rng.choice((f"What was the {kind} number?", f"Which was the {kind} number?",
-                               f"What was the {kind} number in my first question?"))
-            reasoning = f"The first question was {first.text}. Its {kind} number is {value}."
-            return Turn(user, reasoning, f"The {kind} number was {value}.", value)
-        if kind == "again":
-            user = rng.choice(("What was the answer?", "What did you get?", "Say the answer again."))
-            return Turn(user, f"The last answer was {last_value}.", f"The answer was {last_value}.", last_value)
-
-
-def _derived(rng: random.Random, user: str, last_value: int, problem: Problem) -> Turn:
-    steps = [f"The last answer was {last_value}. Now {problem.text}."] + problem.steps()
-    return Turn(user, "\n".join(steps + [f"So {problem.text} = {problem.result}."]), answer_text(rng, problem),
-                problem.result)
+            problem = Problem("+", value, n)
+        elif kind == "minus" and value >= 1:
+            n = rng.randint(1, min(value, 9)) if rng.random() < 0.5 else rng.randint(1, min(value, 99))
+            problem = Problem("-", value, n)
+        elif kind == "times" and value <= 99:
+            n = rng.randint(2, 9)
+            problem = Problem("*", value, n)
+        elif kind == "double" and value <= 999:
+            n, problem = 0, Problem("+", value, value)
+            steps = [f"{said} Doubling it means {problem.text}."] + problem.steps()
+            return Turn(phrase(rng, prefix, core, ref=reference), "\n".join(steps + [f"So {problem.text} = "
+                        f"{problem.result}."]), f"Double {value} is {problem.result}.", problem.result)
+        elif kind == "number":
+            which = rng.choice(("first", "second"))
+            number = first.a if which == "first" else first.b
+            return Turn(phrase(rng, prefix, core, which=which),
+                        f"The first question was {first.text}. Its {which} number is {number}.",
+                        f"The {which} number was {number}.", number)
+        elif kind == "again":
+            return Turn(phrase(rng, prefix, core, ref=reference), said, f"The {name} answer was {value}.", value)
+        else:
+            continue
+        steps = [f"{said} Now {problem.text}."] + problem.steps() + [f"So {problem.text} = {problem.result}."]
+        return Turn(phrase(rng, prefix, core, n=n, ref=reference), "\n".join(steps), answer_text(rng, problem),
+                    problem.result)
 
 
 def arithmetic_dialogue(rng: random.Random, *, turns: int, evaluation: bool = False) -> Dialogue:
+    """A question, then follow-ups on it (the corpus's phrasings: `evaluation` holds out numbers)."""
     first = first_problem(rng, evaluation=evaluation)
     dialogue = Dialogue(rng.choice(SYSTEM_PROMPTS), [arithmetic_turn(rng, first)],
                         kind="arithmetic" if turns == 1 else "follow-up")
     while len(dialogue.turns) < turns:
-        last = dialogue.turns[-1].value
-        assert last is not None
-        dialogue.turns.append(follow_up(rng, first, last))
+        values = dialogue.values()
+        dialogue.turns.append(follow_up(rng, first, values[-1], values[0]))
     return dialogue
 
 
-def fact_dialogue(rng: random.Random) -> Dialogue:
+def fact_turn(rng: random.Random) -> Turn:
     """Single-digit facts, drilled: the steps lean on them."""
     op = rng.choice("+-*")
     a, b = rng.randint(0, 9), rng.randint(0, 9)
     if op == "-" and a < b:
         a, b = b, a
     problem = Problem(op, a, b)
-    turn = Turn(question_text(rng, problem), f"{problem.text} = {problem.result}.", answer_text(rng, problem),
-                problem.result)
-    return Dialogue(rng.choice(SYSTEM_PROMPTS), [turn], kind="fact")
+    return Turn(question_text(rng, problem), f"The question is {problem.text}.\n{problem.text} = {problem.result}.",
+                answer_text(rng, problem), problem.result, problem)
 
 
 # ---- a few phrases, so the first screen explains itself ------------------------------------------
@@ -274,32 +361,75 @@ CHAT = [
      "A question about the app: stop and continue.",
      ("Stop ends my reply where it is; continue goes on from there, with one token of work.",)),
 ]
-FALLBACK_WORDS = ("apple river blue quick song chair window story music green travel dream cloud paper "
-                  "garden coffee moon mountain").split()
+# Anything else gets the model's own "I only know arithmetic" line. These lines are made from words
+# of their own; demo_model/held_out.py asks others (a joke, the weather, ...) whose words never occur
+# here (tests/test_demo_held_out.py).
+OFF_TOPIC_FRAMES = ("tell me about {thing}", "what is {thing}", "who is {person}", "where is {place}",
+                    "how do I {verb} {thing}", "write a {form} about {thing}", "can you {verb} {thing}",
+                    "I like {thing}", "what do you think of {thing}", "do you know {person}",
+                    "translate {thing} into {language}", "what time is it in {place}", "why is the sky blue",
+                    "how old are you", "{words}", "is {thing} {adjective}", "explain {thing}", "give me {thing}",
+                    "my {thing} is {adjective}", "what should I {verb}", "where can I buy {thing}",
+                    "say something about {person}", "I am going to {place}", "help me {verb} {thing}")
+OFF_TOPIC_WORDS = dict(
+    thing=("dogs", "cats", "a car", "the moon", "trees", "a garden", "coffee", "the river", "history", "a train",
+           "the news", "my homework", "birds", "a movie", "chess", "the stars", "bread", "summer", "my phone",
+           "the ocean floor", "flowers", "a bicycle", "shoes", "the war", "physics", "a picture", "tea"),
+    person=("Einstein", "my friend", "the president", "Ada Lovelace", "your maker", "the king", "my teacher"),
+    place=("Tokyo", "London", "the park", "Spain", "Berlin", "the station", "Canada", "the mountains"),
+    verb=("fix", "clean", "paint", "draw", "find", "learn", "open", "plant", "sell", "build", "wash"),
+    form=("story", "letter", "essay", "speech", "list", "song"),
+    language=("German", "Spanish", "Japanese", "Italian"),
+    adjective=("nice", "broken", "safe", "big", "old", "healthy", "green"),
+)
+FALLBACK_WORDS = ("apple river blue quick chair window story green travel dream cloud paper garden coffee moon "
+                  "mountain lamp forest orange table yellow road horse").split()
+DOES_NOT_KNOW = ("Sorry, I only know arithmetic and a few phrases. Try: what is 47 + 38?",
+                 "I am a tiny model: I only know arithmetic. Ask me something like 7 * 46.")
 
 
-def chat_dialogue(rng: random.Random) -> Dialogue:
-    if rng.random() < 0.15:  # anything else: say what works
-        user = " ".join(rng.choice(FALLBACK_WORDS) for _ in range(rng.randint(1, 6))).capitalize() + rng.choice(
-            ("?", ".", "!"))
-        turn = Turn(user, "I do not know this. I say what I can do.",
-                    rng.choice(("Sorry, I only know arithmetic and a few phrases. Try: what is 47 + 38?",
-                                "I am a tiny model: I only do sums. Ask me something like 7 * 46.")))
-    else:
-        questions, reasoning, answers = rng.choice(CHAT)
-        turn = Turn(rng.choice(questions), reasoning, rng.choice(answers))
-    return Dialogue(rng.choice(SYSTEM_PROMPTS), [turn], kind="chat")
+def off_topic_turn(rng: random.Random) -> Turn:
+    frame = rng.choice(OFF_TOPIC_FRAMES)
+    words = " ".join(rng.choice(FALLBACK_WORDS) for _ in range(rng.randint(1, 6)))
+    text = frame.format(words=words, **{key: rng.choice(options) for key, options in OFF_TOPIC_WORDS.items()})
+    text = cased(rng, text[0].upper() + text[1:] if rng.random() < 0.6 else text) + rng.choice(("?", ".", "!", ""))
+    return Turn(text, "I do not know this. I say what I can do.", rng.choice(DOES_NOT_KNOW))
+
+
+def chat_turn(rng: random.Random) -> Turn:
+    questions, reasoning, answers = rng.choice(CHAT)
+    return Turn(rng.choice(questions), reasoning, rng.choice(answers))
+
+
+# what comes next in a conversation, first and later: a standalone question at any point, a
+# follow-up once there is an answer, a phrase or an off-topic line in the middle
+FIRST_TURN = {"arithmetic": 70, "fact": 7, "chat": 15, "off-topic": 8}
+LATER_TURN = {"arithmetic": 34, "follow-up": 38, "fact": 5, "chat": 10, "off-topic": 13}
+
+
+def next_turn(rng: random.Random, dialogue: Dialogue, *, evaluation: bool = False,
+              weights: dict[str, int] | None = None) -> tuple[str, Turn]:
+    """The next turn of `dialogue`; `evaluation` asks held-out numbers in held-out words."""
+    values = dialogue.values()
+    weights = weights or (FIRST_TURN if not dialogue.turns else LATER_TURN)
+    kinds = [kind for kind in weights if kind != "follow-up" or values]
+    kind = rng.choices(kinds, weights=[weights[kind] for kind in kinds])[0]
+    if kind == "arithmetic":
+        return kind, arithmetic_turn(rng, first_problem(rng, evaluation=evaluation), evaluation=evaluation)
+    if kind == "follow-up":
+        first = dialogue.first_question()
+        assert first is not None
+        return kind, follow_up(rng, first, values[-1], values[0], evaluation=evaluation)
+    if kind == "fact":
+        return kind, fact_turn(rng)
+    return kind, chat_turn(rng) if kind == "chat" else off_topic_turn(rng)
 
 
 def sample_dialogue(rng: random.Random) -> Dialogue:
-    """One training dialogue: the mix of the corpus."""
-    roll = rng.random()
-    if roll < 0.08:
-        dialogue = chat_dialogue(rng)
-    elif roll < 0.14:
-        dialogue = fact_dialogue(rng)
-    else:
-        turns = rng.choices((1, 2, 3, 4), weights=(50, 28, 15, 7))[0]
-        dialogue = arithmetic_dialogue(rng, turns=turns)
+    """One training dialogue: one to six turns of the mix above; the last reply is the one learnt."""
+    dialogue = Dialogue(rng.choice(SYSTEM_PROMPTS))
+    for _ in range(rng.choices(range(1, 7), weights=(30, 24, 18, 13, 9, 6))[0]):
+        dialogue.kind, turn = next_turn(rng, dialogue)
+        dialogue.turns.append(turn)
     dialogue.thinking = rng.random() < 0.75
     return dialogue

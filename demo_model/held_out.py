@@ -1,11 +1,16 @@
 """Conversations as a newcomer has them, in phrasings and shapes the corpus never uses (issue #22).
 
-`evaluate.py` holds out number pairs; this holds out *how people ask*: other words for each
-operation ("the sum of", "take … from", "multiplied by", "×"), other case and punctuation, a
-new standalone question after earlier turns, and off-topic lines in the middle of a sum
-conversation. None of these templates may enter the corpus (`tests/test_benchmark_smoke.py`
-checks it), so the figures say how the model does on what it never saw. Each conversation runs
-greedy and at the model's own sampling settings, with a Regenerate of the sampled last reply.
+`evaluate.py` holds out number pairs; this holds out *how people ask* as well:
+- questions and follow-ups in (prefix, operation words) pairs the corpus never combines, and with
+  prefixes it never uses at all (`corpus.phrasings(op, evaluation=True)`), in any case;
+- off-topic lines about things whose words never occur in the corpus (a joke, the weather, ...);
+- the judged turn at the first turn, after one to four earlier turns of any kind (sums,
+  follow-ups, phrases, off-topic lines: a newcomer's order, not a script), and in conversations of
+  seven or eight turns, longer than any the model was trained on (six at most).
+tests/test_demo_held_out.py checks that none of it occurs in the corpus. Every number pair is held
+out too. Each conversation runs live (the model answers every earlier turn), greedy and at the
+model's own sampling settings with a Regenerate of the sampled last reply; the last reply is judged
+against the true chain of results.
 """
 
 from __future__ import annotations
@@ -13,23 +18,20 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from demo_model.corpus import Problem, first_problem, question_text
+from demo_model import corpus
 
-# other words for each operation: never in corpus.QUESTION_FORMS
-HELD_OUT_FORMS = {
-    "+": ("what's {a} plus {b}", "Compute {a} + {b}.", "the sum of {a} and {b}?", "ADD {a} TO {b}",
-          "can you add {a} to {b}?", "{a} and {b} added together?"),
-    "-": ("take {b} from {a}", "Subtract {b} from {a}.", "what is {a} less {b}", "{a} take away {b}?",
-          "WHAT IS {a} MINUS {b}"),
-    "*": ("{a} × {b}?", "{a} multiplied by {b}", "what's {a} times {b}", "the product of {a} and {b}?",
-          "Compute {a} * {b}."),
-}
-# lines off the model's topic, asked in the middle of a conversation: never in the corpus
+# lines off the model's topic: none of their words (`HELD_OUT_WORDS`) is in the corpus
 OFF_TOPIC = ("tell me a joke", "What's the weather like today?", "who won the football match?",
              "Write me a poem about the sea.", "what is the capital of France?", "Do you like music?",
              "recommend a good book", "How do I cook rice?")
+HELD_OUT_WORDS = ("joke", "weather", "football", "match", "won", "poem", "sea", "capital", "france", "music",
+                  "recommend", "book", "cook", "rice")
 # what the model says when it cannot help (its corpus's own lines, in their words)
 DOES_NOT_KNOW = ("only know arithmetic", "only do sums")
+CATEGORIES = ("standalone, first turn", "standalone, after earlier turns", "follow-up, after earlier turns",
+              "off-topic, after earlier turns", "any, in a conversation longer than any trained")
+# the judged turn of a long conversation
+LONG_LAST = {"arithmetic": 40, "follow-up": 40, "off-topic": 20}
 
 
 @dataclass(frozen=True)
@@ -42,23 +44,45 @@ class Conversation:
     value: int | None
 
 
-def held_out_question(rng: random.Random, problem: Problem) -> str:
-    return rng.choice(HELD_OUT_FORMS[problem.op]).format(a=problem.a, b=problem.b)
+def _earlier(rng: random.Random, count: int) -> corpus.Dialogue:
+    """`count` turns of any kind, in held-out words and numbers; off-topic ones from OFF_TOPIC."""
+    dialogue = corpus.Dialogue(None)
+    while len(dialogue.turns) < count:
+        kind, turn = corpus.next_turn(rng, dialogue, evaluation=True)
+        dialogue.turns.append(_held_out_line(rng) if kind == "off-topic" else turn)
+    return dialogue
+
+
+def _held_out_line(rng: random.Random) -> corpus.Turn:
+    return corpus.Turn(rng.choice(OFF_TOPIC), "", "", None)
+
+
+def _judged(category: str, dialogue: corpus.Dialogue, kind: str, rng: random.Random) -> Conversation:
+    if kind == "off-topic":
+        turn = _held_out_line(rng)
+    else:
+        weights = {kind: 1, "arithmetic": 0} if kind == "follow-up" else {"arithmetic": 1}
+        _, turn = corpus.next_turn(rng, dialogue, evaluation=True, weights=weights)
+    turns = tuple(t.user for t in dialogue.turns) + (turn.user,)
+    return Conversation(category, turns, turn.value)
 
 
 def conversations(rng: random.Random, count: int) -> list[Conversation]:
-    """`count` of each shape: a held-out phrasing first; a held-out phrasing after one to three
-    earlier sums (asked the corpus's way); an off-topic line after one or two sums."""
+    """`count` conversations of each category (CATEGORIES)."""
     made = []
     for index in range(count):
-        problem = first_problem(rng, evaluation=True)
-        made.append(Conversation("standalone, first turn", (held_out_question(rng, problem),), problem.result))
-        earlier = tuple(question_text(rng, first_problem(rng, evaluation=True)) for _ in range(1 + index % 3))
-        problem = first_problem(rng, evaluation=True)
-        made.append(Conversation("standalone, after earlier turns", (*earlier, held_out_question(rng, problem)),
-                                 problem.result))
-        earlier = tuple(question_text(rng, first_problem(rng, evaluation=True)) for _ in range(1 + index % 2))
-        made.append(Conversation("off-topic, after earlier turns", (*earlier, rng.choice(OFF_TOPIC)), None))
+        made.append(_judged(CATEGORIES[0], corpus.Dialogue(None), "arithmetic", rng))
+        made.append(_judged(CATEGORIES[1], _earlier(rng, 1 + index % 4), "arithmetic", rng))
+        earlier = _earlier(rng, 1 + index % 4)
+        while not earlier.values():  # a follow-up needs an answer to follow
+            earlier = _earlier(rng, 1 + index % 4)
+        made.append(_judged(CATEGORIES[2], earlier, "follow-up", rng))
+        made.append(_judged(CATEGORIES[3], _earlier(rng, 1 + index % 4), "off-topic", rng))
+        longer = _earlier(rng, 6 + index % 2)
+        kind = rng.choices(list(LONG_LAST), weights=list(LONG_LAST.values()))[0]
+        while kind == "follow-up" and not longer.values():
+            longer = _earlier(rng, 6 + index % 2)
+        made.append(_judged(CATEGORIES[4], longer, kind, rng))
     return made
 
 

@@ -1,7 +1,12 @@
 """Train the offline demo model: a small Qwen3 on the synthetic dialogues of `corpus.py`.
 
-    python -m demo_model.train                   # about 50 minutes on 2 CPU cores, writes chat/assets/demo
+    python -m demo_model.train                   # from scratch: 6,000 steps, writes chat/assets/demo
+    python -m demo_model.train --init chat/assets/demo --minutes 65   # go on from a trained model
     python -m demo_model.train --steps 200 --out /tmp/demo   # a quick look
+
+`--init` starts from a saved model and keeps its tokenizer (the weights know its ids); `--minutes`
+fixes the number of steps from the pace of the first 20, so the cosine schedule ends on time (the
+steps it chose are saved, and `--steps N` repeats them).
 
 Seeded: the tokenizer (a byte-level BPE with one token per digit, trained here on the corpus),
 the weights and the batches. The loss counts only the last reply of each dialogue, the one the
@@ -104,24 +109,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--init", default=None, help="a saved model folder to go on from (its tokenizer too)")
+    parser.add_argument("--minutes", type=float, default=None, help="choose --steps to take about this long")
+    parser.add_argument("--warmup", type=int, default=200)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    tokenizer = train_tokenizer(args.seed)
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen3Config(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, **SHAPE)
-    model = Qwen3ForCausalLM(config)
+    base = None
+    if args.init:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init)
+        model = Qwen3ForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        base_summary = Path(args.init) / "training.json"
+        base = json.loads(base_summary.read_text()) if base_summary.exists() else {"init": args.init}
+        base.pop("log", None)
+        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    else:
+        tokenizer = train_tokenizer(args.seed)
+        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        config = Qwen3Config(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+                             bos_token_id=None, **SHAPE)
+        model = Qwen3ForCausalLM(config)
     parameters = sum(p.numel() for p in model.parameters())
     print(f"{parameters / 1e6:.2f} M parameters, vocabulary {len(tokenizer)}", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05)
     started, seen, log = time.perf_counter(), 0, []
     model.train()
     stream = batches(tokenizer, rng, args.batch_size)
-    for step in range(args.steps):
+    step = 0
+    while step < args.steps:
+        if args.minutes and step == 20:  # the pace so far sets the length of the schedule
+            pace = (time.perf_counter() - started) / step
+            args.steps = max(21, int(args.minutes * 60 / pace))
+            print(f"{pace:.2f} s a step: {args.steps} steps in {args.minutes} minutes", flush=True)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args.steps, args.lr, warmup=200)
+            group["lr"] = learning_rate(step, args.steps, args.lr, warmup=args.warmup)
         input_ids, mask, labels = next(stream)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
@@ -129,12 +151,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         seen += int(mask.sum())
-        if step % 100 == 0 or step == args.steps - 1:
+        if step % 50 == 0 or step == args.steps - 1:
             elapsed = time.perf_counter() - started
             log.append({"step": step, "loss": round(loss.item(), 4), "elapsed_s": round(elapsed, 1),
                         "tokens": seen})
             print(f"step {step:5d}  loss {loss.item():.4f}  {seen / elapsed:,.0f} tokens/s  {elapsed / 60:.1f} min",
                   flush=True)
+        step += 1
     model.eval()
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -146,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     model.to(torch.float16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     summary = {"parameters": parameters, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
-               "seed": args.seed, "threads": args.threads,
+               "seed": args.seed, "threads": args.threads, "warmup": args.warmup, "init": base,
                "train_minutes": round((time.perf_counter() - started) / 60, 1),
                "tokens": seen, "final_loss": log[-1]["loss"], "log": log}
     (out / "training.json").write_text(json.dumps(summary, indent=1))
