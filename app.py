@@ -165,11 +165,13 @@ def load_engine(config: AppConfig) -> Any:
               f"{config.tokenizer or config.model}", flush=True)
         return engine
     # On ZeroGPU each call runs in a worker process: caches live on the CPU between calls, and
-    # shared prefixes (kept inside a worker) are off.
+    # shared prefixes (kept inside a worker) and the cold tier (the sessions travel) are off.
     engine = ChatEngine.load(config.model, device="cuda" if ON_ZERO_GPU else config.device, dtype=config.dtype,
                              max_checkpoints=config.max_checkpoints, offload_sessions=ON_ZERO_GPU,
                              max_batch_size=config.max_batch, prefill_chunk=config.prefill_chunk,
                              cache_budget_bytes=int(config.cache_budget_mb * 2**20),
+                             cache_dir=None if ON_ZERO_GPU else config.cache_dir,
+                             cache_dir_bytes=int(config.cache_dir_mb * 2**20),
                              **(dict(shared_prefixes=0) if ON_ZERO_GPU else {}))
     if ON_ZERO_GPU:  # each reply runs in the worker process `spaces.GPU` forks (chat/remote.py)
         remote.ENGINE = engine

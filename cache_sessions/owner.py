@@ -11,8 +11,9 @@ numbers kept here under a lock.
 queued or streaming, a switch, an undo, an edit). The budget never releases a pinned session,
 and a close while pinned releases it when the last pin goes. When the caches together exceed the
 budget, the segments idle sessions keep for branches not shown go first, oldest first; then the
-least recently used idle session is released (its conversation keeps its messages; its next
-turn rebuilds); then shared prefixes.
+least recently used idle session goes to the cold tier on disk when there is one (its next
+operation reads it back, exact: cache_sessions/cold.py), else it is released (its conversation
+keeps its messages; its next turn rebuilds); then shared prefixes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from transformers import PreTrainedModel
 from cache_sessions.accounts import Accounts
 from cache_sessions.batch import BatchedCache, SingleRow, decode_batch
 from cache_sessions.branches import BranchKeep, BranchMove, keep_before_reply, move_branch
+from cache_sessions.cold import ColdStats, ColdStore
 from cache_sessions.prefixes import PrefixStore
 from cache_sessions.session import CacheSession, PrefillResult
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
@@ -54,15 +56,18 @@ class CacheStats:
     batch_bytes: int
     evictions: int  # idle sessions released for the budget
     segments_freed: int  # kept branch states freed for the budget
+    cold: ColdStats | None = None  # the cold tier on disk, when there is one
 
 
 class CacheOwner:
     def __init__(self, model: PreTrainedModel, loop: Loop, *, budget_bytes: int | None = None,
                  max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS, prefix_store: PrefixStore | None = None,
-                 offload: bool = False, clock: Callable[[], float] = time.monotonic):
+                 offload: bool = False, cold_store: ColdStore | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         """`offload`: sessions rest on the CPU and go to the model's device only while a reply
-        runs (ZeroGPU, where GPU memory does not survive between calls)."""
-        self.model, self.loop = model, loop
+        runs (ZeroGPU, where GPU memory does not survive between calls). `cold_store`: where idle
+        sessions go instead of being released when the budget is reached."""
+        self.model, self.loop, self.cold_store = model, loop, cold_store
         self.budget_bytes, self.max_checkpoints = budget_bytes, max_checkpoints
         self.prefix_store, self.offload = prefix_store, offload
         self.accounts = Accounts(clock)
@@ -99,7 +104,8 @@ class CacheOwner:
         sessions, busy, held = self.accounts.totals()
         return CacheStats(sessions=sessions, busy=busy, cache_bytes=shared + self._batch_bytes + held,
                           budget_bytes=self.budget_bytes, shared_prefix_bytes=shared, batch_bytes=self._batch_bytes,
-                          evictions=self.evictions, segments_freed=self.segments_freed)
+                          evictions=self.evictions, segments_freed=self.segments_freed,
+                          cold=self.cold_store.stats() if self.cold_store is not None else None)
 
     def enforce_budget(self) -> None:
         """Bring the caches within the budget now (after the budget changed, say)."""
@@ -172,6 +178,11 @@ class CacheOwner:
         return nbytes
 
     # ---- the loop: other changes ---------------------------------------------------------------
+    def bring_back(self, session: CacheSession) -> None:
+        """Its states into memory now, from the cold tier if they went there (every operation on a
+        session does this first; this does it ahead, e.g. while its user types)."""
+        self._on_loop(session)
+
     def move(self, session: CacheSession, move: BranchMove) -> bool:
         """Keep the branch left and put back the one arriving (see cache_sessions/branches.py)."""
         self._on_loop(session)
@@ -189,6 +200,8 @@ class CacheOwner:
         """After each step and command: free closed sessions, keep the budget."""
         self._on_loop()
         for session in self.accounts.take_closed():
+            if self.cold_store is not None:
+                self.cold_store.discard(session)
             session.release()
         if self.budget_bytes is not None:
             while self.stats().cache_bytes > self.budget_bytes and self._free_one():
@@ -206,8 +219,9 @@ class CacheOwner:
             self.segments_freed += 1
         elif holding:
             session = min(holding, key=lambda entry: entry.last_used).session
-            session.release()
-            self.evictions += 1
+            if self.cold_store is None or not self.cold_store.spill(session):
+                session.release()
+                self.evictions += 1
         else:
             return self.prefix_store is not None and self.prefix_store.evict_one()
         self._measure(session)
@@ -224,3 +238,5 @@ class CacheOwner:
             raise RuntimeError("a cache is changed only on the engine's loop thread")
         if session is not None:
             self.accounts.register(session)
+            if self.cold_store is not None and self.cold_store.resume(session):
+                self._measure(session)  # its states are back: the budget counts them again

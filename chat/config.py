@@ -9,6 +9,7 @@ from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
 
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_CACHE_DIR_BYTES = 4 * 2**30
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,9 @@ class EngineConfig:
     per step; more wait for a free row. `prefill_chunk`: prompt tokens a newcomer prefills per
     step while others decode (what a long prompt can delay them by, per step).
     `cache_budget_bytes`: every cache together (None: no limit); over it, kept branches of idle
-    conversations go first, then idle conversations' caches (cache_sessions/owner.py)."""
+    conversations go first, then idle conversations' caches (cache_sessions/owner.py).
+    `cache_dir`: where idle conversations' caches go over the budget instead of being dropped
+    (None: dropped, their next turn rebuilds), at most `cache_dir_bytes` there; emptied on exit."""
 
     max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS
     context_limit: int | None = None
@@ -30,6 +33,8 @@ class EngineConfig:
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     cache_budget_bytes: int | None = None
+    cache_dir: str | None = None
+    cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES
 
     def __post_init__(self) -> None:
         if self.max_checkpoints < 0:
@@ -44,3 +49,5 @@ class EngineConfig:
             raise ValueError("prefill_chunk must be at least 1")
         if self.cache_budget_bytes is not None and self.cache_budget_bytes < 0:
             raise ValueError("cache_budget_bytes must be >= 0")
+        if self.cache_dir_bytes < 0:
+            raise ValueError("cache_dir_bytes must be >= 0")

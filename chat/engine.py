@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import weakref
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from cache_sessions.cold import ColdStore
 from cache_sessions.owner import CacheOwner
 from cache_sessions.prefixes import PrefixStore
 from chat import saved
@@ -34,10 +36,13 @@ class ChatEngine:
         self.tokenizer = tokenizer
         template = ChatTemplate(tokenizer)
         prefix_store = PrefixStore(config.shared_prefixes) if config.shared_prefixes else None
+        cold_store = ColdStore(config.cache_dir, config.cache_dir_bytes) if config.cache_dir else None
+        if cold_store is not None:
+            weakref.finalize(self, cold_store.close)  # its files go with the engine, or at exit
         scheduler = DecodeScheduler(self.model, worker or ModelWorker(), max_batch_size=config.max_batch_size,
                                     prefill_chunk=config.prefill_chunk, budget_bytes=config.cache_budget_bytes,
                                     max_checkpoints=config.max_checkpoints, prefix_store=prefix_store,
-                                    offload=config.offload_sessions)
+                                    offload=config.offload_sessions, cold_store=cold_store)
         self.runtime = Runtime(model=self.model, tokenizer=tokenizer, template=template, scheduler=scheduler,
                                eos_token_ids=frozenset(_eos_token_ids(model, tokenizer)), prefix_store=prefix_store,
                                config=config)
@@ -82,7 +87,8 @@ class ChatEngine:
     def status(self) -> dict[str, Any]:
         """What an operator reads of the engine (aggregates only): the batch, the caches, planning."""
         batch, caches = self.batch_stats(), self.caches.stats()
-        return {"backend": "local", "model": self.name,
+        cold = {"cold_tier": asdict(caches.cold)} if caches.cold is not None else {}
+        return {"backend": "local", "model": self.name, **cold,
                 "planning": self.planner.planning,
                 "generating": batch.waiting + batch.prefilling + batch.decoding,
                 "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,

@@ -44,6 +44,11 @@ _TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
 _BENCH = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=4, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=False,
               initializer_range=0.1)
+# Qwen3-0.6B's shape (its config.json), for figures at a real model's size; random weights, and the
+# vocabulary of whatever tokenizer builds it (the real one has 151,936 entries).
+_QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+                   rope_theta=1000000.0, initializer_range=0.02)
 # Linear attention (Qwen3-Next) with small experts, at either size.
 _TINY_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                     linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -77,6 +82,7 @@ MODELS: dict[str, ModelSpec] = {
     "bench-sliding": ModelSpec(MistralConfig, MistralForCausalLM, dict(_BENCH, sliding_window=BENCH_SLIDING_WINDOW)),
     "bench-hybrid": ModelSpec(Qwen3NextConfig, Qwen3NextForCausalLM, dict(
         **_BENCH, **_BENCH_LINEAR, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2)),
+    "real-qwen3-0.6b": ModelSpec(Qwen3Config, Qwen3ForCausalLM, _QWEN3_0_6B),
 }
 
 

@@ -64,3 +64,15 @@ def test_planning_benchmark_writes_the_documented_fields(tmp_path):
     assert [row["turns"] for row in rows] == [3, 8] and all("old_s" in row for row in rows)  # the same cut both ways
     case = result["restored_send"]
     assert case["chars"] >= 1_990_000 and case["dropped_turns"] > 0 and case["plan_s"] > 0
+
+
+def test_cold_tier_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.cold_tier import main as cold_tier
+
+    out = tmp_path / "cold.json"
+    cold_tier(["--tokens", "64", "--repeats", "2", "--cache-dir", str(tmp_path / "cold"), "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["tokens"] == 64 and len(result["runs"]["resume_s"]) == 2
+    assert result["file_bytes"] >= result["state_bytes"] > 0  # the file holds every byte of the states
+    assert result["bytes_per_token"] == result["state_bytes"] / 64
+    assert not list((tmp_path / "cold").glob("session-*.cold"))  # the store leaves nothing behind

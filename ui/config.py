@@ -48,7 +48,12 @@ class AppConfig:
     device: str | None = _setting(None, "DEVICE", "cuda, mps or cpu; automatic by default")
     dtype: str | None = _setting(None, "DTYPE", "bfloat16, float16, float32; automatic by default")
     cache_budget_mb: float = _setting(2048.0, "CACHE_BUDGET_MB", "all KV caches together; over it, idle "
-                                      "sessions are evicted")
+                                      "sessions go to --cache-dir, or are evicted without one")
+    cache_dir: str | None = _setting(None, "CACHE_DIR", "a folder for idle sessions' caches over the budget "
+                                     "(their next turn reads them back instead of recomputing); emptied at start "
+                                     "and exit; default none: evicted")
+    cache_dir_mb: float = _setting(EngineConfig.cache_dir_bytes / 2**20, "CACHE_DIR_MB",
+                                   "the most --cache-dir holds; over it the oldest go")
     max_sessions: int = _setting(64, "MAX_SESSIONS")
     idle_timeout_min: float = _setting(30.0, "IDLE_TIMEOUT_MIN", "free a session idle this long")
     max_batch: int = _setting(EngineConfig.max_batch_size, "MAX_BATCH",

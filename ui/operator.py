@@ -95,6 +95,7 @@ class _Gauges:
     def collect(self) -> Iterator:
         status = server_status(self.directory)
         batch = status.get("batch", {})  # a model server's engine has no batch or caches here
+        cold = status.get("cold_tier", {})  # only with --cache-dir
         for name, value, text in (
             ("rewind_conversations", status["conversations"], "Conversations held"),
             ("rewind_generating", status["generating"], "Replies being generated"),
@@ -104,6 +105,7 @@ class _Gauges:
             ("rewind_batch_size", batch.get("decoding", 0), "Rows in the running decode batch"),
             ("rewind_batch_waiting", batch.get("waiting", 0), "Replies waiting for a free row"),
             ("rewind_batch_bytes", batch.get("batch_bytes", 0), "Bytes of the batched copy of decoding caches"),
+            ("rewind_cold_bytes", cold.get("bytes", 0), "Bytes of idle caches kept on disk (--cache-dir)"),
         ):
             yield GaugeMetricFamily(name, text, value=value)
         for name, value, text in (
@@ -111,6 +113,8 @@ class _Gauges:
             ("rewind_expired", status["expired"], "Conversations freed after idling"),
             ("rewind_branch_segments_freed", status.get("branch_segments_freed", 0),
              "Kept states of branches not shown, freed for the budget"),
+            ("rewind_cold_spills", cold.get("spilled", 0), "Idle caches written to disk for the budget"),
+            ("rewind_cold_resumes", cold.get("resumed", 0), "Caches read back from disk for their next operation"),
         ):
             yield CounterMetricFamily(name, text, value=value)
 
