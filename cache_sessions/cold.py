@@ -20,6 +20,7 @@ import itertools
 import os
 import pickle
 import struct
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,7 @@ class ColdStore:
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         # session -> (its file, bytes), oldest first; keyed by the object itself, never by a reusable id
         self._files: OrderedDict[CacheStates, tuple[Path, int]] = OrderedDict()
+        self._lock = threading.Lock()  # the loop changes the files; `stats` is read from any thread
         self.spilled = self.resumed = self.dropped = 0
         self._names = itertools.count()
 
@@ -88,56 +90,76 @@ class ColdStore:
         return session in self._files
 
     def stats(self) -> ColdStats:
-        return ColdStats(sessions=len(self._files), bytes=sum(n for _, n in self._files.values()),
-                         max_bytes=self.max_bytes, spilled=self.spilled, resumed=self.resumed, dropped=self.dropped)
+        with self._lock:
+            return ColdStats(sessions=len(self._files), bytes=self._bytes(), max_bytes=self.max_bytes,
+                             spilled=self.spilled, resumed=self.resumed, dropped=self.dropped)
+
+    def _bytes(self) -> int:
+        return sum(n for _, n in self._files.values())
 
     def spill(self, session: CacheStates) -> bool:
         """Write `session`'s states here and free them in memory. False (nothing written, nothing
-        freed): its file alone would not fit the folder's bound."""
+        freed): its file alone would not fit the folder's bound, or the disk refused it."""
         buffer = io.BytesIO()
         pickler = _Pickler(buffer)
         pickler.dump(session)
         # each tensor copied on its own: views of one storage (crops) cannot share a safetensors entry
         tensors = {str(i): t.detach().to("cpu").contiguous().clone() for i, t in enumerate(pickler.tensors)}
         data = save_tensors(tensors)
-        blob = struct.pack("<Q", len(data)) + data + buffer.getvalue()
-        if len(blob) > self.max_bytes:
+        del tensors
+        parts = (struct.pack("<Q", len(data)), data, buffer.getvalue())  # written one by one: no joined copy
+        size = sum(len(part) for part in parts)
+        if size > self.max_bytes:
             return False
-        while self._files and self.stats().bytes + len(blob) > self.max_bytes:
-            self._drop_oldest()
+        with self._lock:
+            while self._files and self._bytes() + size > self.max_bytes:
+                self._drop_oldest()
         path = self.folder / f"session-{next(self._names)}.cold"
-        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
-            file.write(blob)
-        self._files[session] = (path, len(blob))
+        try:
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
+                for part in parts:
+                    file.write(part)
+        except OSError:  # a full or failing disk: the budget evicts instead
+            path.unlink(missing_ok=True)
+            return False
+        with self._lock:
+            self._files[session] = (path, size)
+            self.spilled += 1
         session.release()  # marks its states lost: what it says if its file is pushed out
-        self.spilled += 1
         return True
 
     def resume(self, session: CacheStates) -> bool:
-        """Put `session`'s states back from its file (deleted afterwards). False: none here."""
-        entry = self._files.pop(session, None)
+        """Put `session`'s states back from its file (deleted afterwards). False: none here, or it
+        could not be read (the session then rebuilds at its next turn, as after an eviction)."""
+        with self._lock:
+            entry = self._files.pop(session, None)
         if entry is None:
             return False
         path, _ = entry
         try:
             blob = path.read_bytes()
+            (length,) = struct.unpack("<Q", blob[:8])
+            tensors = load_tensors(blob[8 : 8 + length])
+            restored = _Unpickler(io.BytesIO(blob[8 + length :]), tensors).load()
+        except Exception:  # noqa: BLE001 (a damaged or vanished file: the states are lost, not the turn)
+            return False
         finally:
             path.unlink(missing_ok=True)
-        (length,) = struct.unpack("<Q", blob[:8])
-        tensors = load_tensors(blob[8 : 8 + length])
-        restored = _Unpickler(io.BytesIO(blob[8 + length :]), tensors).load()
         session.take_state_of(restored)
-        self.resumed += 1
+        with self._lock:
+            self.resumed += 1
         return True
 
     def discard(self, session: CacheStates) -> None:
         """Its session closed: its file goes."""
-        entry = self._files.pop(session, None)
+        with self._lock:
+            entry = self._files.pop(session, None)
         if entry is not None:
             entry[0].unlink(missing_ok=True)
 
     def close(self) -> None:
-        self._files.clear()
+        with self._lock:
+            self._files.clear()
         self._clear()
 
     def _drop_oldest(self) -> None:

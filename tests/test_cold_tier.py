@@ -140,3 +140,18 @@ def test_without_a_cache_dir_the_budget_still_evicts(make_engine):
     assert stats.cold is None and stats.evictions == 1 and conv.session.nbytes() == 0
     list(conv.send("And then?", **OPTIONS))
     assert conv.stats.rebuilt
+
+
+def test_a_damaged_file_means_a_rebuild_that_says_so_not_a_failed_turn(make_engine, tokenizers, tmp_path):
+    folder = tmp_path / "cold"
+    engine = make_engine("full", cache_dir=str(folder))
+    conv = engine.conversation(None)
+    list(conv.send("Hello there?", **OPTIONS))
+    engine.caches.budget_bytes = 0
+    engine.caches.enforce_budget()
+    (path,) = cold_files(folder)
+    path.write_bytes(path.read_bytes()[:100])  # cut short
+    engine.caches.budget_bytes = None
+    list(conv.send("And then?", **OPTIONS))
+    assert conv.stats.rebuilt and not cold_files(folder)
+    check_exact(conv, engine.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)
