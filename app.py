@@ -42,9 +42,9 @@ EXAMPLES = [
 ]
 
 
-DEMO_PLACEHOLDER = ("The `demo` model is a toy trained here in under an hour: it does two-digit arithmetic with "
-                    "its steps in a thinking block, follow-ups (\"and plus 7?\", \"double it\") and a few phrases. "
-                    "Nothing else.")
+DEMO_PLACEHOLDER = ("The `demo` model is a toy trained here on two CPU cores: two-digit addition and subtraction "
+                    "and one-digit times two-digit multiplication, asked in many ways at any point of the "
+                    "chat, with its steps in a thinking block, and a few phrases about this app. Nothing else.")
 
 
 EXPORTS_KEPT_S = 600  # Gradio's copies of exports and uploads are deleted this long after they were made

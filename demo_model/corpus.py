@@ -403,8 +403,9 @@ def chat_turn(rng: random.Random) -> Turn:
 
 # what comes next in a conversation, first and later: a standalone question at any point, a
 # follow-up once there is an answer, a phrase or an off-topic line in the middle
+MAX_TURNS = 8  # demo_model/held_out.py asks longer conversations too
 FIRST_TURN = {"arithmetic": 70, "fact": 7, "chat": 15, "off-topic": 8}
-LATER_TURN = {"arithmetic": 34, "follow-up": 38, "fact": 5, "chat": 10, "off-topic": 13}
+LATER_TURN = {"arithmetic": 28, "follow-up": 46, "fact": 4, "chat": 9, "off-topic": 13}
 
 
 def next_turn(rng: random.Random, dialogue: Dialogue, *, evaluation: bool = False,
@@ -426,9 +427,9 @@ def next_turn(rng: random.Random, dialogue: Dialogue, *, evaluation: bool = Fals
 
 
 def sample_dialogue(rng: random.Random) -> Dialogue:
-    """One training dialogue: one to six turns of the mix above; the last reply is the one learnt."""
+    """One training dialogue: one to eight turns of the mix above; the last reply is the one learnt."""
     dialogue = Dialogue(rng.choice(SYSTEM_PROMPTS))
-    for _ in range(rng.choices(range(1, 7), weights=(30, 24, 18, 13, 9, 6))[0]):
+    for _ in range(rng.choices(range(1, MAX_TURNS + 1), weights=(22, 18, 15, 12, 10, 9, 8, 6))[0]):
         dialogue.kind, turn = next_turn(rng, dialogue)
         dialogue.turns.append(turn)
     dialogue.thinking = rng.random() < 0.75

@@ -6,7 +6,7 @@
 - off-topic lines about things whose words never occur in the corpus (a joke, the weather, ...);
 - the judged turn at the first turn, after one to four earlier turns of any kind (sums,
   follow-ups, phrases, off-topic lines: a newcomer's order, not a script), and in conversations of
-  seven or eight turns, longer than any the model was trained on (six at most).
+  nine or ten turns, longer than any the model was trained on (corpus.MAX_TURNS: eight).
 tests/test_demo_held_out.py checks that none of it occurs in the corpus. Every number pair is held
 out too. Each conversation runs live (the model answers every earlier turn), greedy and at the
 model's own sampling settings with a Regenerate of the sampled last reply; the last reply is judged
@@ -78,10 +78,10 @@ def conversations(rng: random.Random, count: int) -> list[Conversation]:
             earlier = _earlier(rng, 1 + index % 4)
         made.append(_judged(CATEGORIES[2], earlier, "follow-up", rng))
         made.append(_judged(CATEGORIES[3], _earlier(rng, 1 + index % 4), "off-topic", rng))
-        longer = _earlier(rng, 6 + index % 2)
+        longer = _earlier(rng, corpus.MAX_TURNS + index % 2)
         kind = rng.choices(list(LONG_LAST), weights=list(LONG_LAST.values()))[0]
         while kind == "follow-up" and not longer.values():
-            longer = _earlier(rng, 6 + index % 2)
+            longer = _earlier(rng, corpus.MAX_TURNS + index % 2)
         made.append(_judged(CATEGORIES[4], longer, kind, rng))
     return made
 

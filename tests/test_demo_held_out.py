@@ -60,13 +60,13 @@ def test_the_corpus_mixes_conversation_shapes():
     kinds = {d.kind for d in later}
     assert kinds == {"arithmetic", "follow-up", "fact", "chat", "off-topic"}
     assert sum(d.kind == "arithmetic" for d in later) > 0.25 * len(later)
-    assert max(len(d.turns) for d in dialogues) == 6  # held_out's long conversations are longer
+    assert max(len(d.turns) for d in dialogues) == corpus.MAX_TURNS  # held_out's long conversations are longer
 
 
 def test_the_held_out_conversations_are_judged_against_the_true_results():
     made = held_out.conversations(random.Random(5), 12)
     assert {c.category for c in made} == set(held_out.CATEGORIES)
-    assert min(len(c.turns) for c in made if c.category == held_out.CATEGORIES[4]) == 7
+    assert min(len(c.turns) for c in made if c.category == held_out.CATEGORIES[4]) == corpus.MAX_TURNS + 1
     for conversation in made:
         if conversation.value is None:
             assert conversation.turns[-1] in held_out.OFF_TOPIC
