@@ -129,20 +129,26 @@ NEW_NOUN_PREFIXES = ("Could you work out ", "I want to know ", "Hey, what is ")
 NEW_VERB_PREFIXES = ("Could you ", "Kindly ", "Hey, ")
 
 
-def held_out_phrasing(prefix: str, core: str) -> bool:
+def held_out_phrasing(prefix: str, core: str, salt: str = "") -> bool:
     """About one pair in four is kept for evaluation only (by its words, not by chance)."""
-    return zlib.crc32(f"{prefix.strip().lower()}|{core}".encode()) % 4 == 0
+    return zlib.crc32(f"{salt}{prefix.strip().lower()}|{core}".encode()) % 4 == 0
+
+
+def _pairs(prefixes: tuple[str, ...], cores: tuple[str, ...]) -> list[tuple[str, str]]:
+    return [(prefix, core) for prefix in prefixes for core in cores]
+
+
+def _split(pairs: list[tuple[str, str]], new: list[tuple[str, str]], evaluation: bool,
+           salt: str = "") -> list[tuple[str, str]]:
+    """The pairs the corpus uses, or, for evaluation, those it never does and those with new prefixes."""
+    kept = [pair for pair in pairs if held_out_phrasing(*pair, salt=salt) == evaluation]
+    return kept + new if evaluation else kept
 
 
 def phrasings(op: str, *, evaluation: bool = False) -> list[tuple[str, str]]:
     """The (prefix, core) pairs the corpus asks `op` with, or, for evaluation, those it never does."""
-    pairs = [(p, c) for p in NOUN_PREFIXES for c in NOUN_CORES[op]] + \
-            [(p, c) for p in VERB_PREFIXES for c in VERB_CORES[op]]
-    kept = [pair for pair in pairs if held_out_phrasing(*pair) == evaluation]
-    if evaluation:
-        kept += [(p, c) for p in NEW_NOUN_PREFIXES for c in NOUN_CORES[op]] + \
-                [(p, c) for p in NEW_VERB_PREFIXES for c in VERB_CORES[op]]
-    return kept
+    return _split(_pairs(NOUN_PREFIXES, NOUN_CORES[op]) + _pairs(VERB_PREFIXES, VERB_CORES[op]),
+                  _pairs(NEW_NOUN_PREFIXES, NOUN_CORES[op]) + _pairs(NEW_VERB_PREFIXES, VERB_CORES[op]), evaluation)
 
 
 def cased(rng: random.Random, text: str) -> str:
@@ -249,13 +255,10 @@ NEW_FOLLOW_UP_PREFIXES = ("Alright, ", "Right, ")  # evaluation only
 LAST_REFERENCES = ("that", "it", "that", "the answer", "the result")
 
 
-def held_out_follow_up(prefix: str, core: str) -> bool:
-    return zlib.crc32(f"follow-up|{prefix.strip().lower()}|{core}".encode()) % 4 == 0
-
-
 def follow_up_phrasings(kind: str, *, evaluation: bool = False) -> list[tuple[str, str]]:
-    kept = [(p, c) for p in FOLLOW_UP_PREFIXES for c in FOLLOW_UP_CORES[kind] if held_out_follow_up(p, c) == evaluation]
-    return kept + ([(p, c) for p in NEW_FOLLOW_UP_PREFIXES for c in FOLLOW_UP_CORES[kind]] if evaluation else [])
+    """As `phrasings`, for a follow-up of `kind` (its own draw of held-out pairs)."""
+    return _split(_pairs(FOLLOW_UP_PREFIXES, FOLLOW_UP_CORES[kind]), _pairs(NEW_FOLLOW_UP_PREFIXES,
+                  FOLLOW_UP_CORES[kind]), evaluation, salt="follow-up|")
 
 
 def follow_up(rng: random.Random, first: Problem, last_value: int, first_value: int | None = None, *,

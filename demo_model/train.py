@@ -101,6 +101,21 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def starting_point(init: str | None, seed: int) -> tuple[PreTrainedTokenizerFast, Qwen3ForCausalLM, dict | None]:
+    """(tokenizer, model, the summary of the training it went through): a saved model and its
+    tokenizer (`init`), or a new tokenizer trained on the corpus and random weights."""
+    if init:
+        summary = Path(init) / "training.json"
+        base = json.loads(summary.read_text()) if summary.exists() else {"init": init}
+        base.pop("log", None)
+        return (PreTrainedTokenizerFast.from_pretrained(init),
+                Qwen3ForCausalLM.from_pretrained(init, dtype=torch.float32), base)
+    tokenizer = train_tokenizer(seed)
+    config = Qwen3Config(vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **SHAPE)
+    return tokenizer, Qwen3ForCausalLM(config), None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6000)
@@ -116,20 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    base = None
-    if args.init:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init)
-        model = Qwen3ForCausalLM.from_pretrained(args.init, dtype=torch.float32)
-        base_summary = Path(args.init) / "training.json"
-        base = json.loads(base_summary.read_text()) if base_summary.exists() else {"init": args.init}
-        base.pop("log", None)
-        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    else:
-        tokenizer = train_tokenizer(args.seed)
-        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        config = Qwen3Config(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
-                             bos_token_id=None, **SHAPE)
-        model = Qwen3ForCausalLM(config)
+    tokenizer, model, base = starting_point(args.init, args.seed)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     parameters = sum(p.numel() for p in model.parameters())
     print(f"{parameters / 1e6:.2f} M parameters, vocabulary {len(tokenizer)}", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05)
