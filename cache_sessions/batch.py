@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from cache_sessions.growing import GrowingLayer, growing_cache, spare_tokens
 from cache_sessions.rollback import FullAttention, LayerKind, RecurrentState, SlidingWindow, layer_kinds
 from cache_sessions.session import CacheSession
 from cache_sessions.tensors import storage_bytes
@@ -56,7 +57,7 @@ class BatchedCache:
         self.steps = 0  # tokens fed to every row since the batch was built
         self._fed: list[list[int]] = [[] for _ in self.sessions]
         self.device = model.device
-        self.cache = DynamicCache(config=model.config)
+        self.cache = growing_cache(model.config)
         self.kinds = layer_kinds(self.cache)
         for index, kind in enumerate(self.kinds):
             kind.prepare()  # sliding windows record: nothing a row fed is dropped before scatter
@@ -98,26 +99,32 @@ class BatchedCache:
 
 
 # ---- per layer kind: into the batch (gather) and back out (scatter) ---------------------------
-def _left_padded(tensors: list[torch.Tensor | None], width: int, like: torch.Tensor) -> torch.Tensor:
-    """Stack (1, heads, n, dim) tensors into (rows, heads, width, dim), zeros on the left."""
-    rows = []
-    for tensor in tensors:
-        tensor = like[..., :0, :] if tensor is None else tensor
-        pad = like.new_zeros(*like.shape[:-2], width - tensor.shape[-2], like.shape[-1])
-        rows.append(torch.cat([pad, tensor], dim=-2))
-    return torch.cat(rows, dim=0)
+def _left_padded(tensors: list[torch.Tensor | None], width: int, like: torch.Tensor, capacity: int) -> torch.Tensor:
+    """(1, heads, n, dim) tensors, stacked right-aligned into the first `width` positions of a
+    (rows, heads, capacity, dim) buffer, zeros on the left."""
+    buffer = like.new_zeros(len(tensors), *like.shape[1:-2], capacity, like.shape[-1])
+    for row, tensor in enumerate(tensors):
+        if tensor is not None:
+            buffer[row : row + 1, :, width - tensor.shape[-2] : width, :].copy_(tensor)
+    return buffer
 
 
 def _gather_attention(kind: LayerKind, rows: list[LayerKind], width: int, keep: list[int]) -> None:
-    """Each row's last `keep[row]` states, left-padded to `width`."""
+    """Each row's last `keep[row]` states, left-padded to `width`. A full-attention batch layer
+    gets them in buffers with room to grow: its decode steps then write in place."""
     def last(row: LayerKind, count: int, name: str) -> torch.Tensor | None:
         return getattr(row.layer, name)[..., row.layer.keys.shape[-2] - count:, :] if row.layer.is_initialized else None
 
     like_row = next(row for row in rows if row.layer.is_initialized)
-    keys = _left_padded([last(r, n, "keys") for r, n in zip(rows, keep)], width, like_row.layer.keys)
-    values = _left_padded([last(r, n, "values") for r, n in zip(rows, keep)], width, like_row.layer.values)
-    kind.layer.lazy_initialization(keys, values)
-    kind.layer.keys, kind.layer.values = keys, values
+    growing = isinstance(kind.layer, GrowingLayer)
+    capacity = width + spare_tokens(width) if growing else width
+    keys = _left_padded([last(r, n, "keys") for r, n in zip(rows, keep)], width, like_row.layer.keys, capacity)
+    values = _left_padded([last(r, n, "values") for r, n in zip(rows, keep)], width, like_row.layer.values, capacity)
+    if growing:
+        kind.layer.use_buffers(keys, values, width)
+    else:
+        kind.layer.lazy_initialization(keys, values)
+        kind.layer.keys, kind.layer.values = keys, values
 
 
 def _gather_full(kind: FullAttention, rows: list[LayerKind], lengths: list[int], padded: int) -> None:
@@ -143,8 +150,7 @@ def _gather_recurrent(kind: RecurrentState, rows: list[LayerKind], lengths: list
 
 def _scatter_attention(kind: LayerKind, own: LayerKind, row: int, steps: int) -> None:
     assert isinstance(own, (FullAttention, SlidingWindow))
-    own.append_states(kind.layer.keys[row : row + 1, :, -steps:, :].clone(),
-                      kind.layer.values[row : row + 1, :, -steps:, :].clone())
+    own.append_states(kind.layer.keys[row : row + 1, :, -steps:, :], kind.layer.values[row : row + 1, :, -steps:, :])
 
 
 def _scatter_recurrent(kind: LayerKind, own: LayerKind, row: int, steps: int) -> None:

@@ -31,6 +31,7 @@ from transformers.cache_utils import (
 )
 
 from cache_sessions.checkpoints import Checkpoint, CheckpointStore
+from cache_sessions.growing import GrowingLayer
 
 
 class UnsupportedCacheLayer(TypeError):
@@ -78,7 +79,9 @@ class LayerKind(ABC):
 
 
 class _Attention(LayerKind):
-    """Key/value layers (full or sliding): two tensors that layers replace, never write in place."""
+    """Key/value layers (full or sliding). A sliding layer replaces its tensors, never writes in
+    place; a full-attention `GrowingLayer` writes in place past its end, so what is kept of it
+    apart from the layer (segments) is always a copy."""
 
     def tensors(self) -> Iterator[torch.Tensor]:
         if self.layer.is_initialized:
@@ -86,16 +89,24 @@ class _Attention(LayerKind):
 
     def to(self, device: torch.device | str) -> None:
         if self.layer.is_initialized:
-            self.layer.keys, self.layer.values = self.layer.keys.to(device), self.layer.values.to(device)
+            keys, values = self.layer.keys.to(device), self.layer.values.to(device)
+            if isinstance(self.layer, GrowingLayer):
+                self.layer.hold(keys, values)  # its buffers on the old device go now
+            else:
+                self.layer.keys, self.layer.values = keys, values
             self.layer.device = torch.device(device)
 
     def append_states(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add the states of the positions that follow the cached ones (a segment put back, or
-        what a batched decode computed for this layer's session)."""
+        what a batched decode computed for this layer's session): copies of `keys` / `values`."""
         if not self.layer.is_initialized:
             self.layer.lazy_initialization(keys, values)
-        self.layer.keys = torch.cat([self.layer.keys, keys.to(self.layer.keys.device)], dim=-2)
-        self.layer.values = torch.cat([self.layer.values, values.to(self.layer.values.device)], dim=-2)
+        keys, values = keys.to(self.layer.device), values.to(self.layer.device)
+        if isinstance(self.layer, GrowingLayer):
+            self.layer.append(keys, values)
+            return
+        self.layer.keys = torch.cat([self.layer.keys, keys], dim=-2)
+        self.layer.values = torch.cat([self.layer.values, values], dim=-2)
 
 
 class FullAttention(_Attention):
@@ -243,6 +254,7 @@ class RecurrentState(LayerKind):
 # Exact classes only: a subclass may store more (quantized, indexed) and crop differently.
 _KINDS_BY_LAYER_CLASS: dict[type, tuple[type[LayerKind], ...]] = {
     DynamicLayer: (FullAttention,),
+    GrowingLayer: (FullAttention,),
     DynamicSlidingWindowLayer: (SlidingWindow,),
     LinearAttentionLayer: (RecurrentState,),
     LinearAttentionAndFullAttentionLayer: (RecurrentState, FullAttention),

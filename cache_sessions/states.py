@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Hashable, Iterator
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from cache_sessions.checkpoints import CheckpointStore
+from cache_sessions.growing import growing_cache
 from cache_sessions.rollback import (
     LayerKind,
     RollbackResult,
@@ -40,7 +41,7 @@ class CacheStates:
         self._reset_cache()
 
     def _reset_cache(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = growing_cache(self.model.config)
         self._kinds = layer_kinds(self.cache)
         for kind in self._kinds:
             kind.prepare()

@@ -45,3 +45,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
         storage = tensor.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def filled_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the tensors themselves: the states a session holds, without the room its buffers
+    keep to grow (what a copy of them, e.g. a cold-tier file, takes)."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)

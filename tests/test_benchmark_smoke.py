@@ -76,3 +76,19 @@ def test_cold_tier_benchmark_writes_the_documented_fields(tmp_path):
     assert result["file_bytes"] >= result["state_bytes"] > 0  # the file holds every byte of the states
     assert result["bytes_per_token"] == result["state_bytes"] / 64
     assert not list((tmp_path / "cold").glob("session-*.cold"))  # the store leaves nothing behind
+
+
+def test_decode_speed_benchmark_writes_the_documented_fields(tmp_path):
+    import cache_sessions.states
+    from benchmarks.decode_speed import WAYS
+    from benchmarks.decode_speed import main as decode_speed
+    from cache_sessions.growing import growing_cache
+
+    out = tmp_path / "decode.json"
+    result = decode_speed(["--lengths", "16,40", "--rows", "1,2", "--tokens", "3", "--repeats", "1",
+                           "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    cells = {f"{way}/{length}/{rows}" for way in WAYS for length in (16, 40) for rows in (1, 2)}
+    assert set(result["tokens_per_s"]) == cells and all(speed > 0 for speed in result["tokens_per_s"].values())
+    assert len(result["targets"]) == 1  # one conversation's
+    assert cache_sessions.states.growing_cache is growing_cache  # the 'before' way put the library's layers back
