@@ -22,6 +22,7 @@ Module map:
   templates.py     rendering history to prompt ids with the tokenizer's chat template
   reasoning.py     splitting <think> reasoning from the answer, as a stream
   worker.py        the compute thread every forward pass runs on
+  host.py          settings for a shared host, made before torch loads (OpenMP's wait policy)
   loading.py       from_pretrained with automatic device and dtype; the "demo" model
   demo.py          where the trained demo model lies; the tests' tokenizer, trained in code
   models.py        the table of model shapes built in code (demo, tests, benchmarks)
@@ -30,7 +31,11 @@ Module map:
 
 __version__ = "0.20.0"
 
-from chat.config import EngineConfig
+from chat.host import prefer_passive_openmp  # noqa: E402, I001  (first: before anything loads torch)
+
+prefer_passive_openmp()
+
+from chat.config import EngineConfig  # noqa: E402
 from chat.conversation import Conversation
 from chat.engine import ChatEngine
 from chat.errors import (
