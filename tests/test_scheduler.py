@@ -163,7 +163,8 @@ def test_conversations_sending_at_once_decode_in_one_batch_each_as_alone(make_en
         consumer.join(60)
         assert consumer.error is None
     assert engine.batch_stats().largest_batch == 4
-    assert tuple(id(conv.session) for conv in convs) in batches  # all four in one forward
+    # all four in one forward (in the order their threads happened to submit)
+    assert {id(conv.session) for conv in convs} in [set(batch) for batch in batches if len(batch) == 4]
     model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
     for conv in convs:
         check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW)
