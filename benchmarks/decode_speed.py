@@ -25,13 +25,13 @@ import sys
 import threading
 import time
 from typing import Iterator
+from unittest import mock
 
 import torch
 from transformers import DynamicCache
 
-import cache_sessions.batch
-import cache_sessions.states
 from benchmarks.report import publish, target_table
+from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.segments import Segment
 from cache_sessions.session import CacheSession
 from chat.models import build_model, parameter_count
@@ -46,14 +46,11 @@ VOCAB = 8192
 @contextlib.contextmanager
 def way(name: str) -> Iterator[None]:
     """Sessions and batches made inside use the way's cache layers."""
-    library = (lambda config: DynamicCache(config=config)) if name == "before" else None
-    saved = cache_sessions.states.growing_cache, cache_sessions.batch.growing_cache
-    if library is not None:
-        cache_sessions.states.growing_cache = cache_sessions.batch.growing_cache = library
-    try:
+    if name == "engine":
         yield
-    finally:
-        cache_sessions.states.growing_cache, cache_sessions.batch.growing_cache = saved
+        return
+    with mock.patch.object(KVCacheKind, "new_cache", lambda kind, model: DynamicCache(config=model.config)):
+        yield
 
 
 def histories(model, worker: ModelWorker, length: int, rows: int) -> list[tuple[list[int], Segment]]:

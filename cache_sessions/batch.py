@@ -15,8 +15,15 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from cache_sessions.growing import GrowingLayer, growing_cache, spare_tokens
-from cache_sessions.rollback import FullAttention, LayerKind, RecurrentState, SlidingWindow, layer_kinds
+from cache_sessions.growing import GrowingLayer, spare_tokens
+from cache_sessions.rollback import (
+    FullAttention,
+    LayerKind,
+    QuantizedAttention,
+    RecurrentState,
+    SlidingWindow,
+    layer_kinds,
+)
 from cache_sessions.session import CacheSession
 from cache_sessions.tensors import storage_bytes
 
@@ -57,7 +64,7 @@ class BatchedCache:
         self.steps = 0  # tokens fed to every row since the batch was built
         self._fed: list[list[int]] = [[] for _ in self.sessions]
         self.device = model.device
-        self.cache = growing_cache(model.config)
+        self.cache = sessions[0].kv_cache.new_cache(model)  # the rows' kind: a row decodes as it would alone
         self.kinds = layer_kinds(self.cache)
         for index, kind in enumerate(self.kinds):
             kind.prepare()  # sliding windows record: nothing a row fed is dropped before scatter
@@ -148,6 +155,20 @@ def _gather_recurrent(kind: RecurrentState, rows: list[LayerKind], lengths: list
     layer.dtype, layer.device = first.dtype, first.device
 
 
+def _gather_quantized(kind: QuantizedAttention, rows: list[LayerKind], lengths: list[int], padded: int) -> None:
+    """Each row's codes, scales and minimums, left-padded with zeros (masked) to the longest."""
+    arrays = [row.layer.arrays() for row in rows]
+    like = next(row for row in arrays if row)
+    kind.layer.append({name: _left_padded([row.get(name) for row in arrays], padded, like[name], padded)
+                       for name in like})
+
+
+def _scatter_quantized(kind: LayerKind, own: LayerKind, row: int, steps: int) -> None:
+    assert isinstance(own, QuantizedAttention)
+    own.append_segment({name: array[row : row + 1, :, -steps:, :] for name, array in kind.layer.arrays().items()},
+                       0, steps)
+
+
 def _scatter_attention(kind: LayerKind, own: LayerKind, row: int, steps: int) -> None:
     assert isinstance(own, (FullAttention, SlidingWindow))
     own.append_states(kind.layer.keys[row : row + 1, :, -steps:, :], kind.layer.values[row : row + 1, :, -steps:, :])
@@ -159,5 +180,7 @@ def _scatter_recurrent(kind: LayerKind, own: LayerKind, row: int, steps: int) ->
         setattr(own.layer, name, {key: tensor[row : row + 1].clone() for key, tensor in batched.items()})
 
 
-_GATHER = {FullAttention: _gather_full, SlidingWindow: _gather_window, RecurrentState: _gather_recurrent}
-_SCATTER = {FullAttention: _scatter_attention, SlidingWindow: _scatter_attention, RecurrentState: _scatter_recurrent}
+_GATHER = {FullAttention: _gather_full, SlidingWindow: _gather_window, RecurrentState: _gather_recurrent,
+           QuantizedAttention: _gather_quantized}
+_SCATTER = {FullAttention: _scatter_attention, SlidingWindow: _scatter_attention, RecurrentState: _scatter_recurrent,
+            QuantizedAttention: _scatter_quantized}

@@ -17,7 +17,6 @@ library's own reorder helpers) is simply adopted: copied into a fresh buffer at 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 MAX_SPARE_TOKENS = 256
@@ -104,10 +103,3 @@ class GrowingLayer(DynamicLayer):
             new_buffers.append(buffer)
         self._key_buffer, self._value_buffer = new_buffers
 
-
-def growing_cache(config: PretrainedConfig) -> DynamicCache:
-    """`DynamicCache(config=config)` with every plain full-attention layer growing in place
-    (sliding windows, linear attention and mixed layers keep the library's classes)."""
-    cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache

@@ -28,6 +28,7 @@ from cache_sessions.accounts import Accounts
 from cache_sessions.batch import BatchedCache, SingleRow, decode_batch
 from cache_sessions.branches import BranchKeep, BranchMove, keep_before_reply, move_branch
 from cache_sessions.cold import ColdStats, ColdStore
+from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import PrefixStore
 from cache_sessions.session import CacheSession, PrefillResult
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
@@ -63,11 +64,12 @@ class CacheOwner:
     def __init__(self, model: PreTrainedModel, loop: Loop, *, budget_bytes: int | None = None,
                  max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS, prefix_store: PrefixStore | None = None,
                  offload: bool = False, cold_store: ColdStore | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 kv_cache: KVCacheKind = KVCacheKind(), clock: Callable[[], float] = time.monotonic):
         """`offload`: sessions rest on the CPU and go to the model's device only while a reply
         runs (ZeroGPU, where GPU memory does not survive between calls). `cold_store`: where idle
-        sessions go instead of being released when the budget is reached."""
-        self.model, self.loop, self.cold_store = model, loop, cold_store
+        sessions go instead of being released when the budget is reached. `kv_cache`: the kind of
+        cache every session's states live in (cache_sessions/kv_cache.py)."""
+        self.model, self.loop, self.cold_store, self.kv_cache = model, loop, cold_store, kv_cache
         self.budget_bytes, self.max_checkpoints = budget_bytes, max_checkpoints
         self.prefix_store, self.offload = prefix_store, offload
         self.accounts = Accounts(clock)
@@ -82,7 +84,7 @@ class CacheOwner:
 
     # ---- any thread ------------------------------------------------------------------------------
     def new_session(self) -> CacheSession:
-        session = CacheSession(self.model, max_checkpoints=self.max_checkpoints)
+        session = CacheSession(self.model, max_checkpoints=self.max_checkpoints, kv_cache=self.kv_cache)
         self.accounts.register(session)
         return session
 

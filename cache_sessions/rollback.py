@@ -32,6 +32,7 @@ from transformers.cache_utils import (
 
 from cache_sessions.checkpoints import Checkpoint, CheckpointStore
 from cache_sessions.growing import GrowingLayer
+from cache_sessions.quantized import QuantizedLayer
 
 
 class UnsupportedCacheLayer(TypeError):
@@ -40,6 +41,8 @@ class UnsupportedCacheLayer(TypeError):
 
 class LayerKind(ABC):
     """How one cache layer moves back in time. `current` and `target` are token positions."""
+
+    crops_anywhere = False  # every crop is exact: such a layer never needs a checkpoint
 
     def __init__(self, layer: Any):
         self.layer = layer
@@ -110,6 +113,8 @@ class _Attention(LayerKind):
 
 
 class FullAttention(_Attention):
+    crops_anywhere = True
+
     def can_crop(self, current: int, target: int) -> bool:
         return True
 
@@ -128,6 +133,36 @@ class FullAttention(_Attention):
     def append_segment(self, state: tuple[torch.Tensor, torch.Tensor] | None, start: int, end: int) -> None:
         if state is not None:
             self.append_states(*state)
+
+
+class QuantizedAttention(LayerKind):
+    """Full attention held as per-token codes (cache_sessions/quantized.py): each position's codes
+    stand alone, so a crop is exact and a segment is a slice, as for `FullAttention`."""
+
+    crops_anywhere = True
+
+    def can_crop(self, current: int, target: int) -> bool:
+        return True
+
+    def crop(self, current: int, target: int) -> None:
+        if target < current:
+            self.layer.crop(target - current)
+
+    def restore(self, state: Any, current: int, position: int) -> None:
+        self.crop(current, position)
+
+    def cut_segment(self, start: int, end: int) -> dict[str, torch.Tensor] | None:
+        return self.layer.slice(start, end) if self.layer.held() else None
+
+    def append_segment(self, state: dict[str, torch.Tensor] | None, start: int, end: int) -> None:
+        if state:
+            self.layer.append(state)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from self.layer.arrays().values()
+
+    def to(self, device: torch.device | str) -> None:
+        self.layer.to(device)
 
 
 @dataclass
@@ -255,6 +290,7 @@ class RecurrentState(LayerKind):
 _KINDS_BY_LAYER_CLASS: dict[type, tuple[type[LayerKind], ...]] = {
     DynamicLayer: (FullAttention,),
     GrowingLayer: (FullAttention,),
+    QuantizedLayer: (QuantizedAttention,),
     DynamicSlidingWindowLayer: (SlidingWindow,),
     LinearAttentionLayer: (RecurrentState,),
     LinearAttentionAndFullAttentionLayer: (RecurrentState, FullAttention),
@@ -274,7 +310,7 @@ def layer_kinds(cache: DynamicCache) -> list[LayerKind]:
 
 
 def needs_checkpoints(kinds: list[LayerKind]) -> bool:
-    return any(not isinstance(kind, FullAttention) for kind in kinds)
+    return not all(kind.crops_anywhere for kind in kinds)
 
 
 def take_checkpoint(kinds: list[LayerKind], position: int) -> Checkpoint:

@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from cache_sessions.checkpoints import CheckpointStore
-from cache_sessions.growing import growing_cache
+from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.rollback import (
     LayerKind,
     RollbackResult,
@@ -28,9 +28,12 @@ DEFAULT_MAX_CHECKPOINTS = 16
 
 
 class CacheStates:
-    def __init__(self, model: PreTrainedModel, *, max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS):
+    def __init__(self, model: PreTrainedModel, *, max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS,
+                 kv_cache: KVCacheKind = KVCacheKind()):
+        """`kv_cache`: the kind of cache the states live in (cache_sessions/kv_cache.py)."""
         self.model = model
         self.max_checkpoints = max_checkpoints
+        self.kv_cache = kv_cache
         self.token_ids: list[int] = []
         # The ids of the messages whose tokens the ledger holds, in order, as its owner names
         # them (cache_sessions/branches.py): what to keep and put back, never what is exact.
@@ -41,7 +44,7 @@ class CacheStates:
         self._reset_cache()
 
     def _reset_cache(self) -> None:
-        self.cache = growing_cache(self.model.config)
+        self.cache = self.kv_cache.new_cache(self.model)
         self._kinds = layer_kinds(self.cache)
         for kind in self._kinds:
             kind.prepare()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import DEFAULT_MAX_ENTRIES
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
 
@@ -24,7 +25,9 @@ class EngineConfig:
     `cache_budget_bytes`: every cache together (None: no limit); over it, kept branches of idle
     conversations go first, then idle conversations' caches (cache_sessions/owner.py).
     `cache_dir`: where idle conversations' caches go over the budget instead of being dropped
-    (None: dropped, their next turn rebuilds), at most `cache_dir_bytes` there; emptied on exit."""
+    (None: dropped, their next turn rebuilds), at most `cache_dir_bytes` there; emptied on exit.
+    `kv_cache`: "dynamic" (exact) or "quantized" (full-attention states in `kv_bits` bits, 8 or 4;
+    cache_sessions/kv_cache.py says what exact means for it and which kinds are refused)."""
 
     max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS
     context_limit: int | None = None
@@ -35,6 +38,12 @@ class EngineConfig:
     cache_budget_bytes: int | None = None
     cache_dir: str | None = None
     cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES
+    kv_cache: str = "dynamic"
+    kv_bits: int = 8
+
+    @property
+    def kv_cache_kind(self) -> KVCacheKind:
+        return KVCacheKind(self.kv_cache, self.kv_bits)
 
     def __post_init__(self) -> None:
         if self.max_checkpoints < 0:
@@ -51,3 +60,4 @@ class EngineConfig:
             raise ValueError("cache_budget_bytes must be >= 0")
         if self.cache_dir_bytes < 0:
             raise ValueError("cache_dir_bytes must be >= 0")
+        self.kv_cache_kind  # refuses an unknown or refused kind, or bits it does not hold

@@ -33,6 +33,7 @@ class ChatEngine:
         config = replace(config or EngineConfig(), **settings)
         self.config = config
         self.model = model.eval()
+        config.kv_cache_kind.check_applies(model)
         self.tokenizer = tokenizer
         template = ChatTemplate(tokenizer)
         prefix_store = PrefixStore(config.shared_prefixes) if config.shared_prefixes else None
@@ -42,7 +43,8 @@ class ChatEngine:
         scheduler = DecodeScheduler(self.model, worker or ModelWorker(), max_batch_size=config.max_batch_size,
                                     prefill_chunk=config.prefill_chunk, budget_bytes=config.cache_budget_bytes,
                                     max_checkpoints=config.max_checkpoints, prefix_store=prefix_store,
-                                    offload=config.offload_sessions, cold_store=cold_store)
+                                    offload=config.offload_sessions, cold_store=cold_store,
+                                    kv_cache=config.kv_cache_kind)
         self.runtime = Runtime(model=self.model, tokenizer=tokenizer, template=template, scheduler=scheduler,
                                eos_token_ids=frozenset(_eos_token_ids(model, tokenizer)), prefix_store=prefix_store,
                                config=config)

@@ -2,6 +2,8 @@
 
 import json
 
+from chat.models import build_model
+
 from benchmarks.multiturn import main
 
 
@@ -79,10 +81,10 @@ def test_cold_tier_benchmark_writes_the_documented_fields(tmp_path):
 
 
 def test_decode_speed_benchmark_writes_the_documented_fields(tmp_path):
-    import cache_sessions.states
     from benchmarks.decode_speed import WAYS
     from benchmarks.decode_speed import main as decode_speed
-    from cache_sessions.growing import growing_cache
+    from cache_sessions.growing import GrowingLayer
+    from cache_sessions.kv_cache import KVCacheKind
 
     out = tmp_path / "decode.json"
     result = decode_speed(["--lengths", "16,40", "--rows", "1,2", "--tokens", "3", "--repeats", "1",
@@ -91,4 +93,19 @@ def test_decode_speed_benchmark_writes_the_documented_fields(tmp_path):
     cells = {f"{way}/{length}/{rows}" for way in WAYS for length in (16, 40) for rows in (1, 2)}
     assert set(result["tokens_per_s"]) == cells and all(speed > 0 for speed in result["tokens_per_s"].values())
     assert len(result["targets"]) == 1  # one conversation's
-    assert cache_sessions.states.growing_cache is growing_cache  # the 'before' way put the library's layers back
+    model = build_model("tiny-full", 64, None)  # the 'before' way put the engine's layers back
+    assert all(isinstance(layer, GrowingLayer) for layer in KVCacheKind().new_cache(model).layers)
+
+
+def test_kv_cache_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.kv_cache import KINDS
+    from benchmarks.kv_cache import main as kv_cache
+
+    out = tmp_path / "kv.json"
+    result = kv_cache(["--tokens", "32", "--budget-mb", "2", "--replies", "2", "--repeats", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert set(result["resident"]) == set(KINDS) and result["resident"]["dynamic"] >= 1
+    per_token = result["bytes_per_token"]
+    assert per_token["quantized-4"] < per_token["quantized-8"] < per_token["dynamic"] == 16 * 1024  # bench-full, fp32
+    assert result["agreement"]["dynamic"] == {"identical": 1.0, "prefix_share": 1.0}  # against itself
+    assert len(result["targets"]) == 1

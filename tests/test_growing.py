@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_sessions.growing import GrowingLayer, growing_cache, spare_tokens
+from cache_sessions.growing import GrowingLayer, spare_tokens
+from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.rollback import FullAttention
 from chat.models import build_model
 
@@ -123,5 +124,5 @@ def test_the_cache_of_a_model_grows_its_full_attention_layers_only():
     for name, growing in (("tiny-full", [True, True]), ("tiny-mixed", [False, True, False, True]),
                           ("tiny-hybrid", [False, True, False, True])):
         model = build_model(name, 64, 0)
-        cache = growing_cache(model.config)
+        cache = KVCacheKind().new_cache(model)
         assert [isinstance(layer, GrowingLayer) for layer in cache.layers] == growing, name

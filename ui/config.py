@@ -54,6 +54,9 @@ class AppConfig:
                                      "and exit; default none: evicted")
     cache_dir_mb: float = _setting(EngineConfig.cache_dir_bytes / 2**20, "CACHE_DIR_MB",
                                    "the most --cache-dir holds; over it the oldest go")
+    kv_cache: str = _setting(EngineConfig.kv_cache, "KV_CACHE", "dynamic (exact) or quantized (full-attention "
+                             "states in --kv-bits bits: 3.6x / 6.4x fewer bytes a token, slower decode)")
+    kv_bits: int = _setting(EngineConfig.kv_bits, "KV_BITS", "with --kv-cache quantized: 8 or 4")
     max_sessions: int = _setting(64, "MAX_SESSIONS")
     idle_timeout_min: float = _setting(30.0, "IDLE_TIMEOUT_MIN", "free a session idle this long")
     max_batch: int = _setting(EngineConfig.max_batch_size, "MAX_BATCH",
