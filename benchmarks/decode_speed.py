@@ -116,7 +116,8 @@ def markdown(result: dict) -> str:
     speeds = result["tokens_per_s"]
     lines = [f"{result['model']} ({result['parameters'] / 1e6:.1f} M parameters), {result['tokens']} greedy tokens a "
              f"row, tokens/s of all rows together, medians of {result['repeats']}:", "",
-             "| history (longest row) | rows | " + " | ".join(WAYS) + " | engine / before |", "|---:|---:|" + "---:|" * (len(WAYS) + 1)]
+             "| history (longest row) | rows | " + " | ".join(WAYS) + " | engine / before |",
+             "|---:|---:|" + "---:|" * (len(WAYS) + 1)]
     for length in result["lengths"]:
         for rows in result["rows"]:
             cell = [speeds[f"{name}/{length}/{rows}"] for name in WAYS]

@@ -31,11 +31,8 @@ Module map:
 
 __version__ = "0.20.0"
 
-from chat.host import prefer_passive_openmp  # noqa: E402, I001  (first: before anything loads torch)
-
-prefer_passive_openmp()
-
-from chat.config import EngineConfig  # noqa: E402
+from chat import host  # noqa: F401, I001  (first: its import sets OpenMP's wait policy before torch loads)
+from chat.config import EngineConfig
 from chat.conversation import Conversation
 from chat.engine import ChatEngine
 from chat.errors import (

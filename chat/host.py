@@ -1,4 +1,5 @@
-"""Settings for a shared host, made before torch loads (this module must not import it).
+"""Settings for a shared host, made when this module is imported: `chat` imports it first, before
+anything loads torch (so this module must not import it).
 
 PyTorch's OpenMP workers spin while they wait for work unless `OMP_WAIT_POLICY` says otherwise,
 and OpenMP reads it once, when torch loads. On a host whose cores another process also uses (a
@@ -19,3 +20,6 @@ WAIT_POLICY = "PASSIVE"
 def prefer_passive_openmp() -> None:
     """Ask OpenMP's workers to sleep, not spin, between steps (unless already set, or too late)."""
     os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+
+
+prefer_passive_openmp()

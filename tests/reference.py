@@ -55,7 +55,8 @@ def flipped_codes(model, cache, token_ids: list[int], kv_cache) -> tuple[int, in
         for name in ("keys", "values"):
             for a, b in zip(_levels(getattr(held, name), held.bits), _levels(getattr(expected, name), held.bits)):
                 steps = (a - b).abs()
-                differ, largest, total = differ + int((steps > 0).sum()), max(largest, int(steps.max())), total + a.numel()
+                differ += int((steps > 0).sum())
+                largest, total = max(largest, int(steps.max())), total + a.numel()
     return differ, largest, total
 
 

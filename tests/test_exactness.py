@@ -26,13 +26,14 @@ def stop_after_first_delta(conv, stream):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_operation_matches_recomputation(make_engine, models, tokenizers, arch, template):
     engine = make_engine(arch, template)
-    model, tokenizer = models[arch], tokenizers[template]
     conv = engine.conversation("You are terse.")
+    every_operation(conv, lambda **kwargs: check_exact(conv, models[arch], tokenizers[template],
+                                                       max_new_tokens=MAX_NEW, **kwargs))
+
+
+def every_operation(conv, check) -> None:
+    """Send, regenerate, stop, undo, edit: `check(**check_exact's flags)` after each."""
     options = dict(max_new_tokens=MAX_NEW, do_sample=False)
-
-    def check(**kwargs):
-        check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, **kwargs)
-
     drain(conv.send("Hello there, what is two plus two?", **options))
     check()
     drain(conv.send("And what about three plus three, please?", **options))

@@ -8,18 +8,17 @@ import pytest
 import torch
 
 from cache_sessions import CacheSession
-from cache_sessions.batch import BatchedCache
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.quantized import dequantize, quantize
 from cache_sessions.tensors import filled_bytes
 from chat.config import EngineConfig
 from conftest import THINKING_TEMPLATE
 from reference import check_exact, check_states, scratch_greedy_reply
-from test_exactness import drain, stop_after_first_delta
+from test_batch import decode
+from test_exactness import MAX_NEW, drain, every_operation
 from tiny_models import ARCHS
 from ui.config import AppConfig
 
-MAX_NEW = 12
 KINDS = [KVCacheKind("quantized", 8), KVCacheKind("quantized", 4)]
 
 
@@ -54,28 +53,9 @@ def test_every_operation_matches_a_fresh_cache_of_the_kind(make_engine, models, 
             make_engine(arch, kv_cache=kind.name, kv_bits=kind.bits)
         return
     engine = make_engine(arch, kv_cache=kind.name, kv_bits=kind.bits)
-    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
     conv = engine.conversation("You are terse.")
-    options = dict(max_new_tokens=MAX_NEW, do_sample=False)
-
-    def check(**kwargs):
-        check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, kv_cache=kind, **kwargs)
-
-    drain(conv.send("Hello there, what is two plus two?", **options))
-    check()
-    drain(conv.send("And what about three plus three, please?", **options))
-    check()
-    drain(conv.regenerate(**options))
-    check()
-    assert conv.stats.prefilled_tokens == 1  # the rollback kept the whole prompt but its last token
-    stop_after_first_delta(conv, conv.regenerate(**options))
-    check(stopped=True)
-    conv.undo()
-    check(generated=False, stopped=True)
-    drain(conv.edit(1, "Hi! Edited first question?", **options))
-    check()
-    drain(conv.send("One more turn after the edit.", **options))
-    check()
+    every_operation(conv, lambda **kwargs: check_exact(conv, models[arch], tokenizers[THINKING_TEMPLATE],
+                                                       max_new_tokens=MAX_NEW, kv_cache=kind, **kwargs))
     quantized = [layer for layer in conv.session.cache.layers if type(layer).__name__ == "QuantizedLayer"]
     assert quantized and all(layer.bits == kind.bits for layer in quantized)
 
@@ -92,15 +72,7 @@ def test_batched_rows_decode_as_each_would_alone(models, arch):
             session = CacheSession(model, kv_cache=kind)
             session.prepare(prompt)
             sessions.append(session)
-        batch, tokens, replies = BatchedCache(model, sessions), [p[-1] for p in prompts], [[] for _ in prompts]
-        with torch.no_grad():
-            for _ in range(8):
-                logits = model(**batch.inputs(tokens)).logits[:, -1]
-                batch.fed(tokens)
-                tokens = logits.argmax(-1).tolist()
-                for reply, token in zip(replies, tokens):
-                    reply.append(token)
-        batch.scatter()
+        replies = decode(model, sessions, [p[-1] for p in prompts], 8)
         for session, prompt, reply in zip(sessions, prompts, replies):
             assert reply == scratch_greedy_reply(model, prompt, len(reply), set(), kv_cache=kind)
             assert session.token_ids == prompt + reply[:-1]
