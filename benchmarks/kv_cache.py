@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from benchmarks.agreement import demo_agreement
 from benchmarks.report import publish, target_table
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.session import CacheSession
@@ -38,7 +39,6 @@ from chat.models import build_model, parameter_count
 from chat.options import GenerationOptions
 from chat.scheduler import DecodeScheduler
 from chat.worker import ModelWorker
-from demo_model import corpus
 
 KINDS = {"dynamic": KVCacheKind(), "quantized-8": KVCacheKind("quantized", 8),
          "quantized-4": KVCacheKind("quantized", 4)}
@@ -75,29 +75,8 @@ def resident(model, worker: ModelWorker, kind: KVCacheKind, tokens: int, budget:
     raise RuntimeError("the budget never filled")
 
 
-def agreement(replies: int) -> dict[str, dict[str, float]]:
-    """Greedy demo replies under each kind, against the dynamic cache's."""
-    rng = random.Random(1)
-    questions = [corpus.question_text(rng, corpus.first_problem(rng, evaluation=True), evaluation=True)
-                 for _ in range(replies)]
-    answers: dict[str, list[list[int]]] = {}
-    for name, kind in KINDS.items():
-        engine = ChatEngine.load("demo", kv_cache=kind.name, kv_bits=kind.bits)
-        answers[name] = []
-        for question in questions:
-            conversation = engine.conversation()
-            list(conversation.send(question, max_new_tokens=160, do_sample=False, enable_thinking=True))
-            answers[name].append(list(conversation.reply_ids))
-    found = {}
-    for name in KINDS:
-        same = sum(a == b for a, b in zip(answers[name], answers["dynamic"]))
-        prefix = [_common(a, b) / max(len(b), 1) for a, b in zip(answers[name], answers["dynamic"])]
-        found[name] = {"identical": same / replies, "prefix_share": statistics.mean(prefix)}
-    return found
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+def _demo_engine(kind: KVCacheKind):
+    return lambda: ChatEngine.load("demo", kv_cache=kind.name, kv_bits=kind.bits)
 
 
 def decode_speed(model, worker: ModelWorker, kind: KVCacheKind, tokens: int) -> float:
@@ -124,7 +103,8 @@ def run(model_name: str, tokens: int, budget_mb: float, replies: int, repeats: i
             speeds[name].append(decode_speed(model, worker, KINDS[name], tokens))
     return {"model": model_name, "parameters": parameter_count(model), "tokens": tokens, "budget_mb": budget_mb,
             "bytes_per_token": per_token, "resident": kept,
-            "agreement": agreement(replies) if replies else {}, "replies": replies,
+            "agreement": demo_agreement({name: _demo_engine(kind) for name, kind in KINDS.items()}, replies)
+            if replies else {}, "replies": replies,
             "decode_tokens_per_s": {name: statistics.median(values) for name, values in speeds.items()},
             "runs": speeds, "repeats": repeats, "torch": torch.__version__, "cpu": platform.processor(),
             "load_before": os.getloadavg(), "command": "python -m benchmarks.kv_cache " + " ".join(sys.argv[1:])}

@@ -109,3 +109,16 @@ def test_kv_cache_benchmark_writes_the_documented_fields(tmp_path):
     assert per_token["quantized-4"] < per_token["quantized-8"] < per_token["dynamic"] == 16 * 1024  # bench-full, fp32
     assert result["agreement"]["dynamic"] == {"identical": 1.0, "prefix_share": 1.0}  # against itself
     assert len(result["targets"]) == 1
+
+
+def test_weights_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.weights import DTYPES
+    from benchmarks.weights import main as weights
+
+    out = tmp_path / "weights.json"
+    result = weights(["--tokens", "16", "--repeats", "1", "--replies", "2", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert set(result["decode_tokens_per_s"]) == set(DTYPES)
+    assert result["weight_bytes"]["bfloat16"] * 2 == result["weight_bytes"]["float32"]
+    assert result["state_bytes_per_token"]["bfloat16"] * 2 == result["state_bytes_per_token"]["float32"]
+    assert set(result["agreement"]) == set(DTYPES) and result["agreement"]["float32"]["identical"] == 1.0
