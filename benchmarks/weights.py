@@ -25,6 +25,7 @@ from benchmarks.agreement import demo_agreement
 from benchmarks.kv_cache import VOCAB, bytes_per_token, decode_speed
 from benchmarks.report import publish, target_table
 from cache_sessions.kv_cache import KVCacheKind
+from cache_sessions.tensors import filled_bytes
 from chat import ChatEngine
 from chat.models import build_model, parameter_count
 from chat.worker import ModelWorker
@@ -45,8 +46,7 @@ def run(model_name: str, tokens: int, repeats: int, replies: int) -> dict:
     return {"model": model_name, "parameters": parameter_count(models["float32"]), "tokens": tokens,
             "decode_tokens_per_s": {name: statistics.median(values) for name, values in speeds.items()},
             "runs": speeds, "repeats": repeats, "replies": replies, "agreement": agreement,
-            "weight_bytes": {name: sum(p.numel() * p.element_size() for p in model.parameters())
-                             for name, model in models.items()},
+            "weight_bytes": {name: filled_bytes(model.parameters()) for name, model in models.items()},
             "state_bytes_per_token": {name: worker.run(bytes_per_token, model, KVCacheKind(), tokens)
                                       for name, model in models.items()},
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),

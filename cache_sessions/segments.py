@@ -13,7 +13,7 @@ from typing import Any, Hashable, Iterator
 
 import torch
 
-from cache_sessions.tensors import moved, tensors_in
+from cache_sessions.tensors import filled_bytes, moved, tensors_in
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Segment:
         yield from tensors_in(self.states)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return filled_bytes(self.tensors())
 
     def to(self, device: torch.device | str) -> None:
         self.states = moved(self.states, device)
