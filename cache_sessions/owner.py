@@ -9,11 +9,8 @@ numbers kept here under a lock.
 
 "Busy" has one meaning: a session is pinned while an operation of its conversation runs (a reply
 queued or streaming, a switch, an undo, an edit). The budget never releases a pinned session,
-and a close while pinned releases it when the last pin goes. When the caches together exceed the
-budget, the segments idle sessions keep for branches not shown go first, oldest first; then the
-least recently used idle session goes to the cold tier on disk when there is one (its next
-operation reads it back, exact: cache_sessions/cold.py), else it is released (its conversation
-keeps its messages; its next turn rebuilds); then shared prefixes.
+and a close while pinned releases it when the last pin goes. What goes first when the caches
+together exceed the budget is cache_sessions/eviction.py's to say.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from cache_sessions.accounts import Accounts
 from cache_sessions.batch import BatchedCache, SingleRow, decode_batch
 from cache_sessions.branches import BranchKeep, BranchMove, keep_before_reply, move_branch
 from cache_sessions.cold import ColdStats, ColdStore
+from cache_sessions.eviction import Eviction
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import PrefixStore
 from cache_sessions.session import CacheSession, PrefillResult
@@ -80,7 +78,8 @@ class CacheOwner:
         self.accounts.reset()
         self._batch: BatchedCache | SingleRow | None = None
         self._batch_bytes = 0
-        self.evictions = self.segments_freed = 0
+        self.eviction = Eviction(self.accounts, self._measure, cold_store=self.cold_store,
+                                 prefix_store=self.prefix_store)
 
     # ---- any thread ------------------------------------------------------------------------------
     def new_session(self) -> CacheSession:
@@ -106,7 +105,7 @@ class CacheOwner:
         sessions, busy, held = self.accounts.totals()
         return CacheStats(sessions=sessions, busy=busy, cache_bytes=shared + self._batch_bytes + held,
                           budget_bytes=self.budget_bytes, shared_prefix_bytes=shared, batch_bytes=self._batch_bytes,
-                          evictions=self.evictions, segments_freed=self.segments_freed,
+                          evictions=self.eviction.evictions, segments_freed=self.eviction.segments_freed,
                           cold=self.cold_store.stats() if self.cold_store is not None else None)
 
     def enforce_budget(self) -> None:
@@ -206,28 +205,8 @@ class CacheOwner:
                 self.cold_store.discard(session)
             session.release()
         if self.budget_bytes is not None:
-            while self.stats().cache_bytes > self.budget_bytes and self._free_one():
+            while self.stats().cache_bytes > self.budget_bytes and self.eviction.free_one():
                 pass
-
-    def _free_one(self) -> bool:
-        """The least needed states of an idle session: a kept branch (the oldest of all), else a
-        whole session (the least recently used), else a shared prefix. False: only busy ones left."""
-        idle = self.accounts.idle()
-        keeping = [entry.session for entry in idle if entry.session.segment_count()]
-        holding = [entry for entry in idle if entry.nbytes]
-        if keeping:
-            session = min(keeping, key=lambda kept: kept.oldest_segment_age())
-            session.drop_oldest_segment()
-            self.segments_freed += 1
-        elif holding:
-            session = min(holding, key=lambda entry: entry.last_used).session
-            if self.cold_store is None or not self.cold_store.spill(session):
-                session.release()
-                self.evictions += 1
-        else:
-            return self.prefix_store is not None and self.prefix_store.evict_one()
-        self._measure(session)
-        return True
 
     def _measure(self, session: CacheSession) -> int:
         """Its bytes, as `stats` and the budget count them (each storage once)."""
