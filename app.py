@@ -172,15 +172,15 @@ def load_engine(config: AppConfig) -> Any:
                              cache_budget_bytes=int(config.cache_budget_mb * 2**20),
                              cache_dir=None if ON_ZERO_GPU else config.cache_dir,
                              cache_dir_bytes=int(config.cache_dir_mb * 2**20), kv_cache=config.kv_cache,
-                             kv_bits=config.kv_bits,
+                             kv_bits=config.kv_bits, weights=config.weights,
                              **(dict(shared_prefixes=0) if ON_ZERO_GPU else {}))
     if ON_ZERO_GPU:  # each reply runs in the worker process `spaces.GPU` forks (chat/remote.py)
         remote.ENGINE = engine
         engine.run_replies_in(spaces.GPU(duration=120)(remote.run_in_worker))
     model = engine.model
+    held = str(model.dtype).replace("torch.", "") + (", int8 weights" if config.weights == "int8" else "")
     print(f"rewind-chat: model {config.model} ({type(model).__name__}, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) on {model.device}, "
-          f"{str(model.dtype).replace('torch.', '')}", flush=True)
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) on {model.device}, {held}", flush=True)
     return engine
 
 

@@ -1,10 +1,11 @@
-"""Weights in bf16 against fp32 on the CPU (`--dtype bfloat16`), in one run (issue #23).
+"""Weights in bf16 (`--dtype bfloat16`) and in int8 (`--weights int8`) against fp32 on the CPU, in
+one run (issue #23).
 
   decode     one conversation of `--tokens` decoding 64 tokens through the engine's scheduler, on
              `--model` (bench-full; real-qwen3-0.6b for a real model's shape), tokens/s, medians of
              `--repeats` alternated runs
   memory     bytes of the weights, and of the states a token adds (the cache takes the model's dtype)
-  agreement  `--replies` greedy replies of the trained demo model loaded in bf16, against fp32
+  agreement  `--replies` greedy replies of the trained demo model loaded each way, against fp32
 
     python -m benchmarks.weights
     python -m benchmarks.weights --model real-qwen3-0.6b --tokens 250 --repeats 2 --replies 0
@@ -28,25 +29,30 @@ from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.tensors import filled_bytes
 from chat import ChatEngine
 from chat.models import build_model, parameter_count
+from chat.weights import apply_weight_format
 from chat.worker import ModelWorker
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# name: (dtype, weights) as `--dtype` and `--weights` take them; fp32 first (the reference).
+FORMATS = {"float32": ("float32", "full"), "bfloat16": ("bfloat16", "full"), "int8": ("float32", "int8")}
 
 
 def run(model_name: str, tokens: int, repeats: int, replies: int) -> dict:
     worker = ModelWorker()
-    models = {name: worker.run(lambda dtype=dtype: build_model(model_name, VOCAB, None).to(dtype))
-              for name, dtype in DTYPES.items()}
-    speeds: dict[str, list[float]] = {name: [] for name in DTYPES}
+    models = {name: worker.run(lambda dtype=dtype, weights=weights: apply_weight_format(
+                  build_model(model_name, VOCAB, None).to(getattr(torch, dtype)), weights))
+              for name, (dtype, weights) in FORMATS.items()}
+    speeds: dict[str, list[float]] = {name: [] for name in FORMATS}
     for repeat in range(repeats):
-        for name in list(DTYPES)[repeat % 2:] + list(DTYPES)[: repeat % 2]:
+        for name in list(FORMATS)[repeat % 3:] + list(FORMATS)[: repeat % 3]:
             speeds[name].append(decode_speed(models[name], worker, KVCacheKind(), tokens))
-    agreement = demo_agreement({name: lambda name=name: ChatEngine.load("demo", dtype=name) for name in DTYPES},
-                               replies) if replies else {}
+    agreement = demo_agreement({name: lambda dtype=dtype, weights=weights: ChatEngine.load(
+                                    "demo", dtype=dtype, weights=weights)
+                                for name, (dtype, weights) in FORMATS.items()}, replies) if replies else {}
     return {"model": model_name, "parameters": parameter_count(models["float32"]), "tokens": tokens,
             "decode_tokens_per_s": {name: statistics.median(values) for name, values in speeds.items()},
             "runs": speeds, "repeats": repeats, "replies": replies, "agreement": agreement,
-            "weight_bytes": {name: filled_bytes(model.parameters()) for name, model in models.items()},
+            "weight_bytes": {name: filled_bytes([*model.parameters(), *model.buffers()])
+                             for name, model in models.items()},
             "state_bytes_per_token": {name: worker.run(bytes_per_token, model, KVCacheKind(), tokens)
                                       for name, model in models.items()},
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
@@ -54,22 +60,22 @@ def run(model_name: str, tokens: int, repeats: int, replies: int) -> dict:
 
 
 def markdown(result: dict) -> str:
-    agree = result["agreement"].get("bfloat16", {})
     speeds, weights, states = result["decode_tokens_per_s"], result["weight_bytes"], result["state_bytes_per_token"]
     lines = [f"{result['model']} ({result['parameters'] / 1e6:.1f} M parameters), one conversation of "
              f"{result['tokens']} tokens, medians of {result['repeats']}:", "",
              "| weights | decode tokens/s | weights | states a token |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {speeds[name]:.1f} | {weights[name] / 2**20:.0f} MiB | {states[name] / 1024:.1f} KiB |"
-              for name in DTYPES]
-    if agree:
-        lines += ["", f"Demo model in bf16 against fp32, {result['replies']} greedy replies: {agree['identical']:.0%} "
+              for name in FORMATS]
+    for name, agree in list(result["agreement"].items())[1:]:
+        lines += ["", f"Demo model, {name} against fp32, {result['replies']} greedy replies: {agree['identical']:.0%} "
                       f"identical, {agree['prefix_share']:.0%} of reply tokens before the first difference."]
     return "\n".join(lines + ["", *target_table(result["targets"])])
 
 
 def targets(result: dict) -> list[tuple[str, str, bool]]:
-    ratio = result["decode_tokens_per_s"]["bfloat16"] / result["decode_tokens_per_s"]["float32"]
-    return [("bf16 weights decode faster than fp32 on this CPU", f"{ratio:.2f}x", ratio > 1.0)]
+    speeds = result["decode_tokens_per_s"]
+    return [(f"{name} weights decode faster than fp32 on this CPU", f"{speeds[name] / speeds['float32']:.2f}x",
+             speeds[name] > speeds["float32"]) for name in list(FORMATS)[1:]]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -11,6 +11,7 @@ Module map:
   batch.py        several sessions' caches as one batched cache for decode steps, and back (one row: its own)
   prefixes.py     shared prefilled prefixes (system prompts) for new sessions
   owner.py        the one owner of every session's states: applies each change on the loop, pins, budget
+  eviction.py     what the budget frees first: kept branches, then idle sessions (cold tier), then prefixes
   manager.py      sessions found by server-made keys: a count limit and idle expiry
 """
 

@@ -24,6 +24,7 @@ Module map:
   worker.py        the compute thread every forward pass runs on
   host.py          settings for a shared host, made before torch loads (OpenMP's wait policy)
   loading.py       from_pretrained with automatic device and dtype; the "demo" model
+  weights.py       how the weights are held: as loaded, or int8 (weights and inputs, CPU)
   demo.py          where the trained demo model lies; the tests' tokenizer, trained in code
   models.py        the table of model shapes built in code (demo, tests, benchmarks)
   errors.py        errors a UI can show, one family (ChatError)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import DEFAULT_MAX_ENTRIES
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
+from chat.weights import check_weight_format
 
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_PREFILL_CHUNK = 256
@@ -27,7 +28,9 @@ class EngineConfig:
     `cache_dir`: where idle conversations' caches go over the budget instead of being dropped
     (None: dropped, their next turn rebuilds), at most `cache_dir_bytes` there; emptied on exit.
     `kv_cache`: "dynamic" (exact) or "quantized" (full-attention states in `kv_bits` bits, 8 or 4;
-    cache_sessions/kv_cache.py says what exact means for it and which kinds are refused)."""
+    cache_sessions/kv_cache.py says what exact means for it and which kinds are refused).
+    `weights`: "full" (as loaded) or "int8" (linear weights in int8 with a scale per channel, on
+    the CPU; chat/weights.py), applied to the model when the engine is made."""
 
     max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS
     context_limit: int | None = None
@@ -40,6 +43,7 @@ class EngineConfig:
     cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES
     kv_cache: str = "dynamic"
     kv_bits: int = 8
+    weights: str = "full"
 
     @property
     def kv_cache_kind(self) -> KVCacheKind:
@@ -61,3 +65,4 @@ class EngineConfig:
         if self.cache_dir_bytes < 0:
             raise ValueError("cache_dir_bytes must be >= 0")
         self.kv_cache_kind  # refuses an unknown or refused kind, or bits it does not hold
+        check_weight_format(self.weights)

@@ -22,6 +22,7 @@ from chat.runtime import Runtime
 from chat.scheduler import DecodeScheduler, SchedulerStats
 from chat.sources import ReplySource
 from chat.templates import ChatTemplate
+from chat.weights import apply_weight_format
 from chat.worker import ModelWorker
 
 
@@ -32,7 +33,7 @@ class ChatEngine:
         `worker`: the compute thread the model was built on, if any (build it there for full CPU speed)."""
         config = replace(config or EngineConfig(), **settings)
         self.config = config
-        self.model = model.eval()
+        self.model = apply_weight_format(model, config.weights).eval()
         config.kv_cache_kind.check_applies(model)
         self.tokenizer = tokenizer
         template = ChatTemplate(tokenizer)

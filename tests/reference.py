@@ -17,6 +17,11 @@ LOGIT_TOLERANCE = 1e-4  # fp32
 # 2.8e-4; a step at 4 bits is 17x larger. A stale state puts many codes many steps off.
 QUANTIZED_LOGIT_TOLERANCE = {8: 1e-3, 4: 1e-2}
 MAX_FLIPPED_CODES = 1 / 200
+# int8 weights and inputs (chat/weights.py): float noise between the cached path and the scratch
+# forward (different shapes; linear attention's recurrence against its chunked prefill, ~1e-5)
+# can put an input on the other side of a rounding boundary, one level off. Seen: 4.2e-2 on the
+# hybrid model; 0 to 3e-6 elsewhere. States of other tokens (stale) differed by 5.2 or more.
+INT8_LOGIT_TOLERANCE = 0.1
 
 
 def render_ids(tokenizer, messages, *, enable_thinking=None) -> list[int]:
@@ -66,11 +71,11 @@ def _levels(codes, bits: int):
     return (codes,) if bits == 8 else (codes & 15, codes >> 4)
 
 
-def check_states(model, cache, token_ids: list[int], kv_cache=None) -> None:
+def check_states(model, cache, token_ids: list[int], kv_cache=None, logit_tolerance: float = LOGIT_TOLERANCE) -> None:
     """(a) of `check_exact`: the cache holds what a from-scratch forward over `token_ids` gives."""
     error = cached_vs_scratch_logit_error(model, cache, token_ids, probe_id=7, kv_cache=kv_cache)
     if kv_cache is None or kv_cache.name == "dynamic":
-        assert error < LOGIT_TOLERANCE, f"cached logits differ from scratch by {error:.2e}"
+        assert error < logit_tolerance, f"cached logits differ from scratch by {error:.2e}"
         return
     differ, largest, total = flipped_codes(model, cache, token_ids, kv_cache)
     assert largest <= 1 and differ <= max(2, total * MAX_FLIPPED_CODES), (differ, largest, total)
@@ -89,7 +94,8 @@ def scratch_greedy_reply(model, prompt_ids: list[int], max_new_tokens: int, eos_
 
 
 def check_exact(conv, model, tokenizer, *, max_new_tokens: int | None, enable_thinking=None, stopped: bool = False,
-                generated: bool = True, continued_from: int = 0, kv_cache=None) -> None:
+                generated: bool = True, continued_from: int = 0, kv_cache=None,
+                logit_tolerance: float = LOGIT_TOLERANCE) -> None:
     """The three checks of the issue after an operation: (a) states, (b) greedy reply, (c) stats.
     `kv_cache`: a lossy kind (quantized): the references start from an empty cache of that kind.
 
@@ -99,7 +105,7 @@ def check_exact(conv, model, tokenizer, *, max_new_tokens: int | None, enable_th
     session = conv.session
     # (a) the cached states are those of a from-scratch forward over the ledger
     if session.token_ids:
-        check_states(model, session.cache, session.token_ids, kv_cache)
+        check_states(model, session.cache, session.token_ids, kv_cache, logit_tolerance)
     messages = conv.messages
     if not messages or messages[-1]["role"] != "assistant":
         return

@@ -57,6 +57,8 @@ class AppConfig:
     kv_cache: str = _setting(EngineConfig.kv_cache, "KV_CACHE", "dynamic (exact) or quantized (full-attention "
                              "states in --kv-bits bits: 3.6x / 6.4x fewer bytes a token, slower decode)")
     kv_bits: int = _setting(EngineConfig.kv_bits, "KV_BITS", "with --kv-cache quantized: 8 or 4")
+    weights: str = _setting(EngineConfig.weights, "WEIGHTS", "full (as loaded) or int8 (linear weights in int8, "
+                            "CPU only: a quarter of fp32's bytes, faster decode)")
     max_sessions: int = _setting(64, "MAX_SESSIONS")
     idle_timeout_min: float = _setting(30.0, "IDLE_TIMEOUT_MIN", "free a session idle this long")
     max_batch: int = _setting(EngineConfig.max_batch_size, "MAX_BATCH",
