@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> dict:
                 runs[name].append(result)
                 print(f"repeat {repeat + 1}, {name}: {result['seconds']:.0f} s (load {load:.2f})", file=sys.stderr)
     return {"runs": runs, "summary": {name: summarize(values) for name, values in runs.items()},
-            "parameters": parameter_count(build_model("real-qwen3-0.6b", VOCAB, None)),
+            "parameters": parameters(),
             "config": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
             "command": "python -m benchmarks.peers " + " ".join(sys.argv[1:])}
@@ -235,6 +235,12 @@ def merged(paths: list[Path]) -> dict:
             runs.setdefault(name, []).extend(values)
     return results[0] | {"runs": runs, "summary": {name: summarize(values) for name, values in runs.items()},
                          "merged_from": [str(path) for path in paths]}
+
+
+def parameters() -> int:
+    """The model's parameter count, from its shape alone (built on the meta device: no weights)."""
+    with torch.device("meta"):
+        return parameter_count(build_model("real-qwen3-0.6b", VOCAB, None))
 
 
 def median_of(runs: list[dict], pick: Callable[[dict], float]) -> float:

@@ -43,7 +43,8 @@ def run(model_name: str, tokens: int, repeats: int, replies: int) -> dict:
               for name, (dtype, weights) in FORMATS.items()}
     speeds: dict[str, list[float]] = {name: [] for name in FORMATS}
     for repeat in range(repeats):
-        for name in list(FORMATS)[repeat % 3:] + list(FORMATS)[: repeat % 3]:
+        order = list(FORMATS)[repeat % len(FORMATS):] + list(FORMATS)[: repeat % len(FORMATS)]
+        for name in order:
             speeds[name].append(decode_speed(models[name], worker, KVCacheKind(), tokens))
     agreement = demo_agreement({name: lambda dtype=dtype, weights=weights: ChatEngine.load(
                                     "demo", dtype=dtype, weights=weights)
