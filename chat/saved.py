@@ -70,7 +70,8 @@ def to_dict_as_recorded(history: History, path: list[Node], reply: Node | None,
     on a copy: the tree itself is unchanged."""
     copy = from_dict(to_dict(history))  # the same tree, node for node, in the same order
     same = dict(zip((node.uid for node in history.nodes()), copy.nodes()))
-    copied = [same.get(node.uid) or copy.node(node.role, node.content) for node in path]
+    # a plan's new nodes (copies of kept turns, when older ones were dropped) bring their replies along
+    copied = [same.get(node.uid) or copy.node(node.role, node.content, node.reply) for node in path]
     if reply is None:
         copy.record_continuation(copied, version)
     else:

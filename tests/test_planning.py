@@ -150,3 +150,24 @@ def test_planning_is_counted_while_it_runs_and_stops_when_its_caller_leaves(make
     assert seen and set(seen) == {1} and engine.planner.planning == 0
     assert conv.to_dict() == before and not conv.is_busy
     assert engine.status()["planning"] == 0
+
+
+def test_a_snapshot_mid_reply_holds_when_older_turns_were_dropped(make_engine):
+    """Issue #33 A: once a conversation outgrows the context, the page's draft snapshot of a
+    reply whose plan dropped older turns raised (the copied replies lost their versions), so
+    every Send from the page failed. The snapshot is the tree as a stop there leaves it: the
+    kept turns copied under the system prompt with their replies, the reply so far last."""
+    engine = make_engine("full", context_limit=256)
+    conv = engine.restore(long_saved_history(30, 30 * 2 * 300))
+    stream = iter(conv.send("A short question?", fit_context=True, max_new_tokens=20, do_sample=False))
+    next(stream)
+    assert conv.is_running
+    snapshot = conv.snapshot()
+    shown = [snapshot["messages"][i] for i in snapshot["path"]]
+    list(stream)
+    final = conv.to_dict()
+    assert conv.stats.dropped_turns > 0
+    assert [m["content"] for m in shown[:-1]] == [final["messages"][i]["content"] for i in final["path"][:-1]]
+    assert all("reasoning_content" in m for m in shown if m["role"] == "assistant")
+    assert shown[-1]["role"] == "assistant" and shown[-1]["stopped"]
+    assert engine.restore(snapshot).messages[:-1] == conv.messages[:-1]  # the draft restores
