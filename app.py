@@ -169,6 +169,7 @@ def load_engine(config: AppConfig) -> Any:
     engine = ChatEngine.load(config.model, device="cuda" if ON_ZERO_GPU else config.device, dtype=config.dtype,
                              max_checkpoints=config.max_checkpoints, offload_sessions=ON_ZERO_GPU,
                              max_batch_size=config.max_batch, prefill_chunk=config.prefill_chunk,
+                             prefill_chunk_alone=config.prefill_chunk_alone,
                              cache_budget_bytes=int(config.cache_budget_mb * 2**20),
                              cache_dir=None if ON_ZERO_GPU else config.cache_dir,
                              cache_dir_bytes=int(config.cache_dir_mb * 2**20), kv_cache=config.kv_cache,

@@ -1,13 +1,14 @@
-"""What the cache owner knows of each session without touching its tensors: pins (busy), when it
-was last used, its bytes as last measured, and whether its conversation is gone. Any thread may
-pin, unpin, close and read; only the owner, on the loop, measures."""
+"""What the cache owner knows of each session without touching its tensors: when it was last
+used, its bytes as last measured, and whether its conversation is gone. Which sessions are in use
+is not kept here: that is the scheduler's record of its requests (`in_use`, passed in). Any
+thread may close and read; only the owner, on the loop, measures and marks use."""
 
 from __future__ import annotations
 
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 from cache_sessions.session import CacheSession
 
@@ -15,7 +16,6 @@ from cache_sessions.session import CacheSession
 @dataclass
 class _Entry:
     last_used: float
-    pins: int = 0
     nbytes: int = 0
     closing: bool = False
 
@@ -40,28 +40,20 @@ class Accounts:
         with self._lock:
             self._entry(session)
 
-    def pin(self, session: CacheSession) -> None:
+    def used(self, session: CacheSession) -> None:
+        """An operation of its conversation (a reply, a move) begins or ends now: the budget frees
+        the least recently used first."""
         with self._lock:
-            entry = self._entry(session)
-            entry.pins += 1
-            entry.last_used = self._clock()
-
-    def unpin(self, session: CacheSession) -> bool:
-        """True when that was its last pin."""
-        with self._lock:
-            entry = self._entry(session)
-            entry.pins -= 1
-            entry.last_used = self._clock()
-            return entry.pins == 0
+            self._entry(session).last_used = self._clock()
 
     def close(self, session: CacheSession) -> None:
         with self._lock:
             self._entry(session).closing = True
 
-    def take_closed(self) -> list[CacheSession]:
-        """The closed sessions no operation holds any more, forgotten here."""
+    def take_closed(self, in_use: Collection[CacheSession]) -> list[CacheSession]:
+        """The closed sessions no request holds any more, forgotten here."""
         with self._lock:
-            closed = [session for session, entry in self._entries.items() if entry.closing and not entry.pins]
+            closed = [session for session, entry in self._entries.items() if entry.closing and session not in in_use]
             for session in closed:
                 del self._entries[session]
         return closed
@@ -70,16 +62,16 @@ class Accounts:
         with self._lock:
             self._entry(session).nbytes = nbytes
 
-    def idle(self) -> list[Idle]:
+    def idle(self, in_use: Collection[CacheSession]) -> list[Idle]:
         with self._lock:
             return [Idle(session, entry.last_used, entry.nbytes) for session, entry in self._entries.items()
-                    if not entry.pins]
+                    if session not in in_use]
 
-    def totals(self) -> tuple[int, int, int]:
-        """(sessions, busy ones, their bytes)."""
+    def totals(self) -> tuple[int, int]:
+        """(sessions, their bytes)."""
         with self._lock:
             entries = list(self._entries.values())
-        return len(entries), sum(1 for entry in entries if entry.pins), sum(entry.nbytes for entry in entries)
+        return len(entries), sum(entry.nbytes for entry in entries)
 
     def _entry(self, session: CacheSession) -> _Entry:
         entry = self._entries.get(session)

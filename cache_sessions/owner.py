@@ -7,17 +7,20 @@ back branches, move between devices, release), and the model computes. Other thr
 touch a session's tensors: they ask the loop (`Loop.call` / `Loop.post`) and read only the
 numbers kept here under a lock.
 
-"Busy" has one meaning: a session is pinned while an operation of its conversation runs (a reply
-queued or streaming, a switch, an undo, an edit). The budget never releases a pinned session,
-and a close while pinned releases it when the last pin goes. What goes first when the caches
-together exceed the budget is cache_sessions/eviction.py's to say.
+"In use" has one meaning, and one record: the scheduler's table of its requests (waiting,
+prefilling, decoding, or made elsewhere: a ZeroGPU worker's), read through `in_use`. The budget
+never frees, spills or releases a session in use, and a close while in use releases it once its
+request has left. Every other change to a session (a switch, an undo) runs on the loop as one
+command, so the budget, which runs there too, cannot meet it. A forked ZeroGPU worker has its own
+scheduler and so its own record. What goes first when the caches together exceed the budget is
+cache_sessions/eviction.py's to say.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Collection, Protocol, Sequence, TypeVar
 
 from transformers import PreTrainedModel
 
@@ -48,7 +51,7 @@ class Loop(Protocol):
 @dataclass(frozen=True)
 class CacheStats:
     sessions: int
-    busy: int  # sessions pinned by an operation of their conversation
+    busy: int  # sessions a request holds (the scheduler's record)
     cache_bytes: int  # sessions, shared prefixes and the batched copy of the decoding rows
     budget_bytes: int | None
     shared_prefix_bytes: int
@@ -59,7 +62,8 @@ class CacheStats:
 
 
 class CacheOwner:
-    def __init__(self, model: PreTrainedModel, loop: Loop, *, budget_bytes: int | None = None,
+    def __init__(self, model: PreTrainedModel, loop: Loop, in_use: Callable[[], Collection[CacheSession]], *,
+                 budget_bytes: int | None = None,
                  max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS, prefix_store: PrefixStore | None = None,
                  offload: bool = False, cold_store: ColdStore | None = None,
                  kv_cache: KVCacheKind = KVCacheKind(), clock: Callable[[], float] = time.monotonic):
@@ -68,6 +72,7 @@ class CacheOwner:
         sessions go instead of being released when the budget is reached. `kv_cache`: the kind of
         cache every session's states live in (cache_sessions/kv_cache.py)."""
         self.model, self.loop, self.cold_store, self.kv_cache = model, loop, cold_store, kv_cache
+        self.in_use = in_use
         self.budget_bytes, self.max_checkpoints = budget_bytes, max_checkpoints
         self.prefix_store, self.offload = prefix_store, offload
         self.accounts = Accounts(clock)
@@ -78,7 +83,7 @@ class CacheOwner:
         self.accounts.reset()
         self._batch: BatchedCache | SingleRow | None = None
         self._batch_bytes = 0
-        self.eviction = Eviction(self.accounts, self._measure, cold_store=self.cold_store,
+        self.eviction = Eviction(self.accounts, self._measure, self.in_use, cold_store=self.cold_store,
                                  prefix_store=self.prefix_store)
 
     # ---- any thread ------------------------------------------------------------------------------
@@ -87,14 +92,6 @@ class CacheOwner:
         self.accounts.register(session)
         return session
 
-    def pin(self, session: CacheSession) -> None:
-        """Busy: an operation of its conversation runs; the budget leaves it alone."""
-        self.accounts.pin(session)
-
-    def unpin(self, session: CacheSession) -> None:
-        if self.accounts.unpin(session):
-            self.loop.post(self.settle)  # a close waiting for it, or a budget it may now give way to
-
     def close(self, session: CacheSession) -> None:
         """Its conversation is gone: free it now if idle, else when its operation ends."""
         self.accounts.close(session)
@@ -102,8 +99,8 @@ class CacheOwner:
 
     def stats(self) -> CacheStats:
         shared = self.prefix_store.nbytes() if self.prefix_store is not None else 0
-        sessions, busy, held = self.accounts.totals()
-        return CacheStats(sessions=sessions, busy=busy, cache_bytes=shared + self._batch_bytes + held,
+        sessions, held = self.accounts.totals()
+        return CacheStats(sessions=sessions, busy=len(self.in_use()), cache_bytes=shared + self._batch_bytes + held,
                           budget_bytes=self.budget_bytes, shared_prefix_bytes=shared, batch_bytes=self._batch_bytes,
                           evictions=self.eviction.evictions, segments_freed=self.eviction.segments_freed,
                           cold=self.cold_store.stats() if self.cold_store is not None else None)
@@ -118,6 +115,7 @@ class CacheOwner:
         """A reply is admitted: its session to the model's device, the branch it replaces kept,
         the cache rolled back to where the prompt parts from it."""
         self._on_loop(session)
+        self.accounts.used(session)
         if self.offload:
             session.to(self.model.device)
         if keep is not None:
@@ -165,6 +163,7 @@ class CacheOwner:
         """A reply left the batch: check what was fed (`sequence`: prompt and chosen tokens; None:
         it never began), name the messages the cache now holds, rest the session. Returns its bytes."""
         self._on_loop(session)
+        self.accounts.used(session)
         try:
             if sequence is not None:
                 if failed:
@@ -187,6 +186,7 @@ class CacheOwner:
     def move(self, session: CacheSession, move: BranchMove) -> bool:
         """Keep the branch left and put back the one arriving (see cache_sessions/branches.py)."""
         self._on_loop(session)
+        self.accounts.used(session)
         moved = move_branch(session, move)
         self._measure(session)
         return moved
@@ -194,13 +194,14 @@ class CacheOwner:
     def adopt_state(self, session: CacheSession, returned: CacheSession) -> None:
         """`session` becomes `returned`: the same session, updated in a worker process."""
         self._on_loop(session)
+        self.accounts.used(session)
         session.take_state_of(returned)
         self._measure(session)
 
     def settle(self) -> None:
         """After each step and command: free closed sessions, keep the budget."""
         self._on_loop()
-        for session in self.accounts.take_closed():
+        for session in self.accounts.take_closed(self.in_use()):
             if self.cold_store is not None:
                 self.cold_store.discard(session)
             session.release()

@@ -10,7 +10,8 @@ from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
 from chat.weights import check_weight_format
 
 DEFAULT_MAX_BATCH_SIZE = 8
-DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_CHUNK = 64
+DEFAULT_PREFILL_CHUNK_ALONE = 512
 DEFAULT_CACHE_DIR_BYTES = 4 * 2**30
 
 
@@ -21,8 +22,10 @@ class EngineConfig:
     `shared_prefixes`: distinct system-prompt prefixes kept prefilled for new conversations.
     `offload_sessions`: keep caches on the CPU between operations (ZeroGPU, where GPU memory
     does not survive between calls). `max_batch_size`: replies decoded together in one forward
-    per step; more wait for a free row. `prefill_chunk`: prompt tokens a newcomer prefills per
-    step while others decode (what a long prompt can delay them by, per step).
+    per step; more wait for a free row. `prefill_chunk`: prompt tokens prefilled per step while
+    others decode (what a long prompt can delay them by, per step); `prefill_chunk_alone`: per
+    step while none decodes (what a newcomer can wait behind; chat/scheduler.py says why both);
+    `prefill_order`: who gets a step's prefill budget first, "shortest" remaining or "arrival".
     `cache_budget_bytes`: every cache together (None: no limit); over it, kept branches of idle
     conversations go first, then idle conversations' caches (cache_sessions/owner.py).
     `cache_dir`: where idle conversations' caches go over the budget instead of being dropped
@@ -38,6 +41,8 @@ class EngineConfig:
     offload_sessions: bool = False
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE
+    prefill_order: str = "shortest"
     cache_budget_bytes: int | None = None
     cache_dir: str | None = None
     cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES
@@ -58,8 +63,8 @@ class EngineConfig:
             raise ValueError("shared_prefixes must be >= 0")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
-        if self.prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be at least 1")
+        if self.prefill_chunk < 1 or self.prefill_chunk_alone < 1:
+            raise ValueError("prefill_chunk and prefill_chunk_alone must be at least 1")
         if self.cache_budget_bytes is not None and self.cache_budget_bytes < 0:
             raise ValueError("cache_budget_bytes must be >= 0")
         if self.cache_dir_bytes < 0:

@@ -233,8 +233,9 @@ class Conversation:
         return moved
 
     def exclusive(self) -> "_Exclusive":
-        """Hold the conversation (and its states, busy) for one operation."""
-        return _Exclusive(self._lock, self.source)
+        """Hold the conversation for one operation (its states are in use while the scheduler
+        holds a request of it: chat/scheduler.py keeps that record)."""
+        return _Exclusive(self._lock)
 
 
 @dataclass
@@ -284,16 +285,12 @@ class RunningReply:
 class _Exclusive:
     """Holds the conversation lock for one operation; a second concurrent one is refused, not queued."""
 
-    def __init__(self, lock: threading.Lock, source: ReplySource):
-        self._lock, self._source = lock, source
+    def __init__(self, lock: threading.Lock):
+        self._lock = lock
 
     def __enter__(self) -> None:
         if not self._lock.acquire(blocking=False):
             raise ConversationBusyError("a reply is still being generated; stop it first")
-        self._source.hold()
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            self._source.let_go()
-        finally:
-            self._lock.release()
+        self._lock.release()

@@ -42,7 +42,9 @@ class ChatEngine:
         if cold_store is not None:
             weakref.finalize(self, cold_store.close)  # its files go with the engine, or at exit
         scheduler = DecodeScheduler(self.model, worker or ModelWorker(), max_batch_size=config.max_batch_size,
-                                    prefill_chunk=config.prefill_chunk, budget_bytes=config.cache_budget_bytes,
+                                    prefill_chunk=config.prefill_chunk,
+                                    prefill_chunk_alone=config.prefill_chunk_alone,
+                                    prefill_order=config.prefill_order, budget_bytes=config.cache_budget_bytes,
                                     max_checkpoints=config.max_checkpoints, prefix_store=prefix_store,
                                     offload=config.offload_sessions, cold_store=cold_store,
                                     kv_cache=config.kv_cache_kind)

@@ -42,12 +42,6 @@ class LocalSource:
     def move(self, move: BranchMove) -> bool:
         return self.runtime.scheduler.call(self.runtime.caches.move, self.session, move)
 
-    def hold(self) -> None:
-        self.runtime.caches.pin(self.session)
-
-    def let_go(self) -> None:
-        self.runtime.caches.unpin(self.session)
-
     def close(self) -> None:
         self.runtime.caches.close(self.session)
 

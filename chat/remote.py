@@ -69,12 +69,6 @@ class RemoteSource:
     def move(self, move: BranchMove) -> bool:
         return self.local.move(move)
 
-    def hold(self) -> None:
-        self.local.hold()
-
-    def let_go(self) -> None:
-        self.local.let_go()
-
     def close(self) -> None:
         self.local.close()
 
@@ -90,6 +84,10 @@ class RemoteReply:
         os.unlink(stop_file)
         finished = threading.Event()
         threading.Thread(target=self._pass_stop_on, args=(stop_file, finished), daemon=True).start()
+        with self.local.runtime.scheduler.made_elsewhere(self.local.session):
+            yield from self._stream(stop_file, finished)
+
+    def _stream(self, stop_file: str, finished: threading.Event) -> Iterator[Delta]:
         items = self.runner(self.local.session, self.request, stop_file)
         try:
             for kind, value in items:

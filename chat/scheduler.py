@@ -3,9 +3,17 @@ one batched forward per step; every other change to a cache runs between steps.
 
 One step, after the commands other threads posted (a branch switch, a close, a worker's result):
 end requests stopped while they waited; admit waiting requests while rows are free; roll back
-newcomers and prefill them within a budget of `prefill_chunk` tokens (so a long pasted prompt
-delays the running replies by one chunk a step, not by its whole prefill); one decode forward
-for every row; then the cache owner settles (frees closed sessions, keeps the budget). The
+newcomers and prefill them within a per-step token budget; one decode forward for every row;
+then the cache owner settles (frees closed sessions, keeps the budget).
+
+Prefill is always chunked, so nobody waits on another's whole prompt. While rows decode, a step
+carries at most `prefill_chunk` prompt tokens (what a long pasted prompt delays the running
+replies by, per step); while none decodes, `prefill_chunk_alone` (larger: a chunk costs a forward
+and reads the whole history again, so small ones would slow a lone long prompt down, while a
+newcomer still waits at most one such chunk). The budget goes to the request with the shortest
+remaining prefill first, so a one-line message sent just after a 4,000-token one is answered
+after a chunk, not after the long prompt; each step a request is passed over counts as one
+budget of progress in its favour, so a stream of short messages cannot starve a long one. The
 scheduler decides; the cache owner (cache_sessions/owner.py) applies every change to the
 sessions. A request joins the batch once only its last prompt token is left to feed, and leaves
 at an end token, its token limit, a stop, or an error: its own (a raising logits processor) ends
@@ -14,11 +22,14 @@ it alone, a failed forward ends every row of that step.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
 import time
-from collections import deque
+import weakref
+from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
@@ -28,8 +39,8 @@ from transformers import PreTrainedModel
 from cache_sessions.branches import BranchKeep
 from cache_sessions.owner import CacheOwner
 from cache_sessions.prefixes import PrefixStore
-from cache_sessions.session import CacheSession, PrefillResult
-from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK
+from cache_sessions.session import CacheSession, PrefillResult, common_prefix_length
+from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ALONE
 from chat.loop import Loop
 from chat.options import GenerationOptions
 from chat.sampling import TokenChooser
@@ -37,6 +48,7 @@ from chat.worker import ModelWorker
 
 T = TypeVar("T")
 _END = object()
+PREFILL_ORDERS = ("shortest", "arrival")
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,7 @@ class GenerationRequest:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.token_count = 0
+        self.passed_over = 0  # steps it waited to prefill while others were given the budget
         self.cache_tokens = self.cache_bytes = 0  # the session when it ended (read on the loop)
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
@@ -143,22 +156,30 @@ class _Counters:
 
 class DecodeScheduler:
     def __init__(self, model: PreTrainedModel, worker: ModelWorker, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **cache_settings: Any):
-        """`cache_settings`: the cache owner's (budget_bytes, max_checkpoints, prefix_store, offload)."""
-        if max_batch_size < 1 or prefill_chunk < 1:
-            raise ValueError("max_batch_size and prefill_chunk must be at least 1")
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE,
+                 prefill_order: str = "shortest", **cache_settings: Any):
+        """`prefill_order`: "shortest" (remaining prefill first, see above) or "arrival" (oldest
+        first, measured against it in benchmarks/fairness.py). `cache_settings`: the cache owner's
+        (budget_bytes, max_checkpoints, prefix_store, offload)."""
+        if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
+            raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
+        if prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}")
+        self.prefill_order = prefill_order
         self.model, self.worker = model, worker
-        self.max_batch_size, self.prefill_chunk = max_batch_size, prefill_chunk
+        self.max_batch_size, self.prefill_chunk, self.prefill_chunk_alone = max_batch_size, prefill_chunk, prefill_chunk_alone
         self.loop = Loop(worker, self._step, self._has_work, lambda: self.caches.settle())
-        self.caches = CacheOwner(model, self.loop, **cache_settings)
+        self.caches = CacheOwner(model, self.loop, self.in_use, **cache_settings)
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
+        atexit.register(_shut_down_at_exit, weakref.ref(self))  # before the worker's: atexit runs last first
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
         self._waiting: deque[GenerationRequest] = deque()
         self._prefilling: list[GenerationRequest] = []
         self._decoding: list[GenerationRequest] = []
+        self._elsewhere: Counter[CacheSession] = Counter()  # replies made in another process
         self._counters = _Counters()
         self.loop.reset()
         self.caches.reset()
@@ -177,16 +198,49 @@ class DecodeScheduler:
         self.loop.wake()
         return request
 
+    @contextmanager
+    def made_elsewhere(self, session: CacheSession) -> Iterator[None]:
+        """A reply of `session` is being made in another process (a ZeroGPU worker, from a copy
+        of its states): in use until it comes back, so the budget leaves it as it was sent."""
+        with self._lock:
+            self._elsewhere[session] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._elsewhere[session] -= 1
+                if not self._elsewhere[session]:
+                    del self._elsewhere[session]
+            self.loop.post(self.caches.settle)  # a close, or the budget, may have waited for it
+
+    def shut_down(self, timeout: float = 30.0) -> None:
+        """Stop every request and wait until each has left (its stream ends, its cache is checked
+        and rested): at exit, before the compute thread ends, so no reader waits for ever."""
+        with self._lock:
+            requests = [*self._waiting, *self._prefilling, *self._decoding]
+        for request in requests:
+            request.stop.set()
+        self.loop.wake()
+        for request in requests:
+            request._done.wait(timeout)
+
+    def in_use(self) -> set[CacheSession]:
+        """The one record of what is in use: the sessions of every request not yet ended."""
+        with self._lock:
+            requests = (*self._waiting, *self._prefilling, *self._decoding)
+            return {request.session for request in requests} | set(self._elsewhere)
+
     def call(self, function: Callable[..., T], *args: Any) -> T:
         """Run `function(*args)` on the loop, between steps, and wait for it."""
         return self.loop.call(function, *args)
 
     def stats(self) -> SchedulerStats:
+        batch_bytes = self.caches.stats().batch_bytes  # outside the lock: it reads `in_use`, which takes it
         with self._lock:
             counters, waits = self._counters, list(self._counters.join_waits)
             return SchedulerStats(
                 max_batch_size=self.max_batch_size, decoding=len(self._decoding), prefilling=len(self._prefilling),
-                waiting=len(self._waiting), steps=counters.steps, batch_bytes=self.caches.stats().batch_bytes,
+                waiting=len(self._waiting), steps=counters.steps, batch_bytes=batch_bytes,
                 joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0))
 
@@ -216,12 +270,15 @@ class DecodeScheduler:
             self._finish(request)  # stopped before it started: its cache was not touched
 
     def _prefill_chunks(self) -> None:
-        """Roll newcomers back and prefill them, oldest first, `prefill_chunk` tokens in all per
-        step while rows decode; all of it when none does (chunks would only slow them down)."""
-        budget = self.prefill_chunk if self._decoding else None
-        for request in list(self._prefilling):
+        """Roll newcomers back and prefill them within this step's budget, shortest remaining
+        prefill first (see the module's docstring)."""
+        budget = self.prefill_chunk if self._decoding else self.prefill_chunk_alone
+        order = (lambda r: _remaining_prefill(r) - budget * r.passed_over) if self.prefill_order == "shortest" else None
+        for request in sorted(self._prefilling, key=order) if order else list(self._prefilling):
             if budget == 0:
-                return
+                request.passed_over += 1
+                continue
+            request.passed_over = 0
             session, work = request.session, request.work
             held = len(session.token_ids)
             try:
@@ -236,8 +293,7 @@ class DecodeScheduler:
             except BaseException as error:
                 self._leave_prefill(request, error)
                 continue
-            if budget is not None:
-                budget = max(0, budget - (len(session.token_ids) - held))
+            budget = max(0, budget - (len(session.token_ids) - held))
             if request.stop.is_set():
                 self._leave_prefill(request)
             elif ready:
@@ -301,6 +357,18 @@ class DecodeScheduler:
             self._prefilling, self._decoding = [], []
         self.caches.drop_batch()
         return everyone
+
+
+def _shut_down_at_exit(scheduler: "weakref.ref[DecodeScheduler]") -> None:
+    if (alive := scheduler()) is not None:
+        alive.shut_down()
+
+
+def _remaining_prefill(request: GenerationRequest) -> int:
+    """Prompt tokens it still has to feed: past what its cache holds in common with the prompt
+    (before its rollback, an estimate: a shared prefix or a checkpoint may serve more or less)."""
+    held = common_prefix_length(request.session.token_ids, request.prompt_ids)
+    return max(0, len(request.prompt_ids) - 1 - held)
 
 
 def _choose_tokens(rows: list[GenerationRequest], logits: torch.Tensor) -> list[GenerationRequest]:

@@ -90,12 +90,6 @@ class ServedSource:
     def move(self, move: BranchMove) -> bool:
         return False  # no states here to keep or put back
 
-    def hold(self) -> None:
-        """Nothing kept here is busy."""
-
-    def let_go(self) -> None:
-        """Nothing kept here is busy."""
-
     def close(self) -> None:
         """Nothing kept here to free."""
 

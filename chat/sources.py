@@ -86,11 +86,6 @@ class ReplySource(Protocol):
         """The shown path changes: keep the branch left, put back the one arriving. True when the
         states of the one arriving are held (no forward pass needed up to the change)."""
 
-    def hold(self) -> None:
-        """An operation of the conversation begins: its states are busy until `let_go`."""
-
-    def let_go(self) -> None: ...
-
     def close(self) -> None:
         """The conversation is gone: free its states (once its operation, if any, ended)."""
 

@@ -10,13 +10,16 @@ the request that asked for it.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
+_CLOSE = object()
 
 
 class ModelWorker:
@@ -27,6 +30,7 @@ class ModelWorker:
         self._start()
         # A forked child (a ZeroGPU worker) inherits this object but none of its threads.
         os.register_at_fork(after_in_child=self._start)
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def _start(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -35,9 +39,19 @@ class ModelWorker:
         for thread in self._threads:
             thread.start()
 
+    def close(self, timeout: float = 30.0) -> None:
+        """End the threads once the job in hand is done (jobs queued behind are dropped). Run at
+        exit: a compute thread still inside torch while the interpreter tears down aborted the
+        process ("terminate called without an active exception", exit status 134)."""
+        for _ in self._threads:
+            self._jobs.put(_CLOSE)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+
     def _loop(self) -> None:
-        while True:
-            future, function, args, kwargs = self._jobs.get()
+        while (job := self._jobs.get()) is not _CLOSE:
+            future, function, args, kwargs = job
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -58,3 +72,8 @@ class ModelWorker:
         if self.on_compute_thread():
             return function(*args, **kwargs)
         return self.submit(function, *args, **kwargs).result()
+
+
+def _close_at_exit(worker: "weakref.ref[ModelWorker]") -> None:
+    if (alive := worker()) is not None:
+        alive.close()

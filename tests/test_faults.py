@@ -1,5 +1,9 @@
 """Faults from outside (issue #9): clients that go away, operations racing each other."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import gradio as gr
 import pytest
 
@@ -51,3 +55,32 @@ def test_a_refused_first_message_or_prompt_change_keeps_everything(make_engine):
         list(handlers.send(None, "With a new system prompt.", key, *long_prompt))
     assert handlers.directory.find(key) is not None and conv.messages == messages  # the old one is kept
     assert len(handlers.directory.manager) == 1
+
+
+EXIT_WHILE_STREAMING = """
+import sys
+sys.path[:0] = [{tests!r}, {root!r}]
+from chat import ChatEngine
+from chat.demo import build_tokenizer
+from tiny_models import build_model
+tokenizer = build_tokenizer()
+tokenizer.chat_template = open({template!r}).read()
+engine = ChatEngine(build_model("full", len(tokenizer), None), tokenizer)
+stream = iter(engine.conversation("Be brief.").send("Talk for a long time.", max_new_tokens=1900,
+                                                     do_sample=False))
+next(stream)
+print("streaming", flush=True)
+"""
+
+
+def test_a_process_that_exits_while_a_reply_streams_ends_cleanly():
+    """Issue #33 (5): a script that left a reply streaming aborted at exit ("terminate called
+    without an active exception", status 134): the compute thread was still inside torch while
+    the interpreter tore down. Now the scheduler stops its requests and the thread ends first."""
+    tests = Path(__file__).parent
+    script = EXIT_WHILE_STREAMING.format(tests=str(tests), root=str(tests.parent),
+                                         template=str(tests / "fixtures" / "qwen3.jinja"))
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert done.stdout.strip() == "streaming" and done.returncode == 0, (done.returncode, done.stderr[-2000:])
+        assert "terminate called" not in done.stderr

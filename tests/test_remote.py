@@ -164,3 +164,17 @@ def test_message_ids_stay_unique_through_the_worker_and_the_saved_copy_restores_
     check_exact(restored, model, tokenizer, max_new_tokens=8, generated=False)
     list(restored.send("Fifth?", max_new_tokens=8, do_sample=False))
     check_exact(restored, model, tokenizer, max_new_tokens=8)
+
+
+def test_a_reply_in_a_forked_worker_under_a_tiny_budget_is_exact(models, tokenizers, monkeypatch):
+    """Issue #30: the worker starts with no record of the server's pins, so its budget evicted
+    the very session it was decoding (garbage, then "generated sequence does not extend the
+    cache ledger"). What is in use is the scheduler's own record of its requests, in the worker
+    too: under a budget smaller than one conversation the reply is the local engine's."""
+    engine = ChatEngine(models["full"], tokenizers[THINKING_TEMPLATE], offload_sessions=True, cache_budget_bytes=1)
+    monkeypatch.setattr(remote, "ENGINE", engine)
+    engine.run_replies_in(fake_spaces_gpu(remote.run_in_worker))
+    conv = engine.conversation("System.")
+    for question in ("Hello over there?", "And then, what happened next?"):
+        list(conv.send(question, max_new_tokens=24, do_sample=False))
+        check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=24)

@@ -1,0 +1,221 @@
+"""Fairness between users of one engine: what one user's long prompt costs the others, in one run.
+
+Two scenarios, as a shared Space's users would meet them, through the library's public API
+(`Conversation.send`, each conversation consumed in its own thread), greedy, end token off:
+
+- **stream**: a user streams a long reply; after its 20th token another user sends a ~3,000
+  token message. The streaming user's gaps between tokens: the worst while the other prefills,
+  against its median gap, in the same reply and alone.
+- **short after long**: a ~4,000-token message, then 50 ms later a one-line message from
+  another user. The short one's time to first token against the long one's; the long one's
+  against its own alone.
+
+Tokens are timed as the scheduler emits them (not as text: a random model's bytes may decode to
+text only at the end). Each `--configs` entry (`prefill_chunk/prefill_chunk_alone`, or
+`before`: one chunk size while others decode, a whole prefill alone, oldest first, as the
+scheduler did before) runs both scenarios `--repeats` times on the same model (medians); ratios
+are within one run. The streaming user's worst gap alone is the machine's own noise floor.
+`python -m benchmarks.fairness --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from benchmarks.models import Words, build_bench_model, build_bench_tokenizer
+from benchmarks.report import publish, target_table
+from chat import ChatEngine, Conversation
+from chat.scheduler import GenerationRequest
+from chat.worker import ModelWorker
+
+SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
+
+
+@contextmanager
+def token_clock() -> Iterator[dict[int, list[float]]]:
+    """The time of every token each request emits, keyed by the request's session id."""
+    times: dict[int, list[float]] = {}
+    emit = GenerationRequest._emit
+
+    def timed(request: GenerationRequest, token_id: int) -> None:
+        times.setdefault(id(request.session), []).append(time.perf_counter())
+        emit(request, token_id)
+
+    GenerationRequest._emit = timed  # type: ignore[method-assign]
+    try:
+        yield times
+    finally:
+        GenerationRequest._emit = emit  # type: ignore[method-assign]
+
+
+class Sender(threading.Thread):
+    """Sends one message on its own thread and drains the stream, as a browser would."""
+
+    def __init__(self, conv: Conversation, text: str, max_new_tokens: int):
+        super().__init__(daemon=True)
+        self.conv, self.text, self.max_new_tokens = conv, text, max_new_tokens
+        self.sent_at = 0.0
+        self.start()
+
+    def run(self) -> None:
+        self.sent_at = time.perf_counter()
+        for _ in self.conv.send(self.text, max_new_tokens=self.max_new_tokens, do_sample=False):
+            pass
+
+
+def message_of(tokenizer, words: Words, tokens: int) -> str:
+    """Made-up sentences of about `tokens` tokens."""
+    text = ""
+    while len(tokenizer(text).input_ids) < tokens:
+        text += words.sentence(40) + " "
+    return text
+
+
+def session_id(conv: Conversation) -> int:
+    return id(conv.source.session)
+
+
+def wait_for(condition, timeout: float = 600.0) -> None:
+    deadline = time.perf_counter() + timeout
+    while not condition():
+        if time.perf_counter() > deadline:
+            raise TimeoutError("the benchmark's condition never came")
+        time.sleep(0.001)
+
+
+def stream_scenario(engine: ChatEngine, long_text: str, reply_tokens: int) -> dict:
+    """A user streams `reply_tokens`; after its 20th token another sends `long_text`."""
+    with token_clock() as times:
+        alone_conv = engine.conversation(SYSTEM_PROMPT)
+        Sender(alone_conv, "Tell me a long story.", reply_tokens).join()
+        alone_gaps = gaps(times[session_id(alone_conv)])
+        streamer, prefiller = engine.conversation(SYSTEM_PROMPT), engine.conversation(SYSTEM_PROMPT)
+        streaming = Sender(streamer, "Tell me a long story.", reply_tokens)
+        wait_for(lambda: len(times.get(session_id(streamer), [])) >= 20)
+        long_one = Sender(prefiller, long_text, 4)
+        streaming.join(), long_one.join()
+    stream_times, long_times = times[session_id(streamer)], times[session_id(prefiller)]
+    window = sorted(b - a for a, b in zip(stream_times, stream_times[1:]) if b > long_one.sent_at and a < long_times[0])
+    median, median_alone = statistics.median(gaps(stream_times)), statistics.median(alone_gaps)
+    worst = window[-1] if window else 0.0
+    for conv in (alone_conv, streamer, prefiller):
+        conv.close()
+    return {"prompt_tokens": prefiller.stats.prompt_tokens, "median_gap_s": median, "median_gap_alone_s": median_alone,
+            "worst_gap_alone_s": max(alone_gaps), "worst_gap_while_prefilling_s": worst,
+            "p90_gap_while_prefilling_s": window[int(0.9 * (len(window) - 1))] if window else 0.0,
+            "gaps_while_prefilling": len(window), "long_ttft_s": long_times[0] - long_one.sent_at,
+            "worst_over_median": worst / median, "worst_over_median_alone": worst / median_alone}
+
+
+def short_after_long_scenario(engine: ChatEngine, long_text: str, delay_s: float) -> dict:
+    """`long_text`, then `delay_s` later a one-line message from another conversation."""
+    with token_clock() as times:
+        alone = engine.conversation(SYSTEM_PROMPT)
+        long_alone = Sender(alone, long_text, 4)
+        long_alone.join()
+        long_alone_ttft = times[session_id(alone)][0] - long_alone.sent_at
+        long_conv, short_conv = engine.conversation(SYSTEM_PROMPT), engine.conversation(SYSTEM_PROMPT)
+        long_one = Sender(long_conv, long_text, 4)
+        time.sleep(delay_s)
+        short_one = Sender(short_conv, "What time is it?", 16)
+        long_one.join(), short_one.join()
+    long_ttft = times[session_id(long_conv)][0] - long_one.sent_at
+    short_ttft = times[session_id(short_conv)][0] - short_one.sent_at
+    for conv in (alone, long_conv, short_conv):
+        conv.close()
+    return {"prompt_tokens": long_conv.stats.prompt_tokens, "long_ttft_alone_s": long_alone_ttft,
+            "long_ttft_s": long_ttft, "short_ttft_s": short_ttft, "short_over_long": short_ttft / long_ttft,
+            "long_over_alone": long_ttft / long_alone_ttft}
+
+
+def medians(runs: list[dict]) -> dict:
+    """Each figure's median over repeated runs (one noisy step on a shared machine moves a worst
+    gap several fold: the median of the worst says what a user meets most often)."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def engine_for(config: str, model, tokenizer, worker: ModelWorker) -> ChatEngine:
+    """`before`: the scheduler before #30 (256 tokens a step while others decode, a whole prefill
+    alone, oldest first)."""
+    chunk, alone, order = (256, 10**9, "arrival") if config == "before" else (*map(int, config.split("/")), "shortest")
+    return ChatEngine(model, tokenizer, worker=worker, shared_prefixes=0, prefill_chunk=chunk,
+                      prefill_chunk_alone=alone, prefill_order=order)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"Model: bench-full, {result['machine']}; torch {result['torch']}.", "",
+             f"Medians of {result['args']['repeats']} repeats of each scenario.", "",
+             "| config | streaming: gap alone (median / worst) | gap while another prefills (p90 / worst) "
+             "| worst / median alone | short after long: short TTFT | long TTFT | short / long | long / alone |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in result["runs"]:
+        s, b = run["stream"], run["short_after_long"]
+        lines.append(f"| `{run['config']}` | {s['median_gap_alone_s'] * 1000:.0f} / {s['worst_gap_alone_s'] * 1000:.0f} ms"
+                     f" | {s['p90_gap_while_prefilling_s'] * 1000:.0f} / {s['worst_gap_while_prefilling_s'] * 1000:.0f}"
+                     f" ms | {s['worst_over_median_alone']:.1f}x | "
+                     f"{b['short_ttft_s']:.2f} s | {b['long_ttft_s']:.2f} s | {b['short_over_long']:.2f}x | "
+                     f"{b['long_over_alone']:.2f}x |")
+    return "\n".join(lines + [""] + target_table(result["targets"]))
+
+
+def targets(result: dict) -> list[tuple[str, str, bool]]:
+    default = next(run for run in result["runs"] if run["config"] == result["default"])
+    s, b = default["stream"], default["short_after_long"]
+    return [("worst gap while another prefills <= 4x the median gap (alone)",
+             f"{s['worst_over_median_alone']:.1f}x", s["worst_over_median_alone"] <= 4),
+            ("one-line message after a long one: TTFT <= 0.2x the long one's", f"{b['short_over_long']:.2f}x",
+             b["short_over_long"] <= 0.2),
+            ("the long one's TTFT <= 1.2x alone", f"{b['long_over_alone']:.2f}x", b["long_over_alone"] <= 1.2)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="before,64/512", help="comma-separated: before, or CHUNK/ALONE")
+    parser.add_argument("--stream-prompt", type=int, default=3000, help="tokens of the message sent mid-stream")
+    parser.add_argument("--long-prompt", type=int, default=4000, help="tokens of the long message")
+    parser.add_argument("--reply-tokens", type=int, default=160, help="the streaming user's reply")
+    parser.add_argument("--delay", type=float, default=0.05, help="seconds between the long and short message")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each scenario (medians reported)")
+    parser.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    worker = ModelWorker()
+    tokenizer = build_bench_tokenizer()
+    model = worker.run(build_bench_model, "full", len(tokenizer), tokenizer.eos_token_id)
+    model.generation_config.eos_token_id = None  # every reply runs to its length
+    words = Words(seed=3)
+    stream_text, long_text = message_of(tokenizer, words, args.stream_prompt), message_of(tokenizer, words,
+                                                                                         args.long_prompt)
+    configs = args.configs.split(",")
+    engine = engine_for(configs[-1], model, tokenizer, worker)
+    list(engine.conversation(SYSTEM_PROMPT).send("Warm up.", max_new_tokens=4))  # untimed: lazy set-up
+    runs = []
+    for config in configs:
+        engine = engine_for(config, model, tokenizer, worker)
+        run = {"config": config,
+               "stream": medians([stream_scenario(engine, stream_text, args.reply_tokens)
+                                  for _ in range(args.repeats)]),
+               "short_after_long": medians([short_after_long_scenario(engine, long_text, args.delay)
+                                            for _ in range(args.repeats)])}
+        print(run)
+        runs.append(run)
+    result = {"runs": runs, "default": configs[-1], "machine": f"{platform.machine()}, {torch.get_num_threads()} "
+              "threads", "torch": torch.__version__, "args": vars(args)}
+    return publish(result, started, targets=targets, markdown=markdown, plot=lambda *_: None,
+                   json_path=args.json_path, plot_path=None)
+
+
+if __name__ == "__main__":
+    main()
