@@ -379,3 +379,43 @@ def test_interleaved_operations_of_several_conversations_stay_exact(models, toke
         fresh = complete[index]
         check_exact(conv, model, tokenizer, max_new_tokens=PROPERTY_MAX_NEW if fresh else None,
                     stopped=not fresh, generated=bool(fresh) or fresh is False)
+
+
+@pytest.mark.parametrize("order", ["shortest", "arrival"])
+def test_a_short_message_behind_a_long_one_is_prefilled_first(make_engine, models, tokenizers, monkeypatch, order):
+    """Issue #30: a one-line message sent just after a long one waited for the long one's whole
+    prefill. Now prefill is chunked even when nobody decodes, and the step's budget goes to the
+    shortest remaining prefill first: the short reply's first token comes before the long one's,
+    which needed several chunks. ("arrival", oldest first, is the order measured against.) Both
+    replies are exact."""
+    engine = make_engine("full", prefill_chunk=8, prefill_chunk_alone=32, prefill_order=order)
+    long_conv, short_conv = engine.conversation("You are terse."), engine.conversation("You are terse.")
+    first_tokens: list = []
+    emit = chat.scheduler.GenerationRequest._emit
+
+    def noted(request, token_id):
+        if request.token_count == 0:
+            first_tokens.append(request.session)
+        emit(request, token_id)
+
+    monkeypatch.setattr(chat.scheduler.GenerationRequest, "_emit", noted)
+    widths: list[int] = []  # tokens per row of every forward pass
+    forward = models["full"].forward
+    monkeypatch.setattr(models["full"], "forward", lambda *a, **k: (widths.append(k["input_ids"].shape[1]),
+                                                                    forward(*a, **k))[1])
+    long_text = " ".join(f"word{i}" for i in range(80))
+    with HeldScheduler(engine):  # both are admitted at the same step, the long one first
+        late = Consumer(long_conv, long_conv.send(long_text, **GREEDY))
+        wait_until(lambda: engine.batch_stats().waiting == 1)
+        short = Consumer(short_conv, short_conv.send("Hi?", **GREEDY))
+        wait_until(lambda: engine.batch_stats().waiting == 2)
+    late.join(60), short.join(60)
+    assert late.error is None and short.error is None
+    assert long_conv.stats.prefilled_tokens > 3 * 32 > short_conv.stats.prefilled_tokens
+    expected = [short_conv.session, long_conv.session] if order == "shortest" else [long_conv.session,
+                                                                                   short_conv.session]
+    assert first_tokens == expected
+    assert max(widths) <= 32  # chunked while nobody decoded too
+    monkeypatch.undo()
+    for conv in (long_conv, short_conv):
+        check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
