@@ -26,16 +26,22 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-GROUP = 64  # channels sharing one scale and minimum (or the whole head, if smaller)
+GROUP = 64  # channels sharing one scale and minimum, at most (see `group_size`)
 BITS = (8, 4)
 ARRAYS = ("keys", "values", "key_scales", "key_minimums", "value_scales", "value_minimums")
+
+
+def group_size(dim: int) -> int:
+    """Channels a group holds for heads of `dim`: the largest divisor of `dim` up to `GROUP`, so
+    heads of 80 (Phi-2, StableLM) or 96 (Phi-3-mini) channels quantize in groups of 40 or 48."""
+    return next(size for size in range(min(GROUP, dim), 0, -1) if dim % size == 0)
 
 
 def quantize(states: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(batch, heads, n, dim) floats -> codes (uint8; two 4-bit codes a byte), scales, minimums
     (batch, heads, n, dim // group). Each code is round((x - minimum) / scale), in 0..2**bits - 1."""
     *lead, dim = states.shape
-    group = min(GROUP, dim)
+    group = group_size(dim)
     grouped = states.float().reshape(*lead, dim // group, group)
     minimum = grouped.amin(dim=-1, keepdim=True)
     scale = (grouped.amax(dim=-1, keepdim=True) - minimum) / (2**bits - 1)

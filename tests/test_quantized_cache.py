@@ -22,27 +22,50 @@ from ui.config import AppConfig
 KINDS = [KVCacheKind("quantized", 8), KVCacheKind("quantized", 4)]
 
 
+@pytest.mark.parametrize("dim, group", [(128, 64), (80, 40), (96, 48)])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_each_value_is_the_nearest_of_its_groups_levels(bits):
+def test_each_value_is_the_nearest_of_its_groups_levels(bits, dim, group):
     """Against a plain computation, element by element: a group's levels are minimum + k * scale,
     k in 0..2**bits - 1, with scale = (max - min) / (2**bits - 1); each value dequantizes to the
-    nearest level."""
+    nearest level. Heads of 80 or 96 channels (Phi-2, Phi-3-mini) group by 40 or 48 (issue #33:
+    they crashed every reply's first forward)."""
     generator = torch.Generator().manual_seed(bits)
-    states = torch.randn(1, 2, 5, 128, generator=generator) * 3
-    states[0, 0, 0, :64] = 1.5  # a constant group
+    states = torch.randn(1, 2, 5, dim, generator=generator) * 3
+    states[0, 0, 0, :group] = 1.5  # a constant group
     codes, scales, minimums = quantize(states, bits)
-    assert codes.dtype == torch.uint8 and codes.shape[-1] == (128 if bits == 8 else 64)
+    assert codes.dtype == torch.uint8 and codes.shape[-1] == (dim if bits == 8 else dim // 2)
+    assert scales.shape[-1] == dim // group
     back = dequantize(codes, scales, minimums, bits, torch.float32)
     levels = 2**bits - 1
     for head in range(2):
         for position in range(5):
-            for group in range(2):
-                values = states[0, head, position, group * 64 : (group + 1) * 64].tolist()
+            for start in range(0, dim, group):
+                values = states[0, head, position, start : start + group].tolist()
                 low, high = min(values), max(values)
                 step = (high - low) / levels
-                for value, got in zip(values, back[0, head, position, group * 64 : (group + 1) * 64].tolist()):
+                for value, got in zip(values, back[0, head, position, start : start + group].tolist()):
                     nearest = low if step == 0 else low + round((value - low) / step) * step
                     assert abs(got - nearest) <= 1e-5 * max(1.0, abs(value))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: f"{k.bits}bit")
+def test_heads_of_80_channels_reply_as_a_fresh_cache_of_the_kind(tokenizers, kind):
+    """A Qwen3 with 80-channel heads (Phi-2's and StableLM's width) on the quantized cache: every
+    reply failed at its first forward; now it is the reference's (greedy on a fresh cache of the
+    kind, states equal)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from chat import ChatEngine
+
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=80, initializer_range=0.2, max_position_embeddings=2048)).eval()
+    conv = ChatEngine(model, tokenizer, kv_cache=kind.name, kv_bits=kind.bits).conversation("You are terse.")
+    for question in ("Hello there?", "And then?"):
+        drain(conv.send(question, max_new_tokens=MAX_NEW, do_sample=False))
+        check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, kv_cache=kind)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: f"{k.bits}bit")
