@@ -3,8 +3,12 @@ being dropped, and its next operation reads it back exact. Checked against from-
 and greedy replies (tests/reference.py) on every layer mix: full attention, a sliding window, the
 two mixed, and linear attention (whose rollbacks need the checkpoints that travel with it)."""
 
+import pickle
+
 import pytest
 import torch
+
+import cache_sessions.cold
 
 from cache_sessions.cold import ColdStore
 from cache_sessions.tensors import filled_bytes
@@ -16,7 +20,7 @@ OPTIONS = dict(max_new_tokens=6, do_sample=False)
 
 
 def cold_files(folder):
-    return sorted(folder.glob("session-*.cold"))
+    return sorted(folder.glob("process-*/session-*.cold"))
 
 
 def held(engine, conv):
@@ -121,7 +125,8 @@ def test_a_closed_conversation_leaves_no_file_and_the_store_keeps_other_files(ma
     (folder / "notes.txt").write_text("not the store's")
     (folder / "session-old.cold").write_bytes(b"left by an earlier run")
     engine = make_engine("full", cache_dir=str(folder))
-    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]  # an earlier run's files go at start
+    # an earlier run's files go at start; the store writes in a folder of its own
+    assert sorted(p.name for p in folder.iterdir() if p != engine.caches.cold_store.own) == ["notes.txt"]
     conv = engine.conversation(None)
     list(conv.send("Hello there?", **OPTIONS))
     engine.caches.budget_bytes = 0
@@ -161,3 +166,95 @@ def test_a_damaged_file_means_a_rebuild_that_says_so_not_a_failed_turn(make_engi
     list(conv.send("And then?", **OPTIONS))
     assert conv.stats.rebuilt and not cold_files(folder)
     check_exact(conv, engine.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)
+
+
+def spilled(make_engine, folder, text="Hello there?"):
+    """An engine on `folder` with one conversation whose states went to disk; its file."""
+    engine = make_engine("full", cache_dir=str(folder))
+    conv = engine.conversation(None)
+    list(conv.send(text, **OPTIONS))
+    engine.caches.budget_bytes = 0
+    engine.caches.enforce_budget()
+    (path,) = [p for p in cold_files(folder) if p.parent == engine.caches.cold_store.own]
+    engine.caches.budget_bytes = None
+    return engine, conv, path
+
+
+def test_a_flipped_bit_or_a_replaced_file_is_refused_unread(make_engine, tokenizers, tmp_path):
+    """Issue #33 (3, F): one flipped bit in a file's tensor data was accepted (states off by
+    2.4e-4), and a replaced file was unpickled (its code ran). Every file carries a digest keyed
+    by a secret only its store holds; nothing is parsed before it matches."""
+    folder = tmp_path / "cold"
+    engine, conv, path = spilled(make_engine, folder)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 1  # in the tensors
+    path.write_bytes(bytes(data))
+    list(conv.send("And then?", **OPTIONS))
+    assert conv.stats.rebuilt
+    check_exact(conv, engine.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    engine.caches.budget_bytes = 0
+    engine.caches.enforce_budget()
+    (path,) = cold_files(folder)
+    path.write_bytes(pickle.dumps(Payload()))
+    engine.caches.budget_bytes = None
+    list(conv.send("Once more?", **OPTIONS))
+    assert conv.stats.rebuilt and not marker.exists()
+    check_exact(conv, engine.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)
+
+
+def test_two_processes_on_one_cache_dir_keep_to_their_own_files(make_engine, tokenizers, tmp_path):
+    """Issue #33 (3): a second store's start deleted the first one's files, reused its file
+    names, and the first then resumed the other conversation's states as its own. Each store now
+    writes in its own locked folder and accepts only files it wrote (a swapped file rebuilds)."""
+    folder = tmp_path / "cold"
+    first, alice, alice_file = spilled(make_engine, folder, "Alice asks this?")
+    second, bob, bob_file = spilled(make_engine, folder, "Bob asks something else entirely?")
+    assert alice_file.exists() and alice_file.parent != bob_file.parent
+    list(alice.send("And then?", **OPTIONS))  # her own file, still there after the second's start
+    assert not alice.stats.rebuilt
+    check_exact(alice, first.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)
+    first.caches.budget_bytes = 0
+    first.caches.enforce_budget()
+    (alice_file,) = [p for p in cold_files(folder) if p.parent == first.caches.cold_store.own]
+    alice_file.write_bytes(bob_file.read_bytes())  # another process's file in her place
+    first.caches.budget_bytes = None
+    list(alice.send("Once more?", **OPTIONS))
+    assert alice.stats.rebuilt
+    check_exact(alice, first.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)
+
+
+def test_a_spill_that_fails_in_any_way_evicts_and_drops_no_other_file(make_engine, tmp_path, monkeypatch):
+    """Issue #33 (2): a MemoryError while serializing escaped `settle` and switched the budget
+    off for good (225 KB held against a budget of 1 byte, the spill retried every round); and
+    older files were deleted to make room before a write that then failed. Now a failed spill
+    leaves the session to be evicted, and older files go only once the new one is written."""
+    folder = tmp_path / "cold"
+    engine, kept, kept_file = spilled(make_engine, folder)
+    engine.caches.cold_store.max_bytes = int(kept_file.stat().st_size * 1.5)  # a second file would push it out
+    conv = engine.conversation(None)
+    list(conv.send("Another question?", **OPTIONS))
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(cache_sessions.cold, "save_tensors", no_memory)
+    engine.caches.budget_bytes = 1
+    engine.caches.enforce_budget()
+    stats = engine.caches.stats()
+    assert stats.evictions == 1 and conv.session.nbytes() == 0 and stats.cache_bytes <= 1
+    assert kept_file.exists() and stats.cold.sessions == 1 and stats.cold.dropped == 0
+    monkeypatch.undo()
+    list(conv.send("And then?", **OPTIONS))
+    assert conv.stats.rebuilt
+    monkeypatch.setattr(cache_sessions.cold.tempfile, "mkstemp", lambda **kwargs: (_ for _ in ()).throw(
+        OSError(28, "No space left on device")))
+    engine.caches.enforce_budget()
+    stats = engine.caches.stats()
+    assert stats.evictions == 2 and kept_file.exists() and stats.cold.dropped == 0
