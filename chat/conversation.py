@@ -38,6 +38,8 @@ class Conversation:
         self._stop = threading.Event()
         self._revision = 0
         self._running: RunningReply | None = None
+        # a reply's recording and the end of its run are one step for `snapshot`, which takes it too
+        self._recording = threading.Lock()
 
     # ---- read-only views -------------------------------------------------------------------
     @property
@@ -91,11 +93,12 @@ class Conversation:
         """`to_dict()` as it will be if the running reply is stopped now: its message and the text
         written so far, recorded on a copy (the history itself changes only when the reply ends).
         The browser keeps this while a reply streams, so a reload mid-reply loses neither."""
-        running = self._running
-        if running is None:
-            return self.to_dict()
-        plan = running.plan
-        return saved.to_dict_as_recorded(self.history, plan.history, plan.reply, running.stopped_now())
+        with self._recording:
+            running = self._running
+            if running is None:
+                return self.to_dict()
+            plan = running.plan
+            return saved.to_dict_as_recorded(self.history, plan.history, plan.reply, running.stopped_now())
 
     # ---- operations that make a reply ----------------------------------------------------------
     def send(self, text: str, *, fit_context: bool = False, **options: Any) -> ReplyStream:
@@ -147,14 +150,16 @@ class Conversation:
                         running.take(delta)
                         yield delta
                 finally:
-                    if (reply := run.result()) is not None:  # recorded, stopped or not
-                        if plan.reply is None:
-                            self.history.record_continuation(plan.history, running.recorded(reply.version))
-                        else:
-                            self.history.record_reply(plan.history, plan.reply, running.recorded(reply.version))
-                        self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
-                        self._revision += 1
-                    self._end_running(plan)  # still holding the lock: no snapshot sees the reply twice
+                    reply = run.result()
+                    with self._recording:  # a snapshot sees the reply running or recorded, never both
+                        if reply is not None:  # recorded, stopped or not
+                            if plan.reply is None:
+                                self.history.record_continuation(plan.history, running.recorded(reply.version))
+                            else:
+                                self.history.record_reply(plan.history, plan.reply, running.recorded(reply.version))
+                            self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
+                            self._revision += 1
+                        self._end_running(plan)
         finally:
             self._end_running(plan)  # (refused before it ran)
 

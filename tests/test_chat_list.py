@@ -301,3 +301,31 @@ def test_a_reply_stopped_before_its_first_word_says_stopped_at_once(make_engine)
     reply = chat.conversation.history.entries[-1].reply
     assert reply.stopped and chat.conversation.stats.generated_tokens <= 2
     assert outputs[-1].chat[-1]["role"] == "assistant" and "stopped" in outputs[-1].chat[-1]["content"]
+
+
+def test_a_snapshot_as_a_reply_is_recorded_shows_it_once(make_engine, monkeypatch):
+    """Issue #33 (6): `snapshot()` took no lock, and a reply is recorded before its run ends; a
+    snapshot in between recorded it again on its copy (2 replies where there is 1), and the
+    page's draft kept a spurious version. Forced: a snapshot is asked for from another thread
+    right after the reply is recorded."""
+    from chat.history import History
+
+    engine = make_engine("full")
+    conversation = engine.conversation("Be brief.")
+    record, snapshots = History.record_reply, []
+
+    def recorded_then_snapshot(self, *args):
+        node = record(self, *args)
+        other = threading.Thread(target=lambda: snapshots.append(conversation.snapshot()))
+        other.start()
+        other.join(0.5)  # the old code finished here; now it waits for the run to end
+        snapshots.append(other)
+        return node
+
+    monkeypatch.setattr(History, "record_reply", recorded_then_snapshot)
+    list(conversation.send("First?", max_new_tokens=3, do_sample=False))
+    other = next(s for s in snapshots if isinstance(s, threading.Thread))
+    other.join(60)
+    snapshot = next(s for s in snapshots if isinstance(s, dict))
+    assert [m["role"] for m in snapshot["messages"]] == ["system", "user", "assistant"]
+    assert snapshot == conversation.to_dict()
