@@ -8,7 +8,7 @@ O(window + state size), never O(history).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 
@@ -33,7 +33,10 @@ class CheckpointStore:
     Past the limit, the checkpoint dropped is the one whose loss leaves the smallest gap between
     its neighbours, never one of the newest `keep_newest`: recent turns stay finely covered (undo,
     regenerate), older ones coarsely but to the start, so an edit far back re-prefills from a
-    nearby checkpoint instead of rebuilding everything.
+    nearby checkpoint instead of rebuilding everything. Nor one where a kept branch starts (its
+    owner names them): switching back rolls the cache to exactly there, and without it the
+    switch could only rebuild. Those may keep the store over its limit (the budget frees kept
+    branches first).
     """
 
     keep_newest = 4
@@ -53,19 +56,24 @@ class CheckpointStore:
     def positions(self) -> list[int]:
         return [checkpoint.position for checkpoint in self._checkpoints]
 
-    def add(self, checkpoint: Checkpoint) -> None:
+    def add(self, checkpoint: Checkpoint, keep: Collection[int] = ()) -> None:
+        """`keep`: positions whose checkpoints must stay (where kept branches start)."""
         if self.max_checkpoints == 0:
             return
         self.drop_after(checkpoint.position - 1)
         self._checkpoints.append(checkpoint)
         while len(self._checkpoints) > self.max_checkpoints:
-            del self._checkpoints[self._cheapest_to_drop()]
+            cheapest = self._cheapest_to_drop(keep)
+            if cheapest is None:
+                return
+            del self._checkpoints[cheapest]
 
-    def _cheapest_to_drop(self) -> int:
+    def _cheapest_to_drop(self, keep: Collection[int]) -> int | None:
         count = len(self._checkpoints)
         protected = min(self.keep_newest, count - 1)  # the newest always stays
         positions = [0] + self.positions()  # dropping i merges positions[i]..positions[i + 2]
-        return min(range(count - protected), key=lambda i: positions[i + 2] - positions[i])
+        candidates = [i for i in range(count - protected) if positions[i + 1] not in keep]
+        return min(candidates, key=lambda i: positions[i + 2] - positions[i], default=None)
 
     def has(self, position: int) -> bool:
         return any(checkpoint.position == position for checkpoint in self._checkpoints)

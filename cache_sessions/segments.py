@@ -80,6 +80,10 @@ class SegmentStore:
         for key in [key for key, s in self._segments.items() if s.start > position]:
             self.pop(key)
 
+    def starts(self) -> set[int]:
+        """Where the kept segments begin: the positions a switch back must roll the cache to."""
+        return {segment.start for segment in self._segments.values()}
+
     def tensors(self) -> Iterator[torch.Tensor]:
         for segment in self._segments.values():
             yield from segment.tensors()

@@ -188,9 +188,11 @@ class CacheSession(CacheStates):
         return Segment(start, self.token_ids[start:end], [kind.cut_segment(start, end) for kind in self._kinds])
 
     def append_segment(self, segment: Segment) -> bool:
-        """Put `segment` back on top of its start; False when the cache cannot reach that start."""
-        if len(self.token_ids) < segment.start or self.rollback_to(segment.start).position != segment.start:
+        """Put `segment` back on top of its start; False (the cache untouched) when the cache
+        cannot reach that start exactly."""
+        if len(self.token_ids) < segment.start or self.reachable(segment.start) != segment.start:
             return False
+        self.rollback_to(segment.start)
         self._append(segment)
         self._checkpoint_here()
         return True

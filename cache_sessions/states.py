@@ -87,7 +87,7 @@ class CacheStates:
     def _checkpoint_here(self) -> None:
         position = len(self.token_ids)
         if self._uses_checkpoints and position > 0 and not self.checkpoints.has(position):
-            self.checkpoints.add(take_checkpoint(self._kinds, position))
+            self.checkpoints.add(take_checkpoint(self._kinds, position), keep=self._segments.starts())
 
     def _check_invariant(self) -> None:
         if self.cache.get_seq_length() != len(self.token_ids):

@@ -344,3 +344,41 @@ def test_random_tree_operations_keep_the_cache_exact(make_engine, models, tokeni
         assert engine.restore(json.loads(json.dumps(conv.to_dict()))).messages == conv.messages
     list(conv.send("And finally?", **GREEDY))  # whatever happened, the next turn is exact
     check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW)
+
+
+@pytest.mark.parametrize("arch", ["sliding", "hybrid"])
+def test_a_kept_branch_stays_switchable_however_many_turns_follow(make_engine, models, tokenizers, arch,
+                                                                  monkeypatch):
+    """Issue #33 (1): thinning checkpoints did not know where kept branches start. Once the one at
+    a branch's start was gone, switching back rolled the cache to an earlier checkpoint or to
+    nothing (the ledger at 0 tokens), then failed. Now that checkpoint stays, and a switch that
+    cannot reach its start leaves the cache as it was."""
+    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
+    conv = make_engine(arch, max_checkpoints=4).conversation("Be brief.")
+    list(conv.send("First question?", **GREEDY))
+    list(conv.regenerate(max_new_tokens=MAX_NEW, do_sample=True, seed=3))
+    for turn in range(8):
+        list(conv.send(f"Question number {turn}?", **GREEDY))
+    assert len(conv.session.checkpoints) <= 4 + 1  # the limit, and the kept branch's start
+    forwards = count_forwards(model, monkeypatch)
+    assert conv.switch_branch(2, 0) is True and forwards == []
+    monkeypatch.undo()
+    assert len(conv.messages) == 3 and conv.session.token_ids
+    check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, generated=False)
+    list(conv.send("And after the switch?", **GREEDY))
+    assert not conv.stats.rebuilt
+    check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW)
+
+
+def test_a_segment_whose_start_cannot_be_reached_leaves_the_cache_as_it_was(make_engine):
+    from cache_sessions.segments import Segment
+
+    engine = make_engine("hybrid", max_checkpoints=4)
+    conv = engine.conversation("Be brief.")
+    list(conv.send("First question?", **GREEDY))
+    session = conv.session
+    before = list(session.token_ids)
+    unreachable = min(set(range(1, len(before))) - set(session.checkpoints.positions()))
+    assert session.reachable(unreachable) != unreachable
+    assert engine.scheduler.call(session.append_segment, Segment(unreachable, [], [])) is False
+    assert session.token_ids == before
