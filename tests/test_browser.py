@@ -18,6 +18,10 @@ if not Path(CHROMIUM).exists():
 
 from playwright.sync_api import Page, expect, sync_playwright  # noqa: E402
 
+# Every `expect` waits for its condition up to 30 s, not Playwright's 5: on a busy machine a reload
+# and its first view took longer than 5 s (issue #33, 7). A condition that holds returns at once.
+expect.set_options(timeout=30_000)
+
 XSS_REPLY = ("<think>\nChecking the markup.\n</think>\n\n"
              'Here: <img src=x onerror="window.__xss=1"> and <script>window.__xss=2</script> done.')
 
