@@ -8,6 +8,7 @@ makes and keeps in `gr.State`; no endpoint takes a session id from the client.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from typing import Any
@@ -234,8 +235,15 @@ def main(argv: list[str] | None = None) -> int:
                             "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
     print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",
           flush=True)
+    # A stop (SIGTERM: a Space or container stopping) ends like Ctrl-C: Gradio closes and the exit
+    # handlers run, so the cold tier's files (token ids of conversations) and the exports go too.
+    signal.signal(signal.SIGTERM, _interrupt)
     demo.block_thread()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -241,3 +241,21 @@ def test_fuzzed_inputs_either_work_or_name_the_problem(app, field, value):
         shown = user.predict(*settings(), api_name="/undo")  # unchanged: undo gives back the base message
         assert shown[1] == "Fuzz base."
     assert texts(base[0])[0] == ("user", "Fuzz base.")
+
+
+def test_a_stopped_server_leaves_no_conversation_data_on_disk(endless_model, tmp_path):
+    """Issue #33 (E): after SIGTERM the cold tier's files (token ids of conversations) and the
+    exports folder stayed on disk. A stop now ends like Ctrl-C: the exit handlers remove both."""
+    cache_dir, temp = tmp_path / "cold", tmp_path / "tmp"
+    temp.mkdir()
+    server = AppServer("--model", str(endless_model), "--cache-dir", str(cache_dir), "--cache-budget-mb", "0",
+                       log_path=tmp_path / "app.log", env={"TMPDIR": str(temp)})
+    try:
+        user = client(server, "10.0.8.1")
+        user.predict("Hello there?", *settings(), api_name="/send")
+        wait_for(lambda: list(cache_dir.glob("*/session-*.cold")), 60)  # idle, over the budget: on disk
+        assert list(temp.glob("rewind-chat-exports-*"))
+    finally:
+        server.close()
+    assert server.process.returncode == 0
+    assert not list(cache_dir.glob("**/*.cold")) and not list(temp.glob("rewind-chat-exports-*"))
