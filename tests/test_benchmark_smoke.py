@@ -125,3 +125,17 @@ def test_weights_benchmark_writes_the_documented_fields(tmp_path):
     assert state_bytes["bfloat16"] * 2 == state_bytes["float32"] == state_bytes["int8"]  # int8: fp32 states
     assert set(result["agreement"]) == set(FORMATS) and result["agreement"]["float32"]["identical"] == 1.0
     assert len(result["targets"]) == 2
+
+
+def test_fairness_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.fairness import main as fairness
+
+    out = tmp_path / "fairness.json"
+    fairness(["--configs", "before,32/128", "--stream-prompt", "300", "--long-prompt", "400", "--reply-tokens", "30",
+              "--repeats", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert [run["config"] for run in result["runs"]] == ["before", "32/128"] and len(result["targets"]) == 3
+    for run in result["runs"]:
+        stream, short_after_long = run["stream"], run["short_after_long"]
+        assert stream["prompt_tokens"] >= 300 and short_after_long["prompt_tokens"] >= 400
+        assert 0 < short_after_long["short_ttft_s"] and 0 < short_after_long["long_ttft_s"]

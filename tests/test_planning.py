@@ -171,3 +171,24 @@ def test_a_snapshot_mid_reply_holds_when_older_turns_were_dropped(make_engine):
     assert all("reasoning_content" in m for m in shown if m["role"] == "assistant")
     assert shown[-1]["role"] == "assistant" and shown[-1]["stopped"]
     assert engine.restore(snapshot).messages[:-1] == conv.messages[:-1]  # the draft restores
+
+
+def test_many_short_turns_are_planned_in_a_few_renders(models, tokenizers, monkeypatch):
+    """Issue #33 (C): a history of many short messages, under `room x 8` characters but over the
+    room in tokens, was rendered again for each dropped turn (212 renders for 249 turns; 5-26 CPU
+    s a Send). Now the cut comes from the measured sizes there too: a few renders, and still the
+    fewest turns dropped and the template's own prompt."""
+    engine = ChatEngine(models["full"], tokenizers["qwen3"])
+    conv = engine.restore(long_saved_history(249, 249 * 2 * 20, system=False))
+    assert sum(len(m["content"]) for m in conv.messages) < (engine.context_limit - 8) * 8  # the quick path's side
+    renders = []
+    render_text = ChatTemplate.render_text
+    monkeypatch.setattr(ChatTemplate, "render_text",
+                        lambda self, messages, **kwargs: (renders.append(1), render_text(self, messages, **kwargs))[1])
+    plan = conv.plan(Send("And now a short question?", fit_context=True), GenerationOptions(max_new_tokens=8))
+    monkeypatch.undo()
+    assert plan.dropped_turns > 100 and len(renders) <= 8, (plan.dropped_turns, len(renders))
+    assert plan.request.prompt_ids == render_ids(tokenizers["qwen3"], plan.request.messages)
+    k = plan.dropped_turns
+    wider = render_ids(tokenizers["qwen3"], conv.messages[2 * k - 2:2 * k] + plan.request.messages)
+    assert len(wider) + 8 > engine.context_limit >= len(plan.request.prompt_ids) + 8  # the fewest were dropped
