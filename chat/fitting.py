@@ -60,15 +60,19 @@ def fit_to_context(template: ChatTemplate, messages: list[Message], *, context_l
             f"({max_new_tokens}) exceeds the model's context of {context_limit} tokens",
             prompt_tokens=tokens, max_new_tokens=max_new_tokens, context_limit=context_limit)
 
-    turns = 0
+    turns, estimated = 0, False
     if room is not None and _chars(messages) > room * QUICK_CHARS_PER_TOKEN:
         estimate = _estimate(template, messages, users, room, enable_thinking, cancelled)
         if droppable and estimate.fewest > CLEAR_MARGIN * room:
             raise overflow(estimate.fewest, exact=False)
         if not droppable and estimate.clearly_over is not None:
             raise overflow(estimate.clearly_over, exact=False)
-        turns = min(estimate.turns, droppable)
+        turns, estimated = min(estimate.turns, droppable), True
     prompt, grew = render(turns), False
+    if room is not None and len(prompt.ids) > room and droppable and not estimated:
+        # few characters, many turns: the cut from the sizes too, not one render per dropped turn
+        turns = min(_estimate(template, messages, users, room, enable_thinking, cancelled).turns, droppable)
+        prompt = render(turns)
     while room is not None and len(prompt.ids) > room and turns < droppable:  # measured short: one more goes
         turns, grew = turns + 1, True
         prompt = render(turns)
