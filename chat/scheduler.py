@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 import weakref
-from collections import Counter, deque
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
@@ -43,6 +43,7 @@ from cache_sessions.session import CacheSession, PrefillResult, common_prefix_le
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ALONE
 from chat.loop import Loop
 from chat.options import GenerationOptions
+from chat.request_table import RequestTable
 from chat.sampling import TokenChooser
 from chat.worker import ModelWorker
 
@@ -175,11 +176,7 @@ class DecodeScheduler:
         atexit.register(_shut_down_at_exit, weakref.ref(self))  # before the worker's: atexit runs last first
 
     def _reset(self) -> None:
-        self._lock = threading.Lock()
-        self._waiting: deque[GenerationRequest] = deque()
-        self._prefilling: list[GenerationRequest] = []
-        self._decoding: list[GenerationRequest] = []
-        self._elsewhere: Counter[CacheSession] = Counter()  # replies made in another process
+        self._requests = RequestTable()
         self._counters = _Counters()
         self.loop.reset()
         self.caches.reset()
@@ -193,8 +190,8 @@ class DecodeScheduler:
         if not prompt_ids:
             raise ValueError("cannot generate from an empty prompt")
         request = GenerationRequest(session, prompt_ids, options, stop, work)
-        with self._lock:
-            self._waiting.append(request)
+        with self._requests.lock:
+            self._requests.waiting.append(request)
         self.loop.wake()
         return request
 
@@ -202,22 +199,16 @@ class DecodeScheduler:
     def made_elsewhere(self, session: CacheSession) -> Iterator[None]:
         """A reply of `session` is being made in another process (a ZeroGPU worker, from a copy
         of its states): in use until it comes back, so the budget leaves it as it was sent."""
-        with self._lock:
-            self._elsewhere[session] += 1
         try:
-            yield
+            with self._requests.held_elsewhere(session):
+                yield
         finally:
-            with self._lock:
-                self._elsewhere[session] -= 1
-                if not self._elsewhere[session]:
-                    del self._elsewhere[session]
             self.loop.post(self.caches.settle)  # a close, or the budget, may have waited for it
 
     def shut_down(self, timeout: float = 30.0) -> None:
         """Stop every request and wait until each has left (its stream ends, its cache is checked
         and rested): at exit, before the compute thread ends, so no reader waits for ever."""
-        with self._lock:
-            requests = [*self._waiting, *self._prefilling, *self._decoding]
+        requests = self._requests.everyone()
         for request in requests:
             request.stop.set()
         self.loop.wake()
@@ -225,10 +216,8 @@ class DecodeScheduler:
             request._done.wait(timeout)
 
     def in_use(self) -> set[CacheSession]:
-        """The one record of what is in use: the sessions of every request not yet ended."""
-        with self._lock:
-            requests = (*self._waiting, *self._prefilling, *self._decoding)
-            return {request.session for request in requests} | set(self._elsewhere)
+        """The one record of what is in use (chat/request_table.py)."""
+        return self._requests.in_use()
 
     def call(self, function: Callable[..., T], *args: Any) -> T:
         """Run `function(*args)` on the loop, between steps, and wait for it."""
@@ -236,18 +225,17 @@ class DecodeScheduler:
 
     def stats(self) -> SchedulerStats:
         batch_bytes = self.caches.stats().batch_bytes  # outside the lock: it reads `in_use`, which takes it
-        with self._lock:
+        with self._requests.lock:
             counters, waits = self._counters, list(self._counters.join_waits)
             return SchedulerStats(
-                max_batch_size=self.max_batch_size, decoding=len(self._decoding), prefilling=len(self._prefilling),
-                waiting=len(self._waiting), steps=counters.steps, batch_bytes=batch_bytes,
+                max_batch_size=self.max_batch_size, decoding=len(self._requests.decoding), prefilling=len(self._requests.prefilling),
+                waiting=len(self._requests.waiting), steps=counters.steps, batch_bytes=batch_bytes,
                 joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0))
 
     # ---- one step, on the compute thread ------------------------------------------------------
     def _has_work(self) -> bool:
-        with self._lock:
-            return bool(self._waiting or self._prefilling or self._decoding)
+        return self._requests.has_work()
 
     @torch.no_grad()
     def _step(self) -> None:
@@ -260,21 +248,21 @@ class DecodeScheduler:
                 self._finish(request, error)
 
     def _admit(self) -> None:
-        with self._lock:
-            stopped = [r for r in self._waiting if r.stop.is_set()]
+        with self._requests.lock:
+            stopped = [r for r in self._requests.waiting if r.stop.is_set()]
             for request in stopped:
-                self._waiting.remove(request)
-            while self._waiting and len(self._prefilling) + len(self._decoding) < self.max_batch_size:
-                self._prefilling.append(self._waiting.popleft())
+                self._requests.waiting.remove(request)
+            while self._requests.waiting and len(self._requests.prefilling) + len(self._requests.decoding) < self.max_batch_size:
+                self._requests.prefilling.append(self._requests.waiting.popleft())
         for request in stopped:
             self._finish(request)  # stopped before it started: its cache was not touched
 
     def _prefill_chunks(self) -> None:
         """Roll newcomers back and prefill them within this step's budget, shortest remaining
         prefill first (see the module's docstring)."""
-        budget = self.prefill_chunk if self._decoding else self.prefill_chunk_alone
+        budget = self.prefill_chunk if self._requests.decoding else self.prefill_chunk_alone
         order = (lambda r: _remaining_prefill(r) - budget * r.passed_over) if self.prefill_order == "shortest" else None
-        for request in sorted(self._prefilling, key=order) if order else list(self._prefilling):
+        for request in sorted(self._requests.prefilling, key=order) if order else list(self._requests.prefilling):
             if budget == 0:
                 request.passed_over += 1
                 continue
@@ -297,14 +285,14 @@ class DecodeScheduler:
             if request.stop.is_set():
                 self._leave_prefill(request)
             elif ready:
-                with self._lock:
-                    self._prefilling.remove(request)
-                    self._decoding.append(request)
+                with self._requests.lock:
+                    self._requests.prefilling.remove(request)
+                    self._requests.decoding.append(request)
 
     def _decode_once(self) -> None:
-        for request in [r for r in self._decoding if r.stop.is_set()]:
+        for request in [r for r in self._requests.decoding if r.stop.is_set()]:
             self._leave([request])  # its last chosen token stays unfed, as after `generate`
-        rows = list(self._decoding)
+        rows = list(self._requests.decoding)
         if not rows:
             return
         inputs = [request.next_input for request in rows]
@@ -316,7 +304,7 @@ class DecodeScheduler:
             self._leave(rows, error, scatter=False)
             return
         self.caches.decoded(inputs)
-        with self._lock:
+        with self._requests.lock:
             self._counters.step(rows)
         ended = _choose_tokens(rows, logits)
         if ended:
@@ -328,15 +316,15 @@ class DecodeScheduler:
         (the next step builds a batch for the rows left)."""
         if scatter:
             self.caches.scatter()
-        with self._lock:
+        with self._requests.lock:
             for request in requests:
-                self._decoding.remove(request)
+                self._requests.decoding.remove(request)
         for request in requests:
             self._finish(request, error)
 
     def _leave_prefill(self, request: GenerationRequest, error: BaseException | None = None) -> None:
-        with self._lock:
-            self._prefilling.remove(request)
+        with self._requests.lock:
+            self._requests.prefilling.remove(request)
         self._finish(request, error)
 
     def _finish(self, request: GenerationRequest, error: BaseException | None = None) -> None:
@@ -351,10 +339,7 @@ class DecodeScheduler:
         request._end(error)
 
     def _drop_everyone(self) -> list[GenerationRequest]:
-        with self._lock:
-            everyone = list(self._waiting) + self._prefilling + self._decoding
-            self._waiting.clear()
-            self._prefilling, self._decoding = [], []
+        everyone = self._requests.take_everyone()
         self.caches.drop_batch()
         return everyone
 
