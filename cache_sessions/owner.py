@@ -114,8 +114,7 @@ class CacheOwner:
               prefix_store: PrefixStore | None, shared_prefix_length: int) -> PrefillResult:
         """A reply is admitted: its session to the model's device, the branch it replaces kept,
         the cache rolled back to where the prompt parts from it."""
-        self._on_loop(session)
-        self.accounts.used(session)
+        self._on_loop(session, used=True)
         if self.offload:
             session.to(self.model.device)
         if keep is not None:
@@ -162,8 +161,7 @@ class CacheOwner:
             failed: bool) -> int:
         """A reply left the batch: check what was fed (`sequence`: prompt and chosen tokens; None:
         it never began), name the messages the cache now holds, rest the session. Returns its bytes."""
-        self._on_loop(session)
-        self.accounts.used(session)
+        self._on_loop(session, used=True)
         try:
             if sequence is not None:
                 if failed:
@@ -185,16 +183,14 @@ class CacheOwner:
 
     def move(self, session: CacheSession, move: BranchMove) -> bool:
         """Keep the branch left and put back the one arriving (see cache_sessions/branches.py)."""
-        self._on_loop(session)
-        self.accounts.used(session)
+        self._on_loop(session, used=True)
         moved = move_branch(session, move)
         self._measure(session)
         return moved
 
     def adopt_state(self, session: CacheSession, returned: CacheSession) -> None:
         """`session` becomes `returned`: the same session, updated in a worker process."""
-        self._on_loop(session)
-        self.accounts.used(session)
+        self._on_loop(session, used=True)
         session.take_state_of(returned)
         self._measure(session)
 
@@ -215,10 +211,12 @@ class CacheOwner:
         self.accounts.measured(session, nbytes)
         return nbytes
 
-    def _on_loop(self, session: CacheSession | None = None) -> None:
+    def _on_loop(self, session: CacheSession | None = None, used: bool = False) -> None:
+        """Refuse any thread but the loop's; `session` known to the books (`used`: an operation of
+        its conversation begins or ends now) and back from the cold tier if it went there."""
         if not self.loop.on_loop():
             raise RuntimeError("a cache is changed only on the engine's loop thread")
         if session is not None:
-            self.accounts.register(session)
+            (self.accounts.used if used else self.accounts.register)(session)
             if self.cold_store is not None and self.cold_store.resume(session):
                 self._measure(session)  # its states are back: the budget counts them again

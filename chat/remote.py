@@ -44,10 +44,14 @@ def run_in_worker(session: CacheSession, request: ReplyRequest, stop_file: str) 
 
     threading.Thread(target=watch_stop, daemon=True).start()
     run = LocalSource(ENGINE.runtime, session).reply(request, stop)
+    # In use until the caller has pickled it back: once the reply ends, the worker's own budget
+    # would otherwise free it on the loop while this thread pickles it (a ledger and a cache that
+    # disagree reached the server).
     try:
-        for delta in run:
-            yield "delta", delta
-        yield "reply", (run.result(), session)
+        with ENGINE.runtime.scheduler.made_elsewhere(session):
+            for delta in run:
+                yield "delta", delta
+            yield "reply", (run.result(), session)
     finally:
         finished.set()
 

@@ -198,7 +198,8 @@ class DecodeScheduler:
     @contextmanager
     def made_elsewhere(self, session: CacheSession) -> Iterator[None]:
         """A reply of `session` is being made in another process (a ZeroGPU worker, from a copy
-        of its states): in use until it comes back, so the budget leaves it as it was sent."""
+        of its states): in use until it comes back, so the budget leaves it as it was sent. The
+        worker holds its copy so too, until it has been sent back."""
         try:
             with self._requests.held_elsewhere(session):
                 yield
@@ -351,8 +352,10 @@ def _shut_down_at_exit(scheduler: "weakref.ref[DecodeScheduler]") -> None:
 
 def _remaining_prefill(request: GenerationRequest) -> int:
     """Prompt tokens it still has to feed: past what its cache holds in common with the prompt
-    (before its rollback, an estimate: a shared prefix or a checkpoint may serve more or less)."""
-    held = common_prefix_length(request.session.token_ids, request.prompt_ids)
+    (before its rollback, an estimate: a shared prefix or a checkpoint may serve more or less;
+    after it, the ledger is a prefix of the prompt and only its length is read)."""
+    held = len(request.session.token_ids) if request.started else common_prefix_length(
+        request.session.token_ids, request.prompt_ids)
     return max(0, len(request.prompt_ids) - 1 - held)
 
 
