@@ -25,7 +25,7 @@ from ui.handlers import ChatHandlers, PageEvents
 from ui.inputs import Limits, StrictBlocks
 from ui.operator import Metrics, routes
 from ui.security import SecurityHeaders
-from ui import gradio_tuning, views
+from ui import gradio_limits, gradio_tuning, views
 from ui.outputs import Settings
 from ui.page_assets import CSS, LATEX, PAGE_SCRIPT, SETTINGS_SCRIPT
 from ui.wiring import wire_api_twins, wire_conversation, wire_list, wire_load
@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.queue(default_concurrency_limit=config.streams, max_size=256)
     gradio_tuning.poll_queue_every(demo)  # two costs of Gradio's that slow decoding down (see there)
     gradio_tuning.pass_skipped_outputs_through()
+    gradio_limits.keep_no_event_values()  # what Gradio would keep that a visitor controls (see there)
+    gradio_limits.remove_files_of_failed_uploads()
     # show_error: a refused API input says why (Gradio's own checks of a component's value included)
     # Gradio keeps a closed page's state (a copy of the page's components, about 200 KB here) for an
     # hour, up to `state_session_capacity` pages, least recently used first out (10,000 by default:
@@ -231,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 footer_links=["api"], run_history=False, quiet=True, prevent_thread_lock=True,
                 state_session_capacity=config.page_states,
                 css=CSS, js=PAGE_SCRIPT, head=PAGE_HEAD, max_file_size=saved.MAX_JSON_BYTES,
-                app_kwargs={"middleware": [Middleware(SecurityHeaders)], "routes": routes(directory, metrics),
+                app_kwargs={"middleware": [Middleware(SecurityHeaders, trust_proxy_headers=bool(config.proxies))],
+                            "routes": routes(directory, metrics),
                             "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
     print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",
           flush=True)

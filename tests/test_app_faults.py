@@ -9,6 +9,7 @@ import re
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from gradio_client import Client
@@ -153,6 +154,17 @@ def test_one_address_cannot_push_out_another_clients_conversation(app):
     assert status(app)["conversations"] <= 12
 
 
+def test_one_ipv6_client_is_one_client_whatever_the_spelling(app):
+    """Five spellings of addresses in one IPv6 /64 (one subscriber's network) hold at most the
+    three conversations one client may; before, each spelling counted as a client of its own."""
+    before = settled(app)
+    spellings = ["2001:db8:5::7", "2001:DB8:5:0:0:0:0:7", "2001:db8:5:0::7", "2001:db8:5::0:0:7", "2001:db8:5::8"]
+    users = [client(app, spelling) for spelling in spellings]
+    for user in users:
+        user.predict("Mine?", *settings(1), api_name="/send")
+    assert status(app)["conversations"] <= before + 3
+
+
 def test_a_huge_message_is_refused_at_once_and_changes_nothing(app):
     user = client(app, "10.0.6.1")
     shown = user.predict("A first message.", *settings(), api_name="/send")
@@ -203,6 +215,49 @@ def test_lone_surrogates_are_refused_by_name(app):
     values[0] = "\ud800"
     event, data = raw_call(app, "send", ["fine", None, *values])
     assert event == "error" and "system_prompt: contains characters" in data
+
+
+def page_call(app, fn_index: int, data: list, event_data: object = None) -> None:
+    """One event as a page sends it (Gradio's queue, or directly for an unqueued one), to its end."""
+    dependency = json.loads(urllib.request.urlopen(app.url + "config", timeout=30).read())["dependencies"][fn_index]
+    session = f"malformed{fn_index}-{time.monotonic_ns()}"
+    body = json.dumps({"data": data, "fn_index": fn_index, "session_hash": session, "event_data": event_data,
+                       "trigger_id": None}).encode()
+    queued = dependency.get("queue") is not False
+    request = urllib.request.Request(app.url + ("gradio_api/queue/join" if queued else "gradio_api/run/predict"),
+                                     data=body, headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=60).read()
+    except urllib.error.HTTPError:
+        return
+    if queued:
+        with urllib.request.urlopen(f"{app.url}gradio_api/queue/data?session_hash={session}", timeout=60) as stream:
+            for line in stream:
+                if b"process_completed" in line:
+                    return
+
+
+def test_malformed_calls_are_one_line_each_in_the_log_never_a_traceback(app):
+    """Too few values, values a component cannot read, a slider out of range, malformed event data
+    for a chat message's Retry, an event that runs in the page only: each refused with its reason
+    in one line of the log (before, 247 such calls left 41 tracebacks)."""
+    config = json.loads(urllib.request.urlopen(app.url + "config", timeout=30).read())
+    dependencies = config["dependencies"]
+    send = next(i for i, d in enumerate(dependencies) if d.get("api_name") == "send")
+    page_only = next(i for i, d in enumerate(dependencies) if not d.get("backend_fn"))
+    retry_capture = next(i for i, d in enumerate(dependencies)
+                         if d["targets"] and d["targets"][0][1] == "retry" and d.get("backend_fn"))
+    values = settings()
+    log = Path(app.log.name)
+    lines_before = log.read_text().count("\n")
+    calls = [(send, ["hi"]), (send, ["hi", None, "S.", True, [1], *values[3:]]),
+             (send, ["hi", None, *values[:2], 10**9, *values[3:]]), (page_only, [None]),
+             (retry_capture, [], {"index": "x"}), (retry_capture, [], [1, 2])]
+    for fn_index, data, *event_data in calls:
+        page_call(app, fn_index, data, *event_data)
+    logged = log.read_text().splitlines()[lines_before:]
+    assert not any("Traceback" in line for line in logged), "\n".join(logged)
+    assert sum(line.startswith("rewind-chat: refused") for line in logged) >= 4, logged
 
 
 FIELDS = Settings.names()

@@ -69,6 +69,17 @@ def test_no_secret_and_no_memory_address_in_anything_a_visitor_can_fetch(app):
         assert " at 0x" not in body, path  # callbacks printed by address
 
 
+def test_a_forwarded_host_from_an_untrusted_peer_is_not_reflected(app):
+    """No proxy is trusted: what a client says the host is must not become the page's root
+    address (a cache in front would hand the other host to everyone)."""
+    forged = {"X-Forwarded-Host": "evil.example", "X-Gradio-Server": "http://evil.example",
+              "X-Forwarded-Proto": "https"}
+    for path in ("config", ""):
+        with urllib.request.urlopen(urllib.request.Request(app.url + path, headers=forged), timeout=30) as response:
+            body = response.read().decode()
+        assert "evil.example" not in body and "https://127.0.0.1" not in body, path
+
+
 def test_status_says_which_app_and_model_since_when(app):
     shown = status(app)
     assert shown["model"] == "demo" and shown["version"].startswith("0.") and shown["uptime_s"] >= 0
@@ -130,8 +141,7 @@ def event(app, fn_index: int, data: list) -> list[dict]:
 
 
 def test_a_stored_record_nested_past_the_format_is_left_out_not_a_crash(app):
-    config = json.loads(get(app, "config"))
-    load = next(i for i, d in enumerate(config["dependencies"]) if "onLoad" in (d.get("js") or ""))
+    load = load_index(app)
     deep: list = []
     for _ in range(500):
         deep = [deep]
@@ -141,13 +151,58 @@ def test_a_stored_record_nested_past_the_format_is_left_out_not_a_crash(app):
                           ({"id": "goodentry1", "rev": 1, "title": "good", "data": good}, True)):
         probe = {"current": record["id"], "rev": 1, "record": record,
                  "index": [["deepentry1", "deep"], ["goodentry1", "good"]]}
-        body = json.dumps({"data": [probe, None], "fn_index": load, "session_hash": f"load{time.monotonic_ns()}",
-                           "event_data": None, "trigger_id": None}).encode()
-        request = urllib.request.Request(app.url + "gradio_api/run/predict", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:  # the load runs unqueued
-            answer = json.loads(response.read())
+        answer = event(app, load, [probe, None])[-1]["output"]  # loads are queued, one record at a time
         assert ("Kept?" in json.dumps(answer["data"])) is shown, answer
+
+
+def load_index(app) -> int:
+    config = json.loads(get(app, "config"))
+    return next(i for i, d in enumerate(config["dependencies"]) if "onLoad" in (d.get("js") or ""))
+
+
+def test_a_page_keeps_no_copy_of_what_its_load_carried(app, uploads):
+    """A forged load carrying 3 MB: what the server keeps of that page (Gradio's per-page state,
+    which its public deep-link route writes out) is its default config, not the 3 MB. Before, each
+    such load kept its whole value for as long as Gradio kept the page (1,000 pages, an hour)."""
+    session = f"bigload{time.monotonic_ns()}"
+    filler = "x" * (3 * 2**20)
+    probe = {"current": "bigentry01", "rev": 1,
+             "record": {"id": "bigentry01", "rev": 1, "title": "big", "data": {"filler": filler}}}
+    body = json.dumps({"data": [probe, None], "fn_index": load_index(app), "session_hash": session,
+                       "event_data": None, "trigger_id": None}).encode()
+    assert post(app, "gradio_api/queue/join", body) == 200
+    with urllib.request.urlopen(f"{app.url}gradio_api/queue/data?session_hash={session}", timeout=60) as response:
+        assert any(b"process_completed" in line for line in response)
+    with urllib.request.urlopen(f"{app.url}gradio_api/deep_link?session_hash={session}", timeout=60) as response:
+        link = json.loads(response.read())
+    written = [path.stat().st_size for path in uploads.rglob("state.json") if link in str(path)]
+    assert written and max(written) < 2**20, written
+
+
+def test_an_upload_refused_midway_leaves_no_file(app, uploads):
+    """An upload sent without a length (chunked) is refused (413) when it passes the request
+    limit, part written; its spool file goes too (before, each refusal left one as large as the limit)."""
+    import http.client
+
+    boundary = "rewindboundary"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"big.json\"\r\n"
+            f"Content-Type: application/json\r\n\r\n").encode()
+    connection = http.client.HTTPConnection("127.0.0.1", app.port, timeout=60)
+    connection.putrequest("POST", "/gradio_api/upload")
+    connection.putheader("Content-Type", f"multipart/form-data; boundary={boundary}")
+    connection.putheader("Transfer-Encoding", "chunked")
+    connection.endheaders()
+    chunk = b"{" * 2**16
+    try:
+        for piece in [head] + [chunk] * 80:  # 5 MiB against a limit of 4
+            connection.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        connection.send(b"0\r\n\r\n")
+    except OSError:
+        pass  # the server answered and closed before the end
+    assert connection.getresponse().status == 413
+    connection.close()
+    kept = [path for path in uploads.rglob("*") if path.is_file() and path.stat().st_size > 2**16]
+    assert kept == []
 
 
 def test_a_stopped_app_starts_again_at_once_on_the_same_port(tmp_path):

@@ -139,3 +139,28 @@ def test_fairness_benchmark_writes_the_documented_fields(tmp_path):
         stream, short_after_long = run["stream"], run["short_after_long"]
         assert stream["prompt_tokens"] >= 300 and short_after_long["prompt_tokens"] >= 400
         assert 0 < short_after_long["short_ttft_s"] and 0 < short_after_long["long_ttft_s"]
+
+
+def test_outlier_channels_keep_the_fp32_function_and_the_exactness_run_holds(monkeypatch):
+    """`benchmarks/exactness.py`: the outlier channels it puts in change the activations, not the
+    fp32 model's logits (against the model before, a from-scratch forward each); one mode's run
+    gives its replies and logit differences."""
+    import torch
+
+    from benchmarks import exactness
+    from chat.loading import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer("demo", dtype="float32")
+    ids = torch.tensor([list(range(20, 60))])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        normed_before = model.model.layers[1].input_layernorm(model.model.embed_tokens(ids))
+        exactness.add_outlier_channels(model)
+        after = model(input_ids=ids).logits
+        normed_after = model.model.layers[1].input_layernorm(model.model.embed_tokens(ids))
+    assert normed_after.abs().amax() > 10 * normed_before.abs().amax()  # a few channels now dominate
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(exactness, "MAX_NEW", 8)
+    result = exactness.run_mode("int8, outlier channels", None)
+    assert result["replies"] == 25 and len(result["logit_diffs"]) == 5
+    assert result["equal_to_scratch"] == 25  # greedy replies equal generate from scratch

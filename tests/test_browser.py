@@ -18,6 +18,8 @@ if not Path(CHROMIUM).exists():
 
 from playwright.sync_api import Page, expect, sync_playwright  # noqa: E402
 
+from ui import views  # noqa: E402
+
 # Every `expect` waits for its condition up to 30 s, not Playwright's 5: on a busy machine a reload
 # and its first view took longer than 5 s (issue #33, 7). A condition that holds returns at once.
 expect.set_options(timeout=30_000)
@@ -46,8 +48,14 @@ def demo_app(tmp_path_factory):
 def open_chat(browser, url: str) -> Page:
     page = browser.new_page(viewport={"width": 1200, "height": 1000})
     page.goto(url)
-    page.wait_for_selector("#message textarea")
+    wait_loaded(page)
     return page
+
+
+def wait_loaded(page: Page) -> None:
+    """The page's load event has run (it says so in the message box's placeholder)."""
+    page.wait_for_selector("#message textarea")
+    expect(page.locator("#message textarea")).to_have_attribute("placeholder", views.READY)
 
 
 def send(page: Page, text: str) -> str:
@@ -412,7 +420,7 @@ def test_on_a_phone_the_input_and_its_button_stay_in_view(browser, endless_app):
     width, height = 390, 844
     page = browser.new_page(viewport={"width": width, "height": height}, has_touch=True)
     page.goto(endless_app.url)
-    page.wait_for_selector("#message textarea")
+    wait_loaded(page)
     page.get_by_text("Settings", exact=True).click()
     page.locator("#max-new-tokens input[type='number']").fill("2000")
     page.locator("#max-new-tokens input[type='number']").press("Enter")

@@ -241,10 +241,15 @@ def test_exports_come_from_the_server_and_do_not_pile_up(make_engine, monkeypatc
     assert warnings and "no conversation to export" in warnings[-1]
     browser, book = Browser(), Book()
     key = send(chat_list, browser, book, "Name me?", None)
+    monkeypatch.setattr(ui.chat_list, "SWEEP_AFTER_S", 0.05)  # as if Gradio had long taken its copy
     first = chat_list.files.export("markdown", key, book)["value"]
-    monkeypatch.setattr(ui.chat_list, "SWEEP_AFTER_S", -1.0)  # as if Gradio had long taken its copy
+    deadline = time.monotonic() + 30
+    while Path(first).exists():  # gone with no further export (before: only at the next one)
+        assert time.monotonic() < deadline, "an export stayed"
+        time.sleep(0.02)
+    monkeypatch.setattr(ui.chat_list, "SWEEP_AFTER_S", 3600.0)
     second = chat_list.files.export("json", key, book)["value"]
-    assert not Path(first).exists() and Path(second).exists()
+    assert Path(second).exists()
 
 
 def test_a_record_for_another_id_or_a_broken_one_changes_nothing(make_engine, monkeypatch):

@@ -98,3 +98,17 @@ def test_a_reply_says_which_version_it_is_and_whether_it_was_stopped():
     assert "2 / 2</span>" in switcher and index_of[1] is None
     assert re.search(r'class="branch-step regen br-1"[^>]*><span class="sr-only">Regenerate this reply<', switcher)
     assert shown[4]["content"] == "C" and len(shown) == 5  # the last reply, one version, not stopped: nothing
+
+
+def test_a_revision_is_never_written_past_what_the_browser_holds_exactly():
+    """A record at revision 2^53 - 1 (forged: one write a revision) would be written back as 2^53,
+    which the browser's doubles cannot tell from 2^53 + 1: it is refused as malformed; the largest
+    one taken is written back as 2^53 - 1, exact."""
+    from ui.browser_copy import Book, checked_record
+
+    record = {"id": "revisions1", "rev": 2**53 - 1, "title": "t", "data": {}}
+    assert checked_record(record) is None
+    record["rev"] = 2**53 - 2
+    book = Book()
+    book.read(checked_record(record))
+    assert book.next_rev("revisions1") == 2**53 - 1 == float(2**53 - 1)

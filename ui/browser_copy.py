@@ -98,8 +98,12 @@ def checked_id(value: Any) -> str | None:
     return value if isinstance(value, str) and _ID.fullmatch(value) else None
 
 
+MAX_REV = 2**53 - 1  # the browser's numbers are doubles: the largest integer all of them hold exactly
+
+
 def checked_rev(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else None
+    """A revision this page can write the next of (`Book.next_rev`) and the browser still hold exactly."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_REV else None
 
 
 def checked_title(value: Any) -> str:

@@ -19,6 +19,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -341,8 +342,8 @@ class ChatFiles:
     def export(self, kind: str, key: Any, book: Any) -> Any:
         """The shown conversation as a file: JSON (the whole tree, `to_dict`, with its name) or
         Markdown (the shown path), from the server's conversation (the event's `ensure` rebuilt
-        it from the browser's record if need be). Gradio serves its own copy; ours goes soon."""
-        self._sweep()
+        it from the browser's record if need be). Gradio serves its own copy; ours goes
+        `SWEEP_AFTER_S` later, whether or not anyone exports again (a timer per export)."""
         book, chat = checked_book(book), self.directory.find(key)
         data = chat.conversation.snapshot() if chat is not None else None
         if data is None or not said_anything(data):
@@ -356,11 +357,7 @@ class ChatFiles:
         folder.mkdir()
         path = folder / f"{name}.{'json' if kind == 'json' else 'md'}"
         path.write_text(text, encoding="utf-8")
+        removal = threading.Timer(SWEEP_AFTER_S, shutil.rmtree, (folder, True))
+        removal.daemon = True  # the exit handler removes the whole folder
+        removal.start()
         return gr.update(value=str(path), visible=True)
-
-    def _sweep(self) -> None:
-        """Exports Gradio has taken its copy of (it does as the event ends) are deleted."""
-        now = time.time()
-        for folder in list(self._files.iterdir()):
-            if now - folder.stat().st_mtime > SWEEP_AFTER_S:
-                shutil.rmtree(folder, ignore_errors=True)

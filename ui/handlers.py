@@ -113,7 +113,7 @@ class ChatHandlers(ReplyEvents):
 
 class PageEvents:
     """The Chatbot's own events (their data, which message and what text, comes as `event`: the
-    dict `ui.wiring.capturing` kept), page unload, and the operators' status endpoint."""
+    dict `ui.wiring.capture` kept), page unload, and the operators' status endpoint."""
 
     def __init__(self, handlers: ChatHandlers):
         self.handlers = handlers

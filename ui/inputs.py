@@ -84,12 +84,49 @@ def message_index(value: Any) -> int:
 
 
 class StrictBlocks(gr.Blocks):
-    """Blocks that refuse a call with more input values than its event takes (Gradio checks for
-    too few only, and drops the rest): an API client with a wrong idea of the inputs is told so
-    instead of having part of its call ignored."""
+    """Blocks whose every refusal is one line in the log and an error that says why.
+
+    - A call with more input values than its event takes is refused (Gradio checks for too few
+      only, and drops the rest): an API client with a wrong idea of the inputs is told so instead
+      of having part of its call ignored.
+    - What Gradio itself finds wrong before a handler runs (too few values, a value its component
+      cannot read, a slider's value out of range, an event that runs in the page only) is a
+      refusal like the handlers' own: before, each one logged a traceback (a fuzzing client
+      filled the log with them) as if the server had failed.
+    - Every refusal is logged as one line: the event and the reason.
+    """
 
     def validate_inputs(self, block_fn: Any, inputs: list[Any]) -> None:
-        super().validate_inputs(block_fn, inputs)
+        try:
+            super().validate_inputs(block_fn, inputs)
+        except ValueError as error:
+            raise refused(error) from None
         if len(inputs) > len(block_fn.inputs):
             name = f"{block_fn.api_name} " if isinstance(block_fn.api_name, str) else ""
             raise refused(f"{name}takes {len(block_fn.inputs)} input values, not {len(inputs)}")
+
+    async def preprocess_data(self, block_fn: Any, inputs: list[Any], state: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().preprocess_data(block_fn, inputs, state, *args, **kwargs)
+        except gr.Error as error:
+            if error.print_exception:
+                raise refused(error.message) from None
+            raise
+        except Exception as error:  # a value its component cannot read (Gradio says which input)
+            raise refused(" ".join(str(error).split())[:400]) from None
+
+    async def call_function(self, block_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        function = self.fns[block_fn] if isinstance(block_fn, int) else block_fn
+        if not function.fn:
+            raise refused("this event runs in the page, not on the server")
+        return await super().call_function(block_fn, *args, **kwargs)
+
+    async def process_api(self, block_fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return await super().process_api(block_fn, *args, **kwargs)
+        except gr.Error as error:
+            if not error.print_exception:
+                function = self.fns[block_fn] if isinstance(block_fn, int) else block_fn
+                name = function.name or function.api_name
+                print(f"rewind-chat: refused {name}: {' '.join(str(error.message).split())[:300]}", flush=True)
+            raise

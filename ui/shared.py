@@ -4,6 +4,7 @@ before anything changed: an error an API client can catch, one toast on the page
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 import gradio as gr
@@ -73,4 +74,20 @@ def client_of(request: gr.Request | None) -> str | None:
     """The caller's address, to count what it holds: the socket's peer, or what X-Forwarded-For
     says when the peer is a proxy the operator trusts (uvicorn resolves it: `--trusted-proxies`)."""
     client = getattr(request, "client", None) if request is not None else None
-    return getattr(client, "host", None)
+    host = getattr(client, "host", None)
+    return client_key(host) if isinstance(host, str) else None
+
+
+def client_key(host: str) -> str:
+    """One key per client whatever the spelling: an address in its canonical form, an IPv4 one
+    written as IPv6 (`::ffff:a.b.c.d`) as IPv4, and an IPv6 one by its /64 (one subscriber's
+    network, in which a host picks any of 2^64 addresses freely). Not an address: as it came."""
+    try:
+        address = ipaddress.ip_address(host.strip().strip("[]").split("%")[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)

@@ -77,6 +77,10 @@ PROMPT_NOTE = ("(applied, typed) => applied && typeof applied.prompt === 'string
                    "**Not applied yet:** this system prompt starts a new branch at your next message; until then "
                    "Retry, Edit and Continue use the conversation's own (the old one stays a branch).") + " : ''")
 QUIET = dict(queue=False, api_name=False, show_progress="hidden")
+# The events that carry a whole record from the browser (a load, opening one, rebuilding one, an
+# Import) are queued one at a time: checking a large record costs memory and CPU for a while, and
+# unqueued, any number of them ran at once (16 forged loads held 5 GB).
+ONE_RECORD_AT_A_TIME = dict(concurrency_limit=1, concurrency_id="records")
 
 
 def with_conversation(chat_list: ChatList, page: dict[str, Any], trigger: Callable) -> Any:
@@ -85,16 +89,17 @@ def with_conversation(chat_list: ChatList, page: dict[str, Any], trigger: Callab
     then sends. Returns what the event itself is chained to."""
     key, book = page["key"], page["book"]
     return trigger(chat_list.ensure, [page["probe"], key, book], [book, page["need"]], js=PROBE, **QUIET) \
-        .then(chat_list.recover, [page["need"], key, book], [key, book], js=RECORD, **QUIET)
+        .then(chat_list.recover, [page["need"], key, book], [key, book], js=RECORD, api_name=False,
+              show_progress="hidden", **ONE_RECORD_AT_A_TIME)
 
 
-def capturing(kind: type) -> Callable[..., dict]:
+def capture(event: gr.EventData) -> dict:
     """A Chatbot event's data (which message, what text), kept for the event's later steps
-    (Gradio hands event data to the first step of a chain only)."""
-    def capture(event: Any) -> dict:
-        return {"index": event.index, "value": event.value}
-    capture.__annotations__ = {"event": kind, "return": dict}
-    return capture
+    (Gradio hands event data to the first step of a chain only). Read from the raw data, whatever
+    its shape (the handlers check it): Gradio's own `RetryData` and the like fail on malformed data
+    with a traceback in the log."""
+    data = event._data if isinstance(event._data, dict) else {}
+    return {"index": data.get("index"), "value": data.get("value")}
 
 
 def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: ChatList, page: dict[str, Any]) -> None:
@@ -126,12 +131,12 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
     on(page["retry_go"].click, streamed(handlers.retry_at), [target, *with_settings], drafts=True, api_name=False,
        js=TARGET_INPUT, **generating)
     chatbot, event = page["chatbot"], page["event"]  # its own events carry the shown message's index
-    for trigger, kind, fn, name, drafts in (
-            (chatbot.retry, gr.RetryData, streamed(events.on_retry), "chatbot_retry", True),
-            (chatbot.undo, gr.UndoData, instant(events.on_undo), "chatbot_undo", False),
-            (chatbot.edit, gr.EditData, streamed(events.on_edit), "chatbot_edit", True),
-            (chatbot.example_select, gr.SelectData, streamed(events.on_example), "chatbot_example", True)):
-        captured = trigger(capturing(kind), None, [event], **QUIET)
+    for trigger, fn, name, drafts in (
+            (chatbot.retry, streamed(events.on_retry), "chatbot_retry", True),
+            (chatbot.undo, instant(events.on_undo), "chatbot_undo", False),
+            (chatbot.edit, streamed(events.on_edit), "chatbot_edit", True),
+            (chatbot.example_select, streamed(events.on_example), "chatbot_example", True)):
+        captured = trigger(capture, None, [event], **QUIET)
         on(captured.then, fn, [event, *with_settings], drafts=drafts, api_name=name, api_visibility="private",
            **(generating if drafts else {}))
     page["stop"].click(handlers.stop, [key], None, api_name="stop", queue=False)
@@ -153,7 +158,8 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     key, book, probe, with_list = page["key"], page["book"], page["probe"], list_outputs(page)
     for button in (page["new_chat"], page["sidebar_new_chat"]):
         button.click(chat_list.new_chat, [key, book], with_list, api_name=False)
-    page["chats"].input(chat_list.open, [page["chats"], probe, key, book], with_list, api_name=False, js=CHOSEN)
+    page["chats"].input(chat_list.open, [page["chats"], probe, key, book], with_list, api_name=False, js=CHOSEN,
+                        **ONE_RECORD_AT_A_TIME)
     page["rename"].click(chat_list.rename, [page["title"], book], [page["outbox"], book, page["chats"]],
                          api_name=False)
     page["delete"].click(chat_list.ask_delete, None, page["confirm_delete"], api_name=False)
@@ -161,16 +167,16 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     for button, kind in ((page["export_json"], "json"), (page["export_markdown"], "markdown")):
         with_conversation(chat_list, page, button.click) \
             .then(functools.partial(chat_list.files.export, kind), [key, book], page["download"], api_name=False)
-    # one Import at a time: parsing and checking a large file costs memory for a while
     page["import_file"].upload(chat_list.import_file, [page["import_file"], key, book], with_list,
-                               api_name=False, concurrency_limit=1, concurrency_id="import")
+                               api_name=False, **ONE_RECORD_AT_A_TIME)
     page["list_refresh"].click(chat_list.refresh, [probe, book], [book, page["chats"]], js=WITH_LIST, **QUIET)
 
 
 def wire_load(chat_list: ChatList, page: dict[str, Any], demo: gr.Blocks) -> None:
-    """The page's first event: what this tab showed, from the browser's copy (at once, unqueued:
-    a message typed in the first moment must not be drawn over)."""
-    demo.load(chat_list.load, [page["probe"], page["book"]], list_outputs(page), js=ON_LOAD, **QUIET)
+    """The page's first event: what this tab showed, from the browser's copy (a message typed in
+    the first moment is not drawn over: `ChatList.load` leaves a page that already began alone)."""
+    demo.load(chat_list.load, [page["probe"], page["book"]], list_outputs(page), js=ON_LOAD, api_name=False,
+              show_progress="hidden", **ONE_RECORD_AT_A_TIME)
     remember_settings(page, chat_list.handlers.limits.max_system_chars, demo)
 
 
