@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
         except (ChatError, ValueError) as error:
             print(f"(!) {error}")
+        except KeyboardInterrupt:  # during a command's output (a long /history): exit, as at the prompt
+            print()
+            return 0
 
 
 if __name__ == "__main__":

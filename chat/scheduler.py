@@ -213,8 +213,9 @@ class DecodeScheduler:
         for request in requests:
             request.stop.set()
         self.loop.wake()
+        deadline = time.monotonic() + timeout  # one bound for all of them: exit never waits longer
         for request in requests:
-            request._done.wait(timeout)
+            request._done.wait(max(0.0, deadline - time.monotonic()))
 
     def in_use(self) -> set[CacheSession]:
         """The one record of what is in use (chat/request_table.py)."""

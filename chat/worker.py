@@ -14,6 +14,7 @@ import atexit
 import os
 import queue
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
@@ -45,9 +46,10 @@ class ModelWorker:
         process ("terminate called without an active exception", exit status 134)."""
         for _ in self._threads:
             self._jobs.put(_CLOSE)
+        deadline = time.monotonic() + timeout  # one bound for all threads
         for thread in self._threads:
             if thread is not threading.current_thread():
-                thread.join(timeout)
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not _CLOSE:
