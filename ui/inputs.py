@@ -115,9 +115,12 @@ class StrictBlocks(gr.Blocks):
         except Exception as error:  # a value its component cannot read (Gradio says which input)
             raise refused(" ".join(str(error).split())[:400]) from None
 
+    def _function(self, block_fn: Any) -> Any:
+        """Gradio passes an event either as its index or as itself."""
+        return self.fns[block_fn] if isinstance(block_fn, int) else block_fn
+
     async def call_function(self, block_fn: Any, *args: Any, **kwargs: Any) -> Any:
-        function = self.fns[block_fn] if isinstance(block_fn, int) else block_fn
-        if not function.fn:
+        if not self._function(block_fn).fn:
             raise refused("this event runs in the page, not on the server")
         return await super().call_function(block_fn, *args, **kwargs)
 
@@ -126,7 +129,7 @@ class StrictBlocks(gr.Blocks):
             return await super().process_api(block_fn, *args, **kwargs)
         except gr.Error as error:
             if not error.print_exception:
-                function = self.fns[block_fn] if isinstance(block_fn, int) else block_fn
+                function = self._function(block_fn)
                 name = function.name or function.api_name
                 print(f"rewind-chat: refused {name}: {' '.join(str(error.message).split())[:300]}", flush=True)
             raise
