@@ -15,6 +15,16 @@ def run_chat(folder, lines: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
+def thread_dump(pid: int) -> str:
+    """Every thread's Python stack of a running process (py-spy, where installed)."""
+    import shutil
+
+    if shutil.which("py-spy") is None:
+        return "(py-spy not installed)"
+    result = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+    return result.stdout + result.stderr
+
+
 def saved_model(tmp_path, base_tokenizer, eos: bool = True):
     from tiny_models import build_model
 
@@ -64,6 +74,9 @@ def test_ctrl_c_stops_the_reply_and_a_second_one_exits(tmp_path, base_tokenizer)
     process.stdin.flush()
     wait_for(lambda text: "1 assistant:" in text)
     process.send_signal(signal.SIGINT)  # at the prompt: exit
-    process.wait(timeout=60)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # say where it is stuck, then fail
+        raise AssertionError(f"no exit 60 s after Ctrl+C; its threads:\n{thread_dump(process.pid)}") from None
     assert process.returncode == 0, process.stderr.read()
     assert "stopped" in "".join(out) and "Traceback" not in process.stderr.read()
