@@ -11,9 +11,10 @@ Two scenarios, as a shared Space's users would meet them, through the library's 
   against its own alone.
 
 Tokens are timed as the scheduler emits them (not as text: a random model's bytes may decode to
-text only at the end). Each `--configs` entry (`prefill_chunk/prefill_chunk_alone`, or
-`before`: one chunk size while others decode, a whole prefill alone, oldest first, as the
-scheduler did before) runs both scenarios `--repeats` times on the same model (medians); ratios
+text only at the end). Each `--configs` entry (`prefill_chunk/prefill_chunk_alone` in packed
+steps; `gathered:` before it: the same on the gathered batch, prefill and decode in separate
+forwards; or `before`: one chunk size while others decode, a whole prefill alone, oldest first,
+as the scheduler did before #30) runs both scenarios `--repeats` times on the same model (medians); ratios
 are within one run. The streaming user's worst gap alone is the machine's own noise floor.
 `python -m benchmarks.fairness --help`.
 """
@@ -148,10 +149,13 @@ def gaps(times: list[float]) -> list[float]:
 
 def engine_for(config: str, model, tokenizer, worker: ModelWorker) -> ChatEngine:
     """`before`: the scheduler before #30 (256 tokens a step while others decode, a whole prefill
-    alone, oldest first)."""
-    chunk, alone, order = (256, 10**9, "arrival") if config == "before" else (*map(int, config.split("/")), "shortest")
+    alone, oldest first, on the gathered batch). `gathered:A/B`: chunks as `A/B`, prefill and
+    decode in separate forwards on the gathered batch (before packed steps); `A/B`: packed."""
+    packed = not config.startswith("gathered:")
+    sizes = config.removeprefix("gathered:")
+    chunk, alone, order = (256, 10**9, "arrival") if sizes == "before" else (*map(int, sizes.split("/")), "shortest")
     return ChatEngine(model, tokenizer, worker=worker, shared_prefixes=0, prefill_chunk=chunk,
-                      prefill_chunk_alone=alone, prefill_order=order)
+                      prefill_chunk_alone=alone, prefill_order=order, packed_steps=packed and config != "before")
 
 
 def markdown(result: dict) -> str:

@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--counts", default="1,2,4,8", help="conversations at once, comma-separated")
     parser.add_argument("--stagger", type=int, default=10, help="decode steps between staggered arrivals")
     parser.add_argument("--prefill-chunk", type=int, default=None)
+    parser.add_argument("--gathered", action="store_true",
+                        help="decode on the gathered batch copy, as before packed steps (cache_sessions/batch.py)")
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--plot", dest="plot_path", default=None)
     args = parser.parse_args(argv)
@@ -218,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = build_bench_tokenizer()
     model = worker.run(build_bench_model, args.arch, len(tokenizer), tokenizer.eos_token_id)
     model.generation_config.eos_token_id = None  # every reply is max_new_tokens long: equal work
-    settings = dict(prefill_chunk=args.prefill_chunk) if args.prefill_chunk else {}
+    settings: dict[str, Any] = dict(prefill_chunk=args.prefill_chunk) if args.prefill_chunk else {}
+    settings["packed_steps"] = not args.gathered
     engine = ChatEngine(model, tokenizer, shared_prefixes=0, worker=worker, max_batch_size=max(counts), **settings)
     bench = Bench(engine, args.max_new_tokens)
     words = Words(seed=2)
@@ -250,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
             "history_tokens": args.history, "prompt_tokens": [a["prompt_tokens"] for a in alone],
             "max_new_tokens": args.max_new_tokens, "counts": counts, "stagger_steps": args.stagger,
             "max_batch_size": engine.config.max_batch_size, "prefill_chunk": engine.config.prefill_chunk,
+            "packed_steps": engine.scheduler.packed,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
             "command": "python -m benchmarks.multiuser " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Protocol, Sequence, TypeVar
 
+import torch
 from transformers import PreTrainedModel
 
 from cache_sessions.accounts import Accounts
@@ -31,6 +32,7 @@ from cache_sessions.cold import ColdStats, ColdStore
 from cache_sessions.eviction import Eviction
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import PrefixStore
+from cache_sessions.resident import forward_rows, packs
 from cache_sessions.session import CacheSession, PrefillResult
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
 
@@ -76,6 +78,8 @@ class CacheOwner:
         self.budget_bytes, self.max_checkpoints = budget_bytes, max_checkpoints
         self.prefix_store, self.offload = prefix_store, offload
         self.accounts = Accounts(clock)
+        # Whether steps run packed, each session on its own cache (not with linear attention).
+        self.packs = packs([CacheSession(model, kv_cache=kv_cache)])
         self.reset()
 
     def reset(self) -> None:
@@ -130,6 +134,33 @@ class CacheOwner:
                                    shared_prefix_length=shared_prefix_length)
         finally:
             self._measure(session)
+
+    def prefill_piece(self, session: CacheSession, prompt_ids: Sequence[int], budget: int,
+                      prefix_store: PrefixStore | None, shared_prefix_length: int) -> list[int]:
+        """The prompt tokens this session feeds in the next packed step (see `forward_rows`)."""
+        self._on_loop(session)
+        return session.prefill_piece(prompt_ids, budget, prefix_store, shared_prefix_length)
+
+    def piece_fed(self, session: CacheSession, prompt_ids: Sequence[int], prefix_store: PrefixStore | None,
+                  shared_prefix_length: int) -> bool:
+        """Its piece went through: what the session keeps at that point; True once prefilled."""
+        self._on_loop(session)
+        try:
+            return session.piece_fed(prompt_ids, prefix_store, shared_prefix_length)
+        finally:
+            self._measure(session)
+
+    def forward_rows(self, rows: list[tuple[CacheSession, list[int]]], logits_of: list[int]) -> torch.Tensor:
+        """One packed forward: every session reads and writes its own cache in place (no batch
+        copy; cache_sessions/resident.py). The logits of the rows `logits_of`. If it raises, the
+        caller ends every row as failed (their states may hold part of the step)."""
+        for session, _ in rows:
+            self._on_loop(session)
+        logits = forward_rows(self.model, rows, logits_of)
+        for session, fed in rows:
+            session.note_extended(fed)
+            self._measure(session)
+        return logits
 
     def decode_inputs(self, sessions: list[CacheSession], token_ids: list[int]) -> dict[str, Any]:
         """Model inputs feeding one token to each of `sessions`, on their batch (built anew when

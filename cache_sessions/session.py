@@ -81,34 +81,53 @@ class CacheSession(CacheStates):
         """Feed at most `budget` more tokens of `prompt_ids[:-1]` (all, if None) after what the
         cache holds, which must be a prefix of it. True once only the last token is left.
 
-        Chunks let a long prompt be prefilled between other conversations' decode steps. The
-        shared prefix, once reached, is added to `prefix_store` for new conversations. Where the
-        rollback had to land before the point this prompt parts from the last one (a checkpoint),
-        that fork gets a checkpoint on the way: the next branch there starts at it."""
+        Chunks let a long prompt be prefilled between other conversations' decode steps; a
+        packed step (cache_sessions/resident.py) feeds `prefill_piece` itself, then calls
+        `piece_fed`, as this loop does on the session's own."""
+        prompt_ids = list(prompt_ids)
+        limit = None if budget is None else len(self.token_ids) + budget
+        try:
+            while True:
+                left = None if limit is None else limit - len(self.token_ids)
+                piece = self.prefill_piece(prompt_ids, left, prefix_store, shared_prefix_length)
+                self.extend(piece)
+                done = self.piece_fed(prompt_ids, prefix_store, shared_prefix_length)
+                if done or not piece or len(self.token_ids) == limit:
+                    return done
+        except BaseException:
+            self.release()  # a failure mid-update: the states cannot be trusted
+            raise
+
+    def prefill_piece(self, prompt_ids: Sequence[int], budget: int | None = None,
+                      prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0) -> list[int]:
+        """The next prompt tokens to feed: at most `budget`, ending at the next point where the
+        session keeps something (the shared prefix, for `prefix_store`; the point this prompt
+        parts from the last one, where the rollback had to land before it, to checkpoint it)."""
         prompt_ids = list(prompt_ids)
         start, end = len(self.token_ids), len(prompt_ids) - 1
         if end < start or prompt_ids[:start] != self.token_ids:
             raise ValueError("the cache does not hold a prefix of this prompt; prepare it first")
         if budget is not None:
             end = min(end, start + budget)
-        shares = prefix_store is not None and start < shared_prefix_length < len(prompt_ids)
-        stops = sorted({end} | {p for p in (self._fork, shared_prefix_length if shares else None)
-                                if p is not None and start < p < end})
-        try:
-            for stop in stops:
-                self.extend(prompt_ids[len(self.token_ids):stop])
-                if shares and stop == shared_prefix_length:
-                    assert prefix_store is not None
-                    if not prefix_store.has(self.token_ids):
-                        prefix_store.add(self.cut_segment(0))
-                if stop in (shared_prefix_length, self._fork):
-                    self._checkpoint_here()
-        except BaseException:
-            self.release()  # a failure mid-update: the states cannot be trusted
-            raise
-        done = len(self.token_ids) == len(prompt_ids) - 1
+        shares = prefix_store is not None and shared_prefix_length < len(prompt_ids)
+        stops = [p for p in (self._fork, shared_prefix_length if shares else None) if p is not None and start < p < end]
+        return prompt_ids[start:min(stops, default=end)]
+
+    def piece_fed(self, prompt_ids: Sequence[int], prefix_store: PrefixStore | None = None,
+                  shared_prefix_length: int = 0) -> bool:
+        """A piece of `prefill_piece` was fed and noted: the shared prefix, once reached, goes to
+        `prefix_store` for new conversations; a checkpoint at the fork and the shared prefix, and
+        at the generation start (where regenerate rolls back to). True once only the last
+        prompt token is left."""
+        held = len(self.token_ids)
+        if prefix_store is not None and held == shared_prefix_length < len(prompt_ids):
+            if not prefix_store.has(self.token_ids):
+                prefix_store.add(self.cut_segment(0))
+        if held in (shared_prefix_length, self._fork):
+            self._checkpoint_here()
+        done = held == len(prompt_ids) - 1
         if done:
-            self._checkpoint_here()  # the generation start: regenerate rolls back to here
+            self._checkpoint_here()
         return done
 
     def _start_from_shared_prefix(self, prefix_store: PrefixStore | None, prompt_ids: list[int]) -> int:

@@ -26,6 +26,9 @@ class EngineConfig:
     others decode (what a long prompt can delay them by, per step); `prefill_chunk_alone`: per
     step while none decodes (what a newcomer can wait behind; chat/scheduler.py says why both);
     `prefill_order`: who gets a step's prefill budget first, "shortest" remaining or "arrival".
+    `packed_steps`: one forward a step carries every decode row and the prefill pieces, each
+    session on its own cache (cache_sessions/resident.py; models with linear attention use the
+    gathered batch whatever this says); False: the gathered batch, as measured before it.
     `cache_budget_bytes`: every cache together (None: no limit); over it, kept branches of idle
     conversations go first, then idle conversations' caches (cache_sessions/owner.py).
     `cache_dir`: where idle conversations' caches go over the budget instead of being dropped
@@ -43,6 +46,7 @@ class EngineConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE
     prefill_order: str = "shortest"
+    packed_steps: bool = True
     cache_budget_bytes: int | None = None
     cache_dir: str | None = None
     cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES

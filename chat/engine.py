@@ -44,7 +44,8 @@ class ChatEngine:
         scheduler = DecodeScheduler(self.model, worker or ModelWorker(), max_batch_size=config.max_batch_size,
                                     prefill_chunk=config.prefill_chunk,
                                     prefill_chunk_alone=config.prefill_chunk_alone,
-                                    prefill_order=config.prefill_order, budget_bytes=config.cache_budget_bytes,
+                                    prefill_order=config.prefill_order, packed_steps=config.packed_steps,
+                                    budget_bytes=config.cache_budget_bytes,
                                     max_checkpoints=config.max_checkpoints, prefix_store=prefix_store,
                                     offload=config.offload_sessions, cold_store=cold_store,
                                     kv_cache=config.kv_cache_kind)

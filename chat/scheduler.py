@@ -1,25 +1,28 @@
-"""Continuous batching on the engine's loop (chat/loop.py): every reply being generated decodes in
-one batched forward per step; every other change to a cache runs between steps.
+"""Continuous batching on the engine's loop (chat/loop.py): every reply being generated advances in
+one forward per step; every other change to a cache runs between steps.
 
 One step, after the commands other threads posted (a branch switch, a close, a worker's result):
 end requests stopped while they waited; admit waiting requests while rows are free; roll back
-newcomers and prefill them within a per-step token budget; one decode forward for every row;
-then the cache owner settles (frees closed sessions, keeps the budget).
+newcomers; then one packed forward (cache_sessions/resident.py) that carries the next token of
+every decoding row and the prefill pieces chosen for this step, each session reading and writing
+its own cache in place (vLLM v1's mixed step, llama.cpp's slots); then the cache owner settles
+(frees closed sessions, keeps the budget). Models with linear attention cannot pack: they
+prefill on their own caches and decode in a gathered batch (cache_sessions/batch.py), in two
+forwards a step.
 
 Prefill is always chunked, so nobody waits on another's whole prompt. While rows decode, a step
 carries at most `prefill_chunk` prompt tokens (what a long pasted prompt delays the running
-replies by, per step); while none decodes, `prefill_chunk_alone` (larger: a chunk costs a forward
-and reads the whole history again, so small ones would slow a lone long prompt down, while a
+replies by, per step); while none decodes, `prefill_chunk_alone` (larger: a chunk reads the
+weights and the whole history again, so small ones would slow a lone long prompt down, while a
 newcomer still waits at most one such chunk). The budget goes to the request with the shortest
 remaining prefill first, so a one-line message sent just after a 4,000-token one is answered
 after a chunk, not after the long prompt; each step a request is passed over counts as one
 budget of progress in its favour, so a stream of short messages cannot starve a long one. The
 scheduler decides; the cache owner (cache_sessions/owner.py) applies every change to the
-sessions. A request joins the batch once only its last prompt token is left to feed, and leaves
-at an end token, its token limit, a stop, or an error: its own (a raising logits processor) ends
-it alone, a failed forward ends every row of that step.
+sessions. A request joins the decode rows once only its last prompt token is left to feed, and
+leaves at an end token, its token limit, a stop, or an error: its own (a raising logits
+processor) ends it alone, a failed forward ends every row of that step.
 """
-
 from __future__ import annotations
 
 import atexit
@@ -158,10 +161,12 @@ class _Counters:
 class DecodeScheduler:
     def __init__(self, model: PreTrainedModel, worker: ModelWorker, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE,
-                 prefill_order: str = "shortest", **cache_settings: Any):
+                 prefill_order: str = "shortest", packed_steps: bool = True, **cache_settings: Any):
         """`prefill_order`: "shortest" (remaining prefill first, see above) or "arrival" (oldest
-        first, measured against it in benchmarks/fairness.py). `cache_settings`: the cache owner's
-        (budget_bytes, max_checkpoints, prefix_store, offload)."""
+        first, measured against it in benchmarks/fairness.py). `packed_steps`: one forward a step
+        for decode rows and prefill pieces, each on its own cache (where the model allows; False:
+        the gathered batch and separate prefill forwards, as measured before). `cache_settings`:
+        the cache owner's (budget_bytes, max_checkpoints, prefix_store, offload)."""
         if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
             raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
         if prefill_order not in PREFILL_ORDERS:
@@ -171,6 +176,7 @@ class DecodeScheduler:
         self.max_batch_size, self.prefill_chunk, self.prefill_chunk_alone = max_batch_size, prefill_chunk, prefill_chunk_alone
         self.loop = Loop(worker, self._step, self._has_work, lambda: self.caches.settle())
         self.caches = CacheOwner(model, self.loop, self.in_use, **cache_settings)
+        self.packed = packed_steps and self.caches.packs
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
         atexit.register(_shut_down_at_exit, weakref.ref(self))  # before the worker's: atexit runs last first
@@ -243,8 +249,11 @@ class DecodeScheduler:
     def _step(self) -> None:
         try:
             self._admit()
-            self._prefill_chunks()
-            self._decode_once()
+            if self.packed:
+                self._packed_step()
+            else:
+                self._prefill_chunks()
+                self._decode_once()
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
             for request in self._drop_everyone():
                 self._finish(request, error)
@@ -260,24 +269,18 @@ class DecodeScheduler:
             self._finish(request)  # stopped before it started: its cache was not touched
 
     def _prefill_chunks(self) -> None:
-        """Roll newcomers back and prefill them within this step's budget, shortest remaining
-        prefill first (see the module's docstring)."""
+        """Without packed steps (linear attention): roll newcomers back and prefill them on their
+        own caches within this step's budget, shortest remaining prefill first."""
         budget = self.prefill_chunk if self._requests.decoding else self.prefill_chunk_alone
-        order = (lambda r: _remaining_prefill(r) - budget * r.passed_over) if self.prefill_order == "shortest" else None
-        for request in sorted(self._requests.prefilling, key=order) if order else list(self._requests.prefilling):
+        for request in self._prefill_order(budget):
             if budget == 0:
                 request.passed_over += 1
                 continue
             request.passed_over = 0
             session, work = request.session, request.work
-            held = len(session.token_ids)
             try:
-                if request.prefill is None:
-                    request.started_at = time.perf_counter()
-                    request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
-                    request.prefill = self.caches.begin(session, request.prompt_ids, work.keep, work.prefix_store,
-                                                        work.shared_prefix_length)
-                    held = len(session.token_ids)
+                self._begin(request)
+                held = len(session.token_ids)
                 ready = request.stop.is_set() or self.caches.prefill(
                     session, request.prompt_ids, budget, work.prefix_store, work.shared_prefix_length)
             except BaseException as error:
@@ -287,9 +290,90 @@ class DecodeScheduler:
             if request.stop.is_set():
                 self._leave_prefill(request)
             elif ready:
-                with self._requests.lock:
-                    self._requests.prefilling.remove(request)
-                    self._requests.decoding.append(request)
+                self._start_decoding(request)
+
+    def _prefill_order(self, budget: int) -> list[GenerationRequest]:
+        """Shortest remaining prefill first, each step passed over counting one budget in its
+        favour (so short messages cannot starve a long one); or in arrival order."""
+        if self.prefill_order != "shortest":
+            return list(self._requests.prefilling)
+        return sorted(self._requests.prefilling, key=lambda r: _remaining_prefill(r) - budget * r.passed_over)
+
+    def _begin(self, request: GenerationRequest) -> None:
+        """Its first turn: its sampler, and its cache rolled back to where the prompt parts from it."""
+        if request.prefill is None:
+            work = request.work
+            request.started_at = time.perf_counter()
+            request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
+            request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
+                                                work.shared_prefix_length)
+
+    def _start_decoding(self, request: GenerationRequest) -> None:
+        with self._requests.lock:
+            self._requests.prefilling.remove(request)
+            self._requests.decoding.append(request)
+
+    def _packed_step(self) -> None:
+        """One forward: the next token of every decoding row and this step's prefill pieces
+        (cache_sessions/resident.py), so the running replies advance in the same forward that
+        prefills the newcomers."""
+        for request in [r for r in self._requests.decoding if r.stop.is_set()]:
+            self._leave([request])  # its last chosen token stays unfed, as after `generate`
+        pieces = self._plan_pieces()
+        decoding = list(self._requests.decoding)
+        rows = [(r.session, [r.next_input]) for r in decoding] + [(r.session, piece) for r, piece in pieces]
+        if not rows:
+            return
+        try:
+            logits = self.caches.forward_rows(rows, list(range(len(decoding))))
+        except BaseException as error:  # every row's states may hold part of the step
+            self._leave(decoding, error)
+            for request, _ in pieces:
+                self._leave_prefill(request, error)
+            return
+        for request, _ in pieces:
+            work = request.work
+            try:
+                ready = self.caches.piece_fed(request.session, request.prompt_ids, work.prefix_store,
+                                              work.shared_prefix_length)
+            except BaseException as error:
+                self._leave_prefill(request, error)
+                continue
+            if ready:
+                self._start_decoding(request)
+        if decoding:
+            with self._requests.lock:
+                self._counters.step(decoding)
+            ended = _choose_tokens(decoding, logits)
+            if ended:
+                self._leave(ended)
+
+    def _plan_pieces(self) -> list[tuple[GenerationRequest, list[int]]]:
+        """This step's prefill pieces within its budget, shortest remaining prefill first (see the
+        module's docstring); a request with only its last token left starts decoding now."""
+        budget = self.prefill_chunk if self._requests.decoding else self.prefill_chunk_alone
+        pieces: list[tuple[GenerationRequest, list[int]]] = []
+        for request in self._prefill_order(budget):
+            if budget == 0:
+                request.passed_over += 1
+                continue
+            request.passed_over = 0
+            work = request.work
+            try:
+                self._begin(request)
+                piece = [] if request.stop.is_set() else self.caches.prefill_piece(
+                    request.session, request.prompt_ids, budget, work.prefix_store, work.shared_prefix_length)
+            except BaseException as error:
+                self._leave_prefill(request, error)
+                continue
+            if request.stop.is_set():
+                self._leave_prefill(request)
+            elif piece:
+                pieces.append((request, piece))
+                budget -= len(piece)
+            else:
+                self._start_decoding(request)
+        return pieces
 
     def _decode_once(self) -> None:
         for request in [r for r in self._requests.decoding if r.stop.is_set()]:

@@ -158,9 +158,11 @@ def test_offloaded_engine_round_trips_through_cuda(models, tokenizers):
 
 
 def test_the_batched_copy_counts_in_the_budget(make_engine, models, monkeypatch):
-    """Bytes held outside the sessions (the decode batch's copy) push idle sessions out too."""
-    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)  # replies run to their limit
-    engine = make_engine("full")
+    """Linear attention decodes on a gathered batch: bytes held outside the sessions (its copy)
+    push idle sessions out too."""
+    monkeypatch.setattr(models["hybrid"].generation_config, "eos_token_id", None)  # replies run to their limit
+    engine = make_engine("hybrid")
+    assert not engine.scheduler.packed
     idle = engine.conversation()
     list(idle.send("Hello?", **GREEDY))
     one, two = engine.conversation(), engine.conversation()
@@ -173,6 +175,26 @@ def test_the_batched_copy_counts_in_the_budget(make_engine, models, monkeypatch)
     engine.caches.budget_bytes = stats.cache_bytes - stats.batch_bytes // 2  # only over because of the batch
     engine.caches.enforce_budget()
     assert idle.session.nbytes() == 0 and engine.caches.stats().evictions == 1
+    for stream in streams:
+        stream.close()
+
+
+def test_rows_decoding_together_hold_their_states_once(make_engine, models, monkeypatch):
+    """Packed steps read each session's cache in place: while two decode, the caches hold the
+    three sessions' own bytes and nothing else (read on the loop, between two steps)."""
+    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
+    engine = make_engine("full")
+    assert engine.scheduler.packed
+    idle = engine.conversation()
+    list(idle.send("Hello?", **GREEDY))
+    one, two = engine.conversation(), engine.conversation()
+    streams = [streaming(conv, max_new_tokens=200, do_sample=False) for conv in (one, two)]
+    for stream in streams:
+        next(stream)
+    stats, own, decoding = engine.caches.loop.call(lambda: (
+        engine.caches.stats(), sum(conv.session.nbytes() for conv in (idle, one, two)),
+        engine.batch_stats().decoding))
+    assert decoding == 2 and stats.batch_bytes == 0 and stats.cache_bytes == own > 0
     for stream in streams:
         stream.close()
 

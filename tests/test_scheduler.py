@@ -127,15 +127,23 @@ def hooks(monkeypatch):
 
 @pytest.fixture
 def batches(monkeypatch):
-    """Every batch composition the scheduler builds, as tuples of session ids."""
+    """Every batch composition the scheduler decodes, as tuples of session ids: the decode rows
+    of each packed forward, or each gathered batch built (linear attention)."""
     built: list[tuple[int, ...]] = []
-    original = cache_sessions.owner.decode_batch
+    gathered, packed = cache_sessions.owner.decode_batch, cache_sessions.owner.forward_rows
 
     def recording(model, sessions):
         built.append(tuple(id(session) for session in sessions))
-        return original(model, sessions)
+        return gathered(model, sessions)
+
+    def recording_packed(model, rows, logits_of):
+        decoded = tuple(id(rows[i][0]) for i in logits_of)
+        if decoded and (not built or built[-1] != decoded):  # a composition, as the gathered path counts them
+            built.append(decoded)
+        return packed(model, rows, logits_of)
 
     monkeypatch.setattr(cache_sessions.owner, "decode_batch", recording)
+    monkeypatch.setattr(cache_sessions.owner, "forward_rows", recording_packed)
     return built
 
 
@@ -268,17 +276,18 @@ def test_seeded_sampling_is_the_same_batched_or_alone_and_follows_the_warpers(ma
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, models, tokenizers, hooks,
                                                                    monkeypatch):
+    """Each step is one forward: the running reply's next token and at most one chunk."""
     model = models["full"]
     engine = make_engine("full", prefill_chunk=16)
     runner, newcomer = engine.conversation("You are terse."), engine.conversation("You are terse.")
-    forwards: list[tuple[int, int]] = []  # (rows, tokens per row) of every forward pass
-    forward = model.forward
+    forwards: list[tuple[int, list[int]]] = []  # (decode rows, tokens of each prefill piece) per forward
+    packed = cache_sessions.owner.forward_rows
 
-    def logged(*args, **kwargs):
-        forwards.append(tuple(kwargs["input_ids"].shape))
-        return forward(*args, **kwargs)
+    def logged(model, rows, logits_of):
+        forwards.append((len(logits_of), [len(fed) for _, fed in rows[len(logits_of):]]))
+        return packed(model, rows, logits_of)
 
-    monkeypatch.setattr(model, "forward", logged)
+    monkeypatch.setattr(cache_sessions.owner, "forward_rows", logged)
     consumer = Consumer(runner, runner.send("Talk for a while.", max_new_tokens=PAUSES_AT_THIRD_TOKEN,
                                             do_sample=False))
     assert hooks["reached"].wait(60)
@@ -291,13 +300,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, 
     assert consumer.error is None and late.error is None
     after = forwards[arrived:]
     prompt_length = newcomer.stats.prompt_tokens
-    chunks = [shape for shape in after if shape[1] > 1]
-    assert len(chunks) >= (prompt_length - 1) // 16 >= 4  # the prompt really needed several chunks
-    assert all(tokens <= 16 for _, tokens in after)
-    first_joint = next(i for i, shape in enumerate(after) if shape[0] == 2)
+    first_joint = next(i for i, (decoding, _) in enumerate(after) if decoding == 2)
     prefill_phase = after[:first_joint]
-    for earlier, later in zip(prefill_phase, prefill_phase[1:]):  # never two chunks in a row: the
-        assert earlier[1] == 1 or later[1] == 1  # runner decodes one step between any two chunks
+    pieces = [tokens for _, step in prefill_phase for tokens in step]
+    assert len(pieces) >= (prompt_length - 1) // 16 >= 4  # the prompt really needed several chunks
+    assert sum(pieces) <= prompt_length - 1 and all(tokens <= 16 for tokens in pieces)
+    # the runner's token rides in every forward that prefills: it never waits for a chunk
+    assert all(decoding == 1 and len(step) <= 1 for decoding, step in prefill_phase)
     check_exact(runner, model, tokenizers[THINKING_TEMPLATE], max_new_tokens=PAUSES_AT_THIRD_TOKEN)
     check_exact(newcomer, model, tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
 

@@ -1,0 +1,90 @@
+"""Packed steps (cache_sessions/resident.py): decode rows and prefill pieces of several sessions in
+one forward, each on its own cache, give every row what it gives alone.
+
+The reference is a from-scratch forward over each row's whole sequence (no cache at all), and
+greedy `generate` from scratch on each prompt."""
+
+import pytest
+import torch
+
+from cache_sessions import CacheSession
+from cache_sessions.kv_cache import KVCacheKind
+from cache_sessions.resident import forward_rows, packs
+from reference import (LOGIT_TOLERANCE, QUANTIZED_LOGIT_TOLERANCE, cached_vs_scratch_logit_error, fresh,
+                       scratch_greedy_reply)
+
+PROMPTS = [list(range(30, 42)), list(range(50, 75)), list(range(90, 130))]  # 12, 25 and 40 tokens
+STEPS, CHUNK = 6, 7
+
+
+def ready(model, prompt: list[int], kv_cache: KVCacheKind) -> CacheSession:
+    session = CacheSession(model, kv_cache=kv_cache)
+    session.prepare(prompt)
+    session.extend(prompt[len(session.token_ids):-1])
+    return session
+
+
+@torch.no_grad()
+def scratch_logits(model, token_ids: list[int], kv_cache: KVCacheKind) -> torch.Tensor:
+    """One forward over the whole sequence; into an empty cache of the kind for a quantized one
+    (what its states are quantized from), with no cache at all otherwise."""
+    quantized = kv_cache.name == "quantized"
+    return model(input_ids=torch.tensor([token_ids]), past_key_values=fresh(kv_cache if quantized else None, model),
+                 use_cache=quantized).logits[0, -1]
+
+
+@pytest.mark.parametrize("arch,kv_cache", [("full", KVCacheKind()), ("sliding", KVCacheKind()), ("mixed", KVCacheKind()),
+                                           ("full", KVCacheKind("quantized", 8))])
+def test_decode_rows_and_prefill_chunks_in_one_forward_give_each_row_its_own_result(models, arch, kv_cache):
+    """Two sessions decode while a third is prefilled 7 tokens a step beside them in the same
+    forwards, then decodes with them: every chosen token and logit is the scratch forward's, and
+    every cache ends exact (and rolls back exactly)."""
+    model = models[arch]
+    tolerance = QUANTIZED_LOGIT_TOLERANCE[kv_cache.bits] if kv_cache.name == "quantized" else LOGIT_TOLERANCE
+    sessions = [ready(model, prompt, kv_cache) for prompt in PROMPTS[:2]] + [CacheSession(model, kv_cache=kv_cache)]
+    sessions[2].prepare(PROMPTS[2], prefill=False)
+    assert packs(sessions)
+    sequences = [list(prompt) for prompt in PROMPTS]  # what each row has fed or will feed next
+    decoding, worst, mixed_steps = [0, 1], 0.0, 0
+    while any(len(sequences[row]) - len(PROMPTS[row]) < STEPS for row in decoding) or len(decoding) < 3:
+        rows = [(sessions[row], [sequences[row][-1]]) for row in decoding]
+        if 2 not in decoding:
+            held = len(sessions[2].token_ids)
+            rows.append((sessions[2], PROMPTS[2][held:min(held + CHUNK, len(PROMPTS[2]) - 1)]))
+            mixed_steps += 1
+        logits = forward_rows(model, rows, list(range(len(decoding))))
+        for session, fed in rows:
+            session.note_extended(fed)
+        for index, row in enumerate(decoding):
+            worst = max(worst, float((logits[index] - scratch_logits(model, sequences[row], kv_cache)).abs().max()))
+            sequences[row].append(int(logits[index].argmax()))
+        if 2 not in decoding and len(sessions[2].token_ids) == len(PROMPTS[2]) - 1:
+            decoding.append(2)  # prefilled: its last prompt token is fed by the next step
+    assert mixed_steps == -(-(len(PROMPTS[2]) - 1) // CHUNK) >= 5
+    assert worst < tolerance
+    for session, prompt, sequence in zip(sessions, PROMPTS, sequences):
+        reply = sequence[len(prompt):]
+        assert reply == scratch_greedy_reply(model, prompt, len(reply), eos_ids=set())
+        assert session.token_ids == sequence[:-1]  # the last chosen token is not fed yet
+        assert cached_vs_scratch_logit_error(model, session.cache, session.token_ids, 7, kv_cache) < tolerance
+    back = sessions[2]  # rolls back into the packed reply exactly
+    assert back.prepare(back.token_ids[:-3] + [5]).reused_tokens > 0
+    assert cached_vs_scratch_logit_error(model, back.cache, back.token_ids, 7, kv_cache) < tolerance
+
+
+def test_linear_attention_does_not_pack(models):
+    """A recurrent state has no per-row span in a packed sequence: those models keep the
+    gathered batch (cache_sessions/batch.py)."""
+    assert not packs([CacheSession(models["hybrid"])])
+    assert packs([CacheSession(models["full"])])
+
+
+def test_a_packed_forward_leaves_the_model_as_it_was(models):
+    """The attention implementation is switched for the packed forward only, also when it raises."""
+    model = models["full"]
+    before = model.config._attn_implementation
+    session = ready(model, PROMPTS[0], KVCacheKind())
+    with pytest.raises(ValueError, match="at least one token"):
+        forward_rows(model, [(session, [])], [])
+    forward_rows(model, [(session, [PROMPTS[0][-1]])], [0])
+    assert model.config._attn_implementation == before
