@@ -8,7 +8,8 @@ Module map:
   segments.py     the states a span of tokens added, cut out to be put back (reply versions)
   tensors.py      walking nested states: find, move and measure their tensors
   branches.py     which messages a cache holds; keeping and putting back a branch's states
-  batch.py        several sessions' caches as one batched cache for decode steps, and back (one row: its own)
+  resident.py     one packed forward for many sessions, each appending to and reading its own cache in place
+  batch.py        linear attention: several sessions' caches gathered as one batched cache, and back
   prefixes.py     shared prefilled prefixes (system prompts) for new sessions
   owner.py        the one owner of every session's states: applies each change on the loop, pins, budget
   eviction.py     what the budget frees first: kept branches, then idle sessions (cold tier), then prefixes

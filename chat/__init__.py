@@ -16,7 +16,7 @@ Module map:
   local.py         replies from the embedded engine (the scheduler and the cache owner)
   served.py        replies from an OpenAI-compatible server
   remote.py        replies from a ZeroGPU worker process
-  scheduler.py     the one loop: cache commands, chunked prefill and one batched decode step for all replies
+  scheduler.py     the one loop: cache commands, then one packed forward a step (decode rows and prefill chunks)
   sampling.py      the next token of one row: transformers' logits processors, greedy or seeded sampling
   detokenizer.py   streamed token ids to text deltas, whole characters only
   templates.py     rendering history to prompt ids with the tokenizer's chat template
