@@ -12,20 +12,31 @@ locked (flock) while the store lives: a second process on the same `--cache-dir`
 while the old process still runs, neither deletes nor reads the other's files. At start, folders
 whose lock nobody holds (a process that died) are removed; at close, the store's own.
 
-A file is a header, one safetensors blob of the session's tensors, the rest of the session (the
-cache's layer objects, the rollback kinds, checkpoints, segments, the ledger) pickled with each
-tensor replaced by its index, and a keyed BLAKE2b digest of all of it under a key that lives only
-in this store's memory. Nothing is parsed before the digest matches, so a flipped bit, a file of
+Disk work runs beside the engine's loop, never in it (issue #30: a 51 MiB spill stalled every
+decoding user by 223 ms). A spill only moves the session's states out of it, to a pending write
+(no copy), and a writer thread writes them one tensor at a time; the memory goes when the file
+is written. A session needed again before that takes its states straight back. A read can be
+started ahead (`ready`: the scheduler does so for a request whose session is on disk, and lets it
+wait while the others decode); a `resume` with no read started reads on the spot.
+
+A file is a header, a table of the tensors' dtypes and shapes, their raw bytes one after another,
+the rest of the session (the cache's layer objects, the rollback kinds, checkpoints, segments,
+the ledger) pickled with each tensor replaced by its index, and a keyed BLAKE2b digest of all of
+it under a key that lives only in this store's memory. Tensors are read straight into their own
+buffers and the pickle is parsed only once the digest matches, so a flipped bit, a file of
 another process or a replaced file is refused (the session rebuilds from its text) and never
-unpickled; and the unpickler accepts only the classes a session is made of (`_ALLOWED`).
+unpickled; and the unpickler accepts only the classes a session is made of (`_ALLOWED`). Peak
+memory while writing or reading is the session's own size and one tensor.
 """
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import hmac
 import io
+import json
 import os
 import pickle
 import shutil
@@ -34,13 +45,13 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
 from cache_sessions.states import CacheStates
 
@@ -53,6 +64,8 @@ class ColdStats:
     spilled: int  # sessions written out for the budget, in all
     resumed: int  # read back for their next operation
     dropped: int  # files pushed out by the folder's bound (those sessions rebuild)
+    writing_bytes: int = 0  # states handed to the writer, still in memory until written
+    failed: int = 0  # writes that failed (those sessions rebuild, as after an eviction)
 
 
 class _Pickler(pickle.Pickler):
@@ -85,13 +98,36 @@ _ALLOWED = {
     "torch": {"device", "float32", "float16", "bfloat16", "float64"},
     "transformers.cache_utils": {"DynamicCache", "DynamicLayer", "DynamicSlidingWindowLayer", "LinearAttentionLayer"},
 }
-_MAGIC = b"rewind-chat cold 2\0"
-_HEADER = struct.Struct("<QQ")  # the tensors' bytes, the pickle's bytes
+_MAGIC = b"rewind-chat cold 3\0"
+_HEADER = struct.Struct("<QQQ")  # the table's bytes, the tensors' bytes, the pickle's bytes
 _DIGEST_BYTES = 64
+_DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
+                                           torch.uint8, torch.int32, torch.int64, torch.bool)}
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes, contiguous on the CPU (a copy only of this tensor, where it is a view)."""
+    return memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _read_exact(file: BinaryIO, count: int) -> bytes:
+    data = file.read(count)
+    if len(data) != count:
+        raise ValueError("the file is shorter than its header says")
+    return data
+
+
+@dataclass(eq=False)
+class _Write:
+    """States handed to the writer: held here, in memory, until their file is written."""
+
+    states: CacheStates
+    nbytes: int
+    future: Future | None = None
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: dict[str, torch.Tensor]):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]):
         super().__init__(file)
         self._tensors = tensors
 
@@ -102,9 +138,9 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
         kind, index, device = pid
-        if kind != "tensor":
+        if kind != "tensor" or not isinstance(index, int) or not 0 <= index < len(self._tensors):
             raise pickle.UnpicklingError(f"unknown reference {kind!r}")
-        return self._tensors[str(index)].to(device)
+        return self._tensors[index].to(device)
 
 
 class ColdStore:
@@ -120,108 +156,207 @@ class ColdStore:
         self._held = open(self.own / "lock", "w")  # noqa: SIM115 (held open: the lock lasts as long as the store)
         fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._key = os.urandom(32)  # only this store can write a file it will accept
-        # session -> (its file, bytes), oldest first; keyed by the object itself, never by a reusable id
+        # Keyed by the session object itself, never by a reusable id. Files: oldest first.
         self._files: OrderedDict[CacheStates, tuple[Path, int]] = OrderedDict()
-        self._lock = threading.Lock()  # the loop changes the files; `stats` is read from any thread
-        self.spilled = self.resumed = self.dropped = 0
+        self._writes: dict[CacheStates, _Write] = {}  # handed to the writer, not yet in a file
+        self._reads: dict[CacheStates, Future] = {}  # files being read ahead
+        self.spilled = self.resumed = self.dropped = self.failed = 0
+        self._start_threads()
+        os.register_at_fork(after_in_child=self._start_threads)  # a forked worker inherits no thread
+
+    def _start_threads(self) -> None:
+        """The disk threads (started on first use). Each is an executor's, not a daemon: at exit the
+        interpreter waits for a write in hand instead of stopping a thread inside torch."""
+        self._lock = threading.Lock()  # the loop and the disk threads change the tables; `stats` from any thread
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="cold-writer")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="cold-reader")
 
     def holds(self, session: CacheStates) -> bool:
-        return session in self._files
+        """Whether its states are here (on disk, or on their way there)."""
+        with self._lock:
+            return session in self._files or session in self._writes or session in self._reads
 
     def stats(self) -> ColdStats:
         with self._lock:
             return ColdStats(sessions=len(self._files), bytes=self._bytes(), max_bytes=self.max_bytes,
-                             spilled=self.spilled, resumed=self.resumed, dropped=self.dropped)
+                             spilled=self.spilled, resumed=self.resumed, dropped=self.dropped,
+                             writing_bytes=sum(write.nbytes for write in self._writes.values()), failed=self.failed)
 
     def _bytes(self) -> int:
         return sum(n for _, n in self._files.values())
 
+    def flush(self) -> None:
+        """Wait until every write handed over so far has ended (tests, benchmarks)."""
+        with self._lock:
+            futures = [write.future for write in self._writes.values() if write.future is not None]
+        wait_for(futures)
+
+    # ---- the loop ------------------------------------------------------------------------------
     def spill(self, session: CacheStates) -> bool:
-        """Write `session`'s states here and free them in memory. False (nothing written, nothing
-        freed, no other file dropped): its file alone would not fit the folder's bound, or writing
-        it failed in any way (a full disk, no memory to serialize): the budget evicts instead."""
-        path: Path | None = None
-        try:
-            parts = self._serialized(session)
-            size = sum(len(part) for part in parts)
-            if size > self.max_bytes:
-                return False
-            handle, name = tempfile.mkstemp(prefix="session-", suffix=".cold", dir=self.own)
-            path = Path(name)
-            with open(handle, "wb") as file:
-                for part in parts:  # written one by one: no joined copy
-                    file.write(part)
-        except Exception:  # noqa: BLE001 (whatever failed, the session stays as it was in memory)
-            if path is not None:
-                path.unlink(missing_ok=True)
+        """Hand `session`'s states to the writer and leave it released (its memory goes once they
+        are written). False (nothing handed over): its states alone would not fit the folder's
+        bound, and the budget evicts instead. A write that fails later loses them (the session
+        rebuilds, as after an eviction) and drops no other file."""
+        nbytes = session.nbytes()
+        if nbytes > self.max_bytes:
             return False
-        with self._lock:  # older files make room only once this one is safely written
-            while self._files and self._bytes() + size > self.max_bytes:
-                self._drop_oldest()
-            self._files[session] = (path, size)
-            self.spilled += 1
-        session.release()  # marks its states lost: what it says if its file is pushed out
+        write = _Write(copy.copy(session), nbytes)  # takes its objects: release() gives it new ones
+        session.release()  # marks its states lost: what it says if its file is pushed out or fails
+        with self._lock:
+            self._writes[session] = write
+            write.future = self._writer.submit(self._write, session, write)
         return True
 
-    def _serialized(self, session: CacheStates) -> tuple[bytes, ...]:
-        buffer = io.BytesIO()
-        pickler = _Pickler(buffer)
-        pickler.dump(session)
-        # each tensor copied on its own: views of one storage (crops) cannot share a safetensors entry
-        tensors = {str(i): t.detach().to("cpu").contiguous().clone() for i, t in enumerate(pickler.tensors)}
-        data = save_tensors(tensors)
-        del tensors
-        structure = buffer.getvalue()
-        header = _MAGIC + _HEADER.pack(len(data), len(structure))
-        digest = hashlib.blake2b(key=self._key, digest_size=_DIGEST_BYTES)
-        for part in (header, data, structure):
-            digest.update(part)
-        return header, data, structure, digest.digest()
+    def ready(self, session: CacheStates, when_ready: Callable[[], None]) -> bool:
+        """Whether `session`'s states can be put back without waiting on the disk. If not, its file
+        starts being read beside the loop and `when_ready` is called once it has been."""
+        with self._lock:
+            if session in self._reads:
+                return self._reads[session].done()
+            entry = self._files.pop(session, None)
+            if entry is None:
+                return True  # in memory, or in a pending write (taken back at once)
+            future = self._reader.submit(self._read_and_remove, entry[0])
+            self._reads[session] = future
+        future.add_done_callback(lambda _: when_ready())
+        return False
 
     def resume(self, session: CacheStates) -> bool:
-        """Put `session`'s states back from its file (deleted afterwards). False: none here, or it
-        could not be read (the session then rebuilds at its next turn, as after an eviction)."""
+        """Put `session`'s states back: from its pending write, from its read ahead (waiting for it
+        if it is still running), or from its file. False: none here, or its file could not be
+        read (the session then rebuilds at its next turn, as after an eviction)."""
         with self._lock:
-            entry = self._files.pop(session, None)
-        if entry is None:
-            return False
-        path, _ = entry
+            write = self._writes.pop(session, None)
+            read = self._reads.pop(session, None)
+            entry = self._files.pop(session, None) if write is None and read is None else None
         try:
-            restored = self._read(path)
+            if write is not None:
+                assert write.future is not None
+                if not write.future.cancel():
+                    wait_for([write.future])  # it is being written: it discards its file when done
+                restored = write.states
+            elif read is not None:
+                restored = read.result()
+            elif entry is not None:
+                restored = self._read_and_remove(entry[0])
+            else:
+                return False
         except Exception:  # noqa: BLE001 (a damaged, foreign or vanished file: the states are lost, not the turn)
             return False
-        finally:
-            path.unlink(missing_ok=True)
         session.take_state_of(restored)
         with self._lock:
             self.resumed += 1
         return True
 
-    def _read(self, path: Path) -> CacheStates:
-        """The session a file holds, once its digest proves this store wrote it as it is."""
-        blob = memoryview(path.read_bytes())
-        body, digest = blob[:-_DIGEST_BYTES], blob[-_DIGEST_BYTES:]
-        if not hmac.compare_digest(hashlib.blake2b(body, key=self._key, digest_size=_DIGEST_BYTES).digest(), digest):
-            raise ValueError(f"{path.name}: not a file this store wrote, or changed since")
-        start = len(_MAGIC) + _HEADER.size
-        tensor_bytes, structure_bytes = _HEADER.unpack(body[len(_MAGIC) : start])
-        tensors = load_tensors(bytes(body[start : start + tensor_bytes]))
-        structure = body[start + tensor_bytes : start + tensor_bytes + structure_bytes]
-        return _Unpickler(io.BytesIO(structure), tensors).load()
-
     def discard(self, session: CacheStates) -> None:
-        """Its session closed: its file goes."""
+        """Its session closed: its file, pending write or read goes."""
         with self._lock:
+            write = self._writes.pop(session, None)
+            read = self._reads.pop(session, None)
             entry = self._files.pop(session, None)
+        if write is not None and write.future is not None:
+            write.future.cancel()
+        if read is not None:
+            read.cancel()
         if entry is not None:
             entry[0].unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Its files and folder go (at the engine's end, or at exit)."""
+        """Its files and folder go (at the engine's end, or at exit); writes not begun are dropped."""
         with self._lock:
             self._files.clear()
+            self._writes.clear()
+            self._reads.clear()
+        self._writer.shutdown(wait=False, cancel_futures=True)
+        self._reader.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self.own, ignore_errors=True)
         self._held.close()
+
+    # ---- the disk threads ----------------------------------------------------------------------
+    def _write(self, session: CacheStates, write: _Write) -> None:
+        path: Path | None = None
+        try:
+            path, size = self._write_file(write.states)
+        except Exception:  # noqa: BLE001 (a full disk, no memory: the states are lost, no other file is)
+            if path is not None:
+                path.unlink(missing_ok=True)
+            with self._lock:
+                if self._writes.get(session) is write:
+                    del self._writes[session]
+                    self.failed += 1
+            return
+        with self._lock:  # older files make room only once this one is safely written
+            if self._writes.get(session) is not write:  # taken back, discarded or closed meanwhile
+                path.unlink(missing_ok=True)
+                return
+            del self._writes[session]
+            while self._files and self._bytes() + size > self.max_bytes:
+                self._drop_oldest()
+            self._files[session] = (path, size)
+            self.spilled += 1
+
+    def _write_file(self, states: CacheStates) -> tuple[Path, int]:
+        buffer = io.BytesIO()
+        pickler = _Pickler(buffer)
+        pickler.dump(states)
+        structure, tensors = buffer.getvalue(), pickler.tensors
+        table = json.dumps([[str(t.dtype), list(t.shape)] for t in tensors]).encode()
+        tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        header = _MAGIC + _HEADER.pack(len(table), tensor_bytes, len(structure))
+        size = len(header) + len(table) + tensor_bytes + len(structure) + _DIGEST_BYTES
+        if size > self.max_bytes:
+            raise ValueError("larger than the whole folder may hold")
+        digest = hashlib.blake2b(key=self._key, digest_size=_DIGEST_BYTES)
+        handle, name = tempfile.mkstemp(prefix="session-", suffix=".cold", dir=self.own)
+        path = Path(name)
+        try:
+            with open(handle, "wb") as file:
+                for part in (header, table, *(_raw(t) for t in tensors), structure):  # one tensor at a time
+                    file.write(part)
+                    digest.update(part)
+                file.write(digest.digest())
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return path, size
+
+    def _read_and_remove(self, path: Path) -> CacheStates:
+        try:
+            return self._read(path)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _read(self, path: Path) -> CacheStates:
+        """The session a file holds, each tensor read into its own buffer; parsed only once the
+        digest proves this store wrote it as it is."""
+        digest = hashlib.blake2b(key=self._key, digest_size=_DIGEST_BYTES)
+        with open(path, "rb") as file:
+            fixed = _read_exact(file, len(_MAGIC) + _HEADER.size)
+            if not fixed.startswith(_MAGIC):
+                raise ValueError(f"{path.name}: not a file of this store's format")
+            table_bytes, tensor_bytes, structure_bytes = _HEADER.unpack(fixed[len(_MAGIC):])
+            if len(fixed) + table_bytes + tensor_bytes + structure_bytes + _DIGEST_BYTES != os.fstat(file.fileno()).st_size:
+                raise ValueError(f"{path.name}: its size is not what its header says")
+            table_raw = _read_exact(file, table_bytes)
+            table = [(_DTYPES[dtype], [int(n) for n in shape]) for dtype, shape in json.loads(table_raw)]
+            if sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+                   for dtype, shape in table) != tensor_bytes:
+                raise ValueError(f"{path.name}: its tensors do not add up to its header")
+            for part in (fixed, table_raw):
+                digest.update(part)
+            tensors = []
+            for dtype, shape in table:
+                tensor = torch.empty(shape, dtype=dtype)
+                raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                if file.readinto(raw) != len(raw):
+                    raise ValueError(f"{path.name}: cut short")
+                digest.update(raw)
+                tensors.append(tensor)
+            structure = _read_exact(file, structure_bytes)
+            digest.update(structure)
+            if not hmac.compare_digest(digest.digest(), _read_exact(file, _DIGEST_BYTES)):
+                raise ValueError(f"{path.name}: not a file this store wrote, or changed since")
+        return _Unpickler(io.BytesIO(structure), tensors).load()
 
     def _drop_oldest(self) -> None:
         _, (path, _) = self._files.popitem(last=False)

@@ -126,12 +126,15 @@ class CacheOwner:
         return session.prepare(prompt_ids, prefix_store=prefix_store, shared_prefix_length=shared_prefix_length,
                                prefill=False)
 
-    def prefill(self, session: CacheSession, prompt_ids: Sequence[int], budget: int | None,
-                prefix_store: PrefixStore | None, shared_prefix_length: int) -> bool:
+    def feed(self, session: CacheSession, token_ids: list[int]) -> None:
+        """A prefill piece in a forward of its own, on the session's cache (models that cannot
+        pack); a failure releases the session (its states cannot be trusted)."""
         self._on_loop(session)
         try:
-            return session.prefill(prompt_ids, budget=budget, prefix_store=prefix_store,
-                                   shared_prefix_length=shared_prefix_length)
+            session.extend(token_ids)
+        except BaseException:
+            session.release()
+            raise
         finally:
             self._measure(session)
 
@@ -207,6 +210,11 @@ class CacheOwner:
         return nbytes
 
     # ---- the loop: other changes ---------------------------------------------------------------
+    def ready(self, session: CacheSession) -> bool:
+        """Whether an operation on `session` can begin without waiting on the disk. If not, its
+        states are being read beside the loop, which is woken once they are in."""
+        return self.cold_store is None or self.cold_store.ready(session, lambda: self.loop.post(lambda: None))
+
     def bring_back(self, session: CacheSession) -> None:
         """Its states into memory now, from the cold tier if they went there (every operation on a
         session does this first; this does it ahead, e.g. while its user types)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Collection, Iterator
 
 from cache_sessions.session import CacheSession
 
@@ -37,9 +37,10 @@ class RequestTable:
             return {request.session for request in (*self.waiting, *self.prefilling, *self.decoding)} | set(
                 self._elsewhere)
 
-    def has_work(self) -> bool:
+    def has_work(self, besides: Collection["GenerationRequest"] = ()) -> bool:
+        """Whether any request could go on, `besides` those (waiting on the disk)."""
         with self.lock:
-            return bool(self.waiting or self.prefilling or self.decoding)
+            return bool(self.waiting or self.decoding or any(r not in besides for r in self.prefilling))
 
     @contextmanager
     def held_elsewhere(self, session: CacheSession) -> Iterator[None]:
@@ -52,6 +53,28 @@ class RequestTable:
                 self._elsewhere[session] -= 1
                 if not self._elsewhere[session]:
                     del self._elsewhere[session]
+
+    def admit(self, rows: int) -> list["GenerationRequest"]:
+        """Waiting requests start prefilling while fewer than `rows` are admitted; returns those
+        stopped while they waited (out of the table, their caches never touched)."""
+        with self.lock:
+            stopped = [request for request in self.waiting if request.stop.is_set()]
+            for request in stopped:
+                self.waiting.remove(request)
+            while self.waiting and len(self.prefilling) + len(self.decoding) < rows:
+                self.prefilling.append(self.waiting.popleft())
+        return stopped
+
+    def start_decoding(self, request: "GenerationRequest") -> None:
+        with self.lock:
+            self.prefilling.remove(request)
+            self.decoding.append(request)
+
+    def remove(self, requests: list["GenerationRequest"]) -> None:
+        """Out of the table, from whichever list holds them."""
+        with self.lock:
+            for request in requests:
+                (self.decoding if request in self.decoding else self.prefilling).remove(request)
 
     def take_everyone(self) -> list["GenerationRequest"]:
         """Every request, out of the table (a fault of the scheduler itself ends them all)."""

@@ -183,6 +183,7 @@ class DecodeScheduler:
 
     def _reset(self) -> None:
         self._requests = RequestTable()
+        self._on_disk: set[GenerationRequest] = set()  # admitted, their states still being read
         self._counters = _Counters()
         self.loop.reset()
         self.caches.reset()
@@ -243,117 +244,42 @@ class DecodeScheduler:
 
     # ---- one step, on the compute thread ------------------------------------------------------
     def _has_work(self) -> bool:
-        return self._requests.has_work()
+        """Whether another step is due: not while the only requests left wait for the disk (the
+        read wakes the loop when it is done)."""
+        return self._requests.has_work(besides=self._on_disk)
 
     @torch.no_grad()
     def _step(self) -> None:
         try:
-            self._admit()
-            if self.packed:
-                self._packed_step()
-            else:
-                self._prefill_chunks()
-                self._decode_once()
+            for request in self._requests.admit(self.max_batch_size):
+                self._finish(request)  # stopped before it started: its cache was not touched
+            for request in [r for r in self._requests.decoding if r.stop.is_set()]:
+                self._leave([request])  # its last chosen token stays unfed, as after `generate`
+            pieces = self._plan_pieces()
+            decoding = list(self._requests.decoding)
+            fed, logits = (self._forward_packed if self.packed else self._forward_gathered)(decoding, pieces)
+            for request in fed:
+                self._piece_fed(request)
+            if logits is not None:
+                with self._requests.lock:
+                    self._counters.step(decoding)
+                if ended := _choose_tokens(decoding, logits):
+                    self._leave(ended)
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
             for request in self._drop_everyone():
                 self._finish(request, error)
 
-    def _admit(self) -> None:
-        with self._requests.lock:
-            stopped = [r for r in self._requests.waiting if r.stop.is_set()]
-            for request in stopped:
-                self._requests.waiting.remove(request)
-            while self._requests.waiting and len(self._requests.prefilling) + len(self._requests.decoding) < self.max_batch_size:
-                self._requests.prefilling.append(self._requests.waiting.popleft())
-        for request in stopped:
-            self._finish(request)  # stopped before it started: its cache was not touched
-
-    def _prefill_chunks(self) -> None:
-        """Without packed steps (linear attention): roll newcomers back and prefill them on their
-        own caches within this step's budget, shortest remaining prefill first."""
-        budget = self.prefill_chunk if self._requests.decoding else self.prefill_chunk_alone
-        for request in self._prefill_order(budget):
-            if budget == 0:
-                request.passed_over += 1
-                continue
-            request.passed_over = 0
-            session, work = request.session, request.work
-            try:
-                self._begin(request)
-                held = len(session.token_ids)
-                ready = request.stop.is_set() or self.caches.prefill(
-                    session, request.prompt_ids, budget, work.prefix_store, work.shared_prefix_length)
-            except BaseException as error:
-                self._leave_prefill(request, error)
-                continue
-            budget = max(0, budget - (len(session.token_ids) - held))
-            if request.stop.is_set():
-                self._leave_prefill(request)
-            elif ready:
-                self._start_decoding(request)
-
-    def _prefill_order(self, budget: int) -> list[GenerationRequest]:
-        """Shortest remaining prefill first, each step passed over counting one budget in its
-        favour (so short messages cannot starve a long one); or in arrival order."""
-        if self.prefill_order != "shortest":
-            return list(self._requests.prefilling)
-        return sorted(self._requests.prefilling, key=lambda r: _remaining_prefill(r) - budget * r.passed_over)
-
-    def _begin(self, request: GenerationRequest) -> None:
-        """Its first turn: its sampler, and its cache rolled back to where the prompt parts from it."""
-        if request.prefill is None:
-            work = request.work
-            request.started_at = time.perf_counter()
-            request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
-            request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
-                                                work.shared_prefix_length)
-
-    def _start_decoding(self, request: GenerationRequest) -> None:
-        with self._requests.lock:
-            self._requests.prefilling.remove(request)
-            self._requests.decoding.append(request)
-
-    def _packed_step(self) -> None:
-        """One forward: the next token of every decoding row and this step's prefill pieces
-        (cache_sessions/resident.py), so the running replies advance in the same forward that
-        prefills the newcomers."""
-        for request in [r for r in self._requests.decoding if r.stop.is_set()]:
-            self._leave([request])  # its last chosen token stays unfed, as after `generate`
-        pieces = self._plan_pieces()
-        decoding = list(self._requests.decoding)
-        rows = [(r.session, [r.next_input]) for r in decoding] + [(r.session, piece) for r, piece in pieces]
-        if not rows:
-            return
-        try:
-            logits = self.caches.forward_rows(rows, list(range(len(decoding))))
-        except BaseException as error:  # every row's states may hold part of the step
-            self._leave(decoding, error)
-            for request, _ in pieces:
-                self._leave_prefill(request, error)
-            return
-        for request, _ in pieces:
-            work = request.work
-            try:
-                ready = self.caches.piece_fed(request.session, request.prompt_ids, work.prefix_store,
-                                              work.shared_prefix_length)
-            except BaseException as error:
-                self._leave_prefill(request, error)
-                continue
-            if ready:
-                self._start_decoding(request)
-        if decoding:
-            with self._requests.lock:
-                self._counters.step(decoding)
-            ended = _choose_tokens(decoding, logits)
-            if ended:
-                self._leave(ended)
-
     def _plan_pieces(self) -> list[tuple[GenerationRequest, list[int]]]:
         """This step's prefill pieces within its budget, shortest remaining prefill first (see the
-        module's docstring); a request with only its last token left starts decoding now."""
+        module's docstring); newcomers are rolled back first, and one with only its last token
+        left starts decoding now."""
         budget = self.prefill_chunk if self._requests.decoding else self.prefill_chunk_alone
         pieces: list[tuple[GenerationRequest, list[int]]] = []
+        self._on_disk = set()
         for request in self._prefill_order(budget):
+            if request.prefill is None and not request.stop.is_set() and not self.caches.ready(request.session):
+                self._on_disk.add(request)  # its states are being read beside the loop: the others go on
+                continue
             if budget == 0:
                 request.passed_over += 1
                 continue
@@ -372,29 +298,76 @@ class DecodeScheduler:
                 pieces.append((request, piece))
                 budget -= len(piece)
             else:
-                self._start_decoding(request)
+                self._requests.start_decoding(request)
         return pieces
 
-    def _decode_once(self) -> None:
-        for request in [r for r in self._requests.decoding if r.stop.is_set()]:
-            self._leave([request])  # its last chosen token stays unfed, as after `generate`
-        rows = list(self._requests.decoding)
+    def _prefill_order(self, budget: int) -> list[GenerationRequest]:
+        """Shortest remaining prefill first, each step passed over counting one budget in its
+        favour (so short messages cannot starve a long one); or in arrival order."""
+        if self.prefill_order != "shortest":
+            return list(self._requests.prefilling)
+        return sorted(self._requests.prefilling, key=lambda r: _remaining_prefill(r) - budget * r.passed_over)
+
+    def _begin(self, request: GenerationRequest) -> None:
+        """Its first turn: its sampler, and its cache rolled back to where the prompt parts from it."""
+        if request.prefill is None:
+            work = request.work
+            request.started_at = time.perf_counter()
+            request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
+            request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
+                                                work.shared_prefix_length)
+
+    def _forward_packed(self, decoding: list[GenerationRequest], pieces: list[tuple[GenerationRequest, list[int]]]
+                        ) -> tuple[list[GenerationRequest], torch.Tensor | None]:
+        """One forward for the decode rows and the pieces, each on its own cache
+        (cache_sessions/resident.py). Returns the requests whose piece went in, and the decode
+        rows' logits (None: no decode row, or the forward failed and every row of it ended)."""
+        rows = [(r.session, [r.next_input]) for r in decoding] + [(r.session, piece) for r, piece in pieces]
         if not rows:
-            return
-        inputs = [request.next_input for request in rows]
+            return [], None
         try:
-            model_inputs = self.caches.decode_inputs([request.session for request in rows], inputs)
+            logits = self.caches.forward_rows(rows, list(range(len(decoding))))
+        except BaseException as error:  # every row's states may hold part of the step
+            self._leave(decoding, error)
+            for request, _ in pieces:
+                self._leave_prefill(request, error)
+            return [], None
+        return [request for request, _ in pieces], logits if decoding else None
+
+    def _forward_gathered(self, decoding: list[GenerationRequest], pieces: list[tuple[GenerationRequest, list[int]]]
+                          ) -> tuple[list[GenerationRequest], torch.Tensor | None]:
+        """Models that cannot pack (linear attention): each piece in a forward of its own, then the
+        decode rows in one forward on their gathered batch (cache_sessions/batch.py)."""
+        fed = []
+        for request, piece in pieces:
+            try:
+                self.caches.feed(request.session, piece)
+                fed.append(request)
+            except BaseException as error:
+                self._leave_prefill(request, error)
+        if not decoding:
+            return fed, None
+        inputs = [request.next_input for request in decoding]
+        try:
+            model_inputs = self.caches.decode_inputs([request.session for request in decoding], inputs)
             logits = self.model(**model_inputs, logits_to_keep=1).logits[:, -1]
         except BaseException as error:  # the batched states are unusable (their sessions are released)
             self.caches.drop_batch()
-            self._leave(rows, error, scatter=False)
-            return
+            self._leave(decoding, error, scatter=False)
+            return fed, None
         self.caches.decoded(inputs)
-        with self._requests.lock:
-            self._counters.step(rows)
-        ended = _choose_tokens(rows, logits)
-        if ended:
-            self._leave(ended)
+        return fed, logits
+
+    def _piece_fed(self, request: GenerationRequest) -> None:
+        work = request.work
+        try:
+            ready = self.caches.piece_fed(request.session, request.prompt_ids, work.prefix_store,
+                                          work.shared_prefix_length)
+        except BaseException as error:
+            self._leave_prefill(request, error)
+            return
+        if ready:
+            self._requests.start_decoding(request)
 
     def _leave(self, requests: list[GenerationRequest], error: BaseException | None = None,
                scatter: bool = True) -> None:
@@ -402,15 +375,12 @@ class DecodeScheduler:
         (the next step builds a batch for the rows left)."""
         if scatter:
             self.caches.scatter()
-        with self._requests.lock:
-            for request in requests:
-                self._requests.decoding.remove(request)
+        self._requests.remove(requests)
         for request in requests:
             self._finish(request, error)
 
     def _leave_prefill(self, request: GenerationRequest, error: BaseException | None = None) -> None:
-        with self._requests.lock:
-            self._requests.prefilling.remove(request)
+        self._requests.remove([request])
         self._finish(request, error)
 
     def _finish(self, request: GenerationRequest, error: BaseException | None = None) -> None:

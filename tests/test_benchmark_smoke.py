@@ -72,9 +72,12 @@ def test_cold_tier_benchmark_writes_the_documented_fields(tmp_path):
     from benchmarks.cold_tier import main as cold_tier
 
     out = tmp_path / "cold.json"
-    cold_tier(["--tokens", "64", "--repeats", "2", "--cache-dir", str(tmp_path / "cold"), "--json", str(out)])
+    cold_tier(["--tokens", "64", "--repeats", "2", "--cache-dir", str(tmp_path / "cold"), "--json", str(out),
+               "--stall-tokens", "200", "--stall-reply", "30"])
     result = json.loads(out.read_text())
     assert result["tokens"] == 64 and len(result["runs"]["resume_s"]) == 2
+    assert result["spill_s"] <= result["write_s"] and result["stall"]["file_bytes"] > 0
+    assert "worst_over_median" in result["stall"]
     assert result["file_bytes"] >= result["state_bytes"] > 0  # the file holds every byte of the states
     assert result["bytes_per_token"] == result["state_bytes"] / 64
     assert not list((tmp_path / "cold").glob("session-*.cold"))  # the store leaves nothing behind

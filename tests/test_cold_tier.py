@@ -4,6 +4,8 @@ and greedy replies (tests/reference.py) on every layer mix: full attention, a sl
 two mixed, and linear attention (whose rollbacks need the checkpoints that travel with it)."""
 
 import pickle
+import threading
+import time
 
 import pytest
 import torch
@@ -21,6 +23,11 @@ OPTIONS = dict(max_new_tokens=6, do_sample=False)
 
 def cold_files(folder):
     return sorted(folder.glob("process-*/session-*.cold"))
+
+
+def written(engine) -> None:
+    """Spills write beside the loop: wait until every write handed over has ended."""
+    engine.caches.cold_store.flush()
 
 
 def held(engine, conv):
@@ -59,6 +66,7 @@ def test_an_idle_conversation_over_the_budget_goes_to_disk_and_comes_back_exact(
     before = held(engine, alice)
     engine.caches.budget_bytes = int(alice.session.nbytes() * 1.2)  # room for one conversation
     list(bob.send("Something else entirely?", **OPTIONS))
+    written(engine)
     stats = engine.caches.stats()
     # the kept branch went first (the budget's order), then the whole session, to disk
     assert stats.segments_freed == 1 and alice.session.segment_count() == 0
@@ -74,6 +82,7 @@ def test_an_idle_conversation_over_the_budget_goes_to_disk_and_comes_back_exact(
     engine.caches.budget_bytes = (engine.caches.stats().shared_prefix_bytes + bob.session.nbytes()
                                   + alice.session.nbytes() // 2)
     engine.caches.enforce_budget()  # out again
+    written(engine)
     assert alice.session.nbytes() == 0 and len(cold_files(folder)) == 1
     for conv in (alice, twin):
         list(conv.send("One more?", **OPTIONS))
@@ -109,6 +118,7 @@ def test_the_folder_is_bounded_the_oldest_file_goes_and_that_conversation_rebuil
     engine.caches.budget_bytes = 0  # every idle conversation out
     engine.caches.cold_store.max_bytes = int(one * 1.6)  # room for one file (a file is a little more)
     engine.caches.enforce_budget()
+    written(engine)
     cold = engine.caches.stats().cold
     assert cold.sessions == 1 and cold.dropped == 2 and cold.bytes <= cold.max_bytes
     assert sum(path.stat().st_size for path in cold_files(folder)) == cold.bytes
@@ -131,6 +141,7 @@ def test_a_closed_conversation_leaves_no_file_and_the_store_keeps_other_files(ma
     list(conv.send("Hello there?", **OPTIONS))
     engine.caches.budget_bytes = 0
     engine.caches.enforce_budget()
+    written(engine)
     assert len(cold_files(folder)) == 1
     conv.close()
     engine.caches.enforce_budget()  # the loop has settled the close
@@ -160,6 +171,7 @@ def test_a_damaged_file_means_a_rebuild_that_says_so_not_a_failed_turn(make_engi
     list(conv.send("Hello there?", **OPTIONS))
     engine.caches.budget_bytes = 0
     engine.caches.enforce_budget()
+    written(engine)
     (path,) = cold_files(folder)
     path.write_bytes(path.read_bytes()[:100])  # cut short
     engine.caches.budget_bytes = None
@@ -175,6 +187,7 @@ def spilled(make_engine, folder, text="Hello there?"):
     list(conv.send(text, **OPTIONS))
     engine.caches.budget_bytes = 0
     engine.caches.enforce_budget()
+    written(engine)
     (path,) = [p for p in cold_files(folder) if p.parent == engine.caches.cold_store.own]
     engine.caches.budget_bytes = None
     return engine, conv, path
@@ -201,6 +214,7 @@ def test_a_flipped_bit_or_a_replaced_file_is_refused_unread(make_engine, tokeniz
 
     engine.caches.budget_bytes = 0
     engine.caches.enforce_budget()
+    written(engine)
     (path,) = cold_files(folder)
     path.write_bytes(pickle.dumps(Payload()))
     engine.caches.budget_bytes = None
@@ -222,6 +236,7 @@ def test_two_processes_on_one_cache_dir_keep_to_their_own_files(make_engine, tok
     check_exact(alice, first.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)
     first.caches.budget_bytes = 0
     first.caches.enforce_budget()
+    written(first)
     (alice_file,) = [p for p in cold_files(folder) if p.parent == first.caches.cold_store.own]
     alice_file.write_bytes(bob_file.read_bytes())  # another process's file in her place
     first.caches.budget_bytes = None
@@ -233,8 +248,9 @@ def test_two_processes_on_one_cache_dir_keep_to_their_own_files(make_engine, tok
 def test_a_spill_that_fails_in_any_way_evicts_and_drops_no_other_file(make_engine, tmp_path, monkeypatch):
     """Issue #33 (2): a MemoryError while serializing escaped `settle` and switched the budget
     off for good (225 KB held against a budget of 1 byte, the spill retried every round); and
-    older files were deleted to make room before a write that then failed. Now a failed spill
-    leaves the session to be evicted, and older files go only once the new one is written."""
+    older files were deleted to make room before a write that then failed. Now a write that
+    fails (beside the loop) loses that session's states, as an eviction would, and older files
+    go only once the new one is written."""
     folder = tmp_path / "cold"
     engine, kept, kept_file = spilled(make_engine, folder)
     engine.caches.cold_store.max_bytes = int(kept_file.stat().st_size * 1.5)  # a second file would push it out
@@ -244,17 +260,96 @@ def test_a_spill_that_fails_in_any_way_evicts_and_drops_no_other_file(make_engin
     def no_memory(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr(cache_sessions.cold, "save_tensors", no_memory)
+    monkeypatch.setattr(cache_sessions.cold, "_raw", no_memory)
     engine.caches.budget_bytes = 1
     engine.caches.enforce_budget()
+    written(engine)
     stats = engine.caches.stats()
-    assert stats.evictions == 1 and conv.session.nbytes() == 0 and stats.cache_bytes <= 1
+    assert stats.cold.failed == 1 and conv.session.nbytes() == 0 and stats.cache_bytes <= 1
     assert kept_file.exists() and stats.cold.sessions == 1 and stats.cold.dropped == 0
+    assert [p for p in cold_files(folder) if p != kept_file] == []  # the half-written file went
     monkeypatch.undo()
+    engine.caches.budget_bytes = None
     list(conv.send("And then?", **OPTIONS))
     assert conv.stats.rebuilt
     monkeypatch.setattr(cache_sessions.cold.tempfile, "mkstemp", lambda **kwargs: (_ for _ in ()).throw(
         OSError(28, "No space left on device")))
+    # it fits the folder alone, not beside the kept file: a written file would push that one out
+    engine.caches.cold_store.max_bytes = engine.scheduler.call(conv.session.nbytes) + kept_file.stat().st_size // 2
+    engine.caches.budget_bytes = 1
     engine.caches.enforce_budget()
+    written(engine)
     stats = engine.caches.stats()
-    assert stats.evictions == 2 and kept_file.exists() and stats.cold.dropped == 0
+    assert stats.cold.failed == 2 and kept_file.exists() and stats.cold.dropped == 0
+
+
+def held_thread(executor) -> threading.Event:
+    """Occupy one of the store's disk threads until the returned event is set."""
+    gate, started = threading.Event(), threading.Event()
+    executor.submit(lambda: (started.set(), gate.wait(60)))
+    assert started.wait(60)
+    return gate
+
+
+def test_a_spill_is_written_beside_the_loop_and_taken_back_from_memory_before_it_is(make_engine, tmp_path):
+    """Issue #30: a spill wrote on the loop (a 51 MiB one stalled every decoding user 223 ms). The
+    loop now only hands the states over; needed again before their file is written, they come
+    back from memory and no file is left."""
+    folder = tmp_path / "cold"
+    engine = make_engine("full", cache_dir=str(folder))
+    conv = engine.conversation("Be brief.")
+    list(conv.send("Hello there?", **OPTIONS))
+    before = held(engine, conv)
+    gate = held_thread(engine.caches.cold_store._writer)
+    try:
+        engine.caches.budget_bytes = 0
+        engine.caches.enforce_budget()  # returns with the writer held: the loop never waited on it
+        stats = engine.caches.stats()
+        assert conv.session.nbytes() == 0 and stats.cache_bytes == 0 and stats.cold.writing_bytes > 0
+        assert not cold_files(folder)
+        engine.caches.budget_bytes = None
+        engine.scheduler.call(engine.caches.bring_back, conv.session)
+        assert same_states(before, held(engine, conv))
+    finally:
+        gate.set()
+    written(engine)
+    cold = engine.caches.stats().cold
+    assert not cold_files(folder) and cold.spilled == 0 and cold.resumed == 1 and cold.writing_bytes == 0
+
+
+def test_a_reply_whose_states_are_on_disk_waits_for_them_while_the_others_decode(make_engine, models, tokenizers,
+                                                                                 tmp_path, monkeypatch):
+    """Its states are read beside the loop: the other users' steps go on meanwhile, and the reply
+    then reuses its history as if it had never left memory."""
+    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
+    folder = tmp_path / "cold"
+    engine = make_engine("full", cache_dir=str(folder))
+    cold, busy = engine.conversation("Be brief."), engine.conversation("Be terse.")
+    list(cold.send("Hello there?", **OPTIONS))
+    engine.caches.budget_bytes = 0
+    engine.caches.enforce_budget()
+    written(engine)
+    engine.caches.budget_bytes = None
+    assert len(cold_files(folder)) == 1 and cold.session.nbytes() == 0
+    gate = held_thread(engine.caches.cold_store._reader)
+    try:
+        stream = busy.send("Talk for a while.", max_new_tokens=400, do_sample=False)
+        next(stream)
+        waiting = threading.Thread(target=lambda: list(cold.send("And then?", **OPTIONS)), daemon=True)
+        waiting.start()
+        deadline = time.monotonic() + 60
+        while engine.batch_stats().prefilling == 0:  # its request was admitted, its read is held
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        steps = engine.batch_stats().steps
+        while engine.batch_stats().steps < steps + 20:  # the busy reply decodes meanwhile
+            assert time.monotonic() < deadline and waiting.is_alive()
+            time.sleep(0.001)
+        assert engine.batch_stats().prefilling == 1
+    finally:
+        gate.set()
+    waiting.join(60)
+    stream.close()
+    assert not waiting.is_alive() and not cold.stats.rebuilt and cold.stats.reused_tokens > 0
+    assert engine.caches.stats().cold.resumed == 1 and not cold_files(folder)
+    check_exact(cold, engine.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)

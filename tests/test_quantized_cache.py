@@ -141,6 +141,7 @@ def test_a_quantized_conversation_goes_to_disk_and_comes_back_exact(make_engine,
     before = engine.scheduler.call(lambda: [t.clone() for t in conv.session.tensors()])
     engine.caches.budget_bytes = 0
     engine.caches.enforce_budget()
+    engine.caches.cold_store.flush()  # written beside the loop
     assert conv.session.nbytes() == 0 and engine.caches.stats().cold.sessions == 1
     engine.caches.budget_bytes = None
     engine.scheduler.call(engine.caches.bring_back, conv.session)
