@@ -12,9 +12,10 @@ Two scenarios, as a shared Space's users would meet them, through the library's 
 
 Tokens are timed as the scheduler emits them (not as text: a random model's bytes may decode to
 text only at the end). Each `--configs` entry (`prefill_chunk/prefill_chunk_alone` in packed
-steps; `gathered:` before it: the same on the gathered batch, prefill and decode in separate
-forwards; or `before`: one chunk size while others decode, a whole prefill alone, oldest first,
-as the scheduler did before #30) runs both scenarios `--repeats` times on the same model (medians); ratios
+steps, the first a cap under the measured step budget; `fixed:` the same without measuring;
+`gathered:` the same on the gathered batch, prefill and decode in separate forwards; or `before`:
+one chunk size while others decode, a whole prefill alone, oldest first, as the scheduler did
+before #30) runs both scenarios `--repeats` times on the same model (medians); ratios
 are within one run. The streaming user's worst gap alone is the machine's own noise floor.
 `python -m benchmarks.fairness --help`.
 """
@@ -31,10 +32,12 @@ from typing import Iterator
 
 import torch
 
-from benchmarks.models import Words, build_bench_model, build_bench_tokenizer
+from benchmarks.models import Words, build_bench_tokenizer
 from benchmarks.report import publish, target_table
 from chat import ChatEngine, Conversation
+from chat.models import build_model
 from chat.scheduler import GenerationRequest
+from chat.step_budget import DEFAULT_GAP_FACTOR
 from chat.worker import ModelWorker
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
@@ -150,16 +153,19 @@ def gaps(times: list[float]) -> list[float]:
 def engine_for(config: str, model, tokenizer, worker: ModelWorker) -> ChatEngine:
     """`before`: the scheduler before #30 (256 tokens a step while others decode, a whole prefill
     alone, oldest first, on the gathered batch). `gathered:A/B`: chunks as `A/B`, prefill and
-    decode in separate forwards on the gathered batch (before packed steps); `A/B`: packed."""
-    packed = not config.startswith("gathered:")
-    sizes = config.removeprefix("gathered:")
+    decode in separate forwards on the gathered batch (before packed steps); `fixed:A/B`: packed,
+    `A` prompt tokens a step while others decode; `A/B`: packed, at most `A`, fewer when timed
+    steps say so (chat/step_budget.py)."""
+    kind, _, sizes = config.rpartition(":")
     chunk, alone, order = (256, 10**9, "arrival") if sizes == "before" else (*map(int, sizes.split("/")), "shortest")
     return ChatEngine(model, tokenizer, worker=worker, shared_prefixes=0, prefill_chunk=chunk,
-                      prefill_chunk_alone=alone, prefill_order=order, packed_steps=packed and config != "before")
+                      prefill_chunk_alone=alone, prefill_order=order,
+                      packed_steps=kind != "gathered" and sizes != "before",
+                      step_gap_factor=None if kind or sizes == "before" else DEFAULT_GAP_FACTOR)
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Model: bench-full, {result['machine']}; torch {result['torch']}.", "",
+    lines = [f"Model: {result['args']['model']}, {result['machine']}; torch {result['torch']}.", "",
              f"Medians of {result['args']['repeats']} repeats of each scenario.", "",
              "| config | streaming: gap alone (median / worst) | gap while another prefills (p90 / worst) "
              "| worst / median alone | short after long: short TTFT | long TTFT | short / long | long / alone |",
@@ -186,7 +192,10 @@ def targets(result: dict) -> list[tuple[str, str, bool]]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="before,64/512", help="comma-separated: before, or CHUNK/ALONE")
+    parser.add_argument("--configs", default="before,64/512",
+                        help="comma-separated: before, CHUNK/ALONE (packed, measured), fixed:CHUNK/ALONE, "
+                        "or gathered:CHUNK/ALONE")
+    parser.add_argument("--model", default="bench-full", help="a row of chat/models.py (bench-full, real-qwen3-0.6b)")
     parser.add_argument("--stream-prompt", type=int, default=3000, help="tokens of the message sent mid-stream")
     parser.add_argument("--long-prompt", type=int, default=4000, help="tokens of the long message")
     parser.add_argument("--reply-tokens", type=int, default=160, help="the streaming user's reply")
@@ -197,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     worker = ModelWorker()
     tokenizer = build_bench_tokenizer()
-    model = worker.run(build_bench_model, "full", len(tokenizer), tokenizer.eos_token_id)
+    model = worker.run(build_model, args.model, len(tokenizer), tokenizer.eos_token_id)
     model.generation_config.eos_token_id = None  # every reply runs to its length
     words = Words(seed=3)
     stream_text, long_text = message_of(tokenizer, words, args.stream_prompt), message_of(tokenizer, words,

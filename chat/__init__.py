@@ -17,6 +17,7 @@ Module map:
   served.py        replies from an OpenAI-compatible server
   remote.py        replies from a ZeroGPU worker process
   scheduler.py     the one loop: cache commands, then one packed forward a step (decode rows and prefill chunks)
+  step_budget.py   how many prompt tokens a step may carry beside decode rows, from timed steps
   sampling.py      the next token of one row: transformers' logits processors, greedy or seeded sampling
   detokenizer.py   streamed token ids to text deltas, whole characters only
   templates.py     rendering history to prompt ids with the tokenizer's chat template

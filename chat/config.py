@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import DEFAULT_MAX_ENTRIES
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
+from chat.step_budget import DEFAULT_GAP_FACTOR
 from chat.weights import check_weight_format
 
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -29,6 +30,9 @@ class EngineConfig:
     `packed_steps`: one forward a step carries every decode row and the prefill pieces, each
     session on its own cache (cache_sessions/resident.py; models with linear attention use the
     gathered batch whatever this says); False: the gathered batch, as measured before it.
+    `step_gap_factor`: while others decode, a step carries at most `prefill_chunk` prompt tokens
+    and no more than keep it within this many decode steps, as timed on this machine
+    (chat/step_budget.py); None: always `prefill_chunk`.
     `cache_budget_bytes`: every cache together (None: no limit); over it, kept branches of idle
     conversations go first, then idle conversations' caches (cache_sessions/owner.py).
     `cache_dir`: where idle conversations' caches go over the budget instead of being dropped
@@ -47,6 +51,7 @@ class EngineConfig:
     prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE
     prefill_order: str = "shortest"
     packed_steps: bool = True
+    step_gap_factor: float | None = DEFAULT_GAP_FACTOR
     cache_budget_bytes: int | None = None
     cache_dir: str | None = None
     cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES

@@ -45,6 +45,7 @@ class ChatEngine:
                                     prefill_chunk=config.prefill_chunk,
                                     prefill_chunk_alone=config.prefill_chunk_alone,
                                     prefill_order=config.prefill_order, packed_steps=config.packed_steps,
+                                    step_gap_factor=config.step_gap_factor,
                                     budget_bytes=config.cache_budget_bytes,
                                     max_checkpoints=config.max_checkpoints, prefix_store=prefix_store,
                                     offload=config.offload_sessions, cold_store=cold_store,
@@ -101,7 +102,8 @@ class ChatEngine:
                           "max_batch_size": batch.max_batch_size, "largest_batch": batch.largest_batch,
                           "decode_steps": batch.steps, "batch_bytes": batch.batch_bytes,
                           "join_wait_mean_s": round(batch.join_wait_mean_s, 4),
-                          "join_wait_max_s": round(batch.join_wait_max_s, 4)},
+                          "join_wait_max_s": round(batch.join_wait_max_s, 4), "packed": batch.packed,
+                          "prompt_tokens_per_step": batch.prompt_tokens_per_step},
                 "cache_bytes": caches.cache_bytes, "cache_budget_bytes": caches.budget_bytes,
                 "shared_prefix_bytes": caches.shared_prefix_bytes, "busy_caches": caches.busy,
                 "evictions": caches.evictions, "branch_segments_freed": caches.segments_freed}

@@ -48,6 +48,7 @@ from chat.loop import Loop
 from chat.options import GenerationOptions
 from chat.request_table import RequestTable
 from chat.sampling import TokenChooser
+from chat.step_budget import DEFAULT_GAP_FACTOR, StepBudget
 from chat.worker import ModelWorker
 
 T = TypeVar("T")
@@ -138,6 +139,8 @@ class SchedulerStats:
     largest_batch: int  # the most rows one decode step has run
     join_wait_mean_s: float  # from submit to the first decode step, over the last 32
     join_wait_max_s: float
+    packed: bool = False  # steps run packed on the sessions' own caches (no batch copy)
+    prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/step_budget.py)
 
 
 class _Counters:
@@ -161,11 +164,15 @@ class _Counters:
 class DecodeScheduler:
     def __init__(self, model: PreTrainedModel, worker: ModelWorker, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE,
-                 prefill_order: str = "shortest", packed_steps: bool = True, **cache_settings: Any):
+                 prefill_order: str = "shortest", packed_steps: bool = True,
+                 step_gap_factor: float | None = DEFAULT_GAP_FACTOR, **cache_settings: Any):
         """`prefill_order`: "shortest" (remaining prefill first, see above) or "arrival" (oldest
         first, measured against it in benchmarks/fairness.py). `packed_steps`: one forward a step
         for decode rows and prefill pieces, each on its own cache (where the model allows; False:
-        the gathered batch and separate prefill forwards, as measured before). `cache_settings`:
+        the gathered batch and separate prefill forwards, as measured before). `step_gap_factor`:
+        while rows decode, a step's prompt tokens are at most `prefill_chunk` and as many as keep
+        it within that many decode steps, measured (chat/step_budget.py; None: `prefill_chunk`
+        always). `cache_settings`:
         the cache owner's (budget_bytes, max_checkpoints, prefix_store, offload)."""
         if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
             raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
@@ -177,6 +184,7 @@ class DecodeScheduler:
         self.loop = Loop(worker, self._step, self._has_work, lambda: self.caches.settle())
         self.caches = CacheOwner(model, self.loop, self.in_use, **cache_settings)
         self.packed = packed_steps and self.caches.packs
+        self.step_budget, self.clock = StepBudget(step_gap_factor), time.perf_counter
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
         atexit.register(_shut_down_at_exit, weakref.ref(self))  # before the worker's: atexit runs last first
@@ -240,7 +248,9 @@ class DecodeScheduler:
                 max_batch_size=self.max_batch_size, decoding=len(self._requests.decoding), prefilling=len(self._requests.prefilling),
                 waiting=len(self._requests.waiting), steps=counters.steps, batch_bytes=batch_bytes,
                 joined=counters.joined, largest_batch=counters.largest_batch,
-                join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0))
+                join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
+                packed=self.packed, prompt_tokens_per_step=(self.step_budget.tokens(self.prefill_chunk) if self.packed
+                                                            else self.prefill_chunk))
 
     # ---- one step, on the compute thread ------------------------------------------------------
     def _has_work(self) -> bool:
@@ -273,7 +283,8 @@ class DecodeScheduler:
         """This step's prefill pieces within its budget, shortest remaining prefill first (see the
         module's docstring); newcomers are rolled back first, and one with only its last token
         left starts decoding now."""
-        budget = self.prefill_chunk if self._requests.decoding else self.prefill_chunk_alone
+        budget = self.prefill_chunk_alone if not self._requests.decoding else (
+            self.step_budget.tokens(self.prefill_chunk) if self.packed else self.prefill_chunk)
         pieces: list[tuple[GenerationRequest, list[int]]] = []
         self._on_disk = set()
         for request in self._prefill_order(budget):
@@ -325,8 +336,10 @@ class DecodeScheduler:
         rows = [(r.session, [r.next_input]) for r in decoding] + [(r.session, piece) for r, piece in pieces]
         if not rows:
             return [], None
+        started = self.clock()
         try:
             logits = self.caches.forward_rows(rows, list(range(len(decoding))))
+            self.step_budget.record(self.clock() - started, len(decoding), sum(len(piece) for _, piece in pieces))
         except BaseException as error:  # every row's states may hold part of the step
             self._leave(decoding, error)
             for request, _ in pieces:

@@ -239,6 +239,7 @@ def test_browsers_sending_at_once_share_decode_steps_and_get_their_own_replies(a
     assert batch["largest_batch"] >= 2 and batch["max_batch_size"] == 8
     assert batch["decoding"] == batch["waiting"] == 0 and batch["batch_bytes"] == 0
     assert batch["join_wait_max_s"] >= batch["join_wait_mean_s"] >= 0
+    assert batch["packed"] is True and 1 <= batch["prompt_tokens_per_step"] <= 64
 
 
 def test_operators_read_plain_http_health_status_and_metrics(app, client):

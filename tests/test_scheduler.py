@@ -32,6 +32,7 @@ import cache_sessions.owner
 import chat.scheduler
 from chat import ChatEngine, ConversationBusyError, ConversationError
 from chat.sampling import TokenChooser
+from chat.step_budget import StepBudget
 
 MAX_NEW = 10
 GREEDY = dict(max_new_tokens=MAX_NEW, do_sample=False)
@@ -428,3 +429,54 @@ def test_a_short_message_behind_a_long_one_is_prefilled_first(make_engine, model
     monkeypatch.undo()
     for conv in (long_conv, short_conv):
         check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
+
+
+def test_the_prompt_budget_beside_decode_rows_is_sized_by_timed_steps(make_engine, models, tokenizers, hooks,
+                                                                      monkeypatch):
+    """Steps are timed (here on a made-up clock: a forward costs 10 units, each prompt token in it
+    2 more). Beside a decode row, a newcomer's pieces are 10 tokens, the most that keep a step
+    within 3 decode steps (10 + 2 x 10 = 30), not the cap's 64; the first is guessed from the
+    runner's own prefill alone (dearer per token: fewer)."""
+    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
+    engine = make_engine("full", prefill_chunk=64)
+    now = [0.0]
+    engine.scheduler.clock = lambda: now[0]
+    packed, pieces = cache_sessions.owner.forward_rows, []
+
+    def costed(model, rows, logits_of):
+        prompt_tokens = sum(len(fed) for _, fed in rows[len(logits_of):])
+        now[0] += 10 + 2 * prompt_tokens
+        if logits_of and prompt_tokens:
+            pieces.append(prompt_tokens)
+        return packed(model, rows, logits_of)
+
+    monkeypatch.setattr(cache_sessions.owner, "forward_rows", costed)
+    runner, newcomer = engine.conversation("You are terse."), engine.conversation("You are terse.")
+    consumer = Consumer(runner, runner.send("Talk for a while.", max_new_tokens=PAUSES_AT_THIRD_TOKEN,
+                                            do_sample=False))
+    assert hooks["reached"].wait(60)  # three decode steps alone were timed
+    late = Consumer(newcomer, newcomer.send(" ".join(f"word{i}" for i in range(50)), **GREEDY))
+    wait_until(lambda: engine.batch_stats().waiting == 1)
+    hooks["release"].set()
+    consumer.join(60), late.join(60)
+    assert consumer.error is None and late.error is None
+    assert len(pieces) >= 4 and all(0 < tokens <= 10 for tokens in pieces)
+    assert all(tokens == 10 for tokens in pieces[1:-1])
+    check_exact(newcomer, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
+
+
+def test_a_step_budget_stays_between_one_token_and_its_cap():
+    budget = StepBudget(3.0)
+    assert budget.tokens(64) == 64  # nothing timed yet
+    budget.record(0.010, decode_rows=2, prompt_tokens=0)
+    budget.record(0.510, decode_rows=2, prompt_tokens=10)  # a token adds 50 ms, five decode steps
+    assert budget.tokens(64) == 1
+    budget.record(0.050, decode_rows=0, prompt_tokens=500)  # alone: only a guess while nothing better is known
+    assert budget.tokens(64) == 1
+    guessed = StepBudget(3.0)
+    guessed.record(0.100, decode_rows=0, prompt_tokens=50)  # 2 ms a token, alone
+    guessed.record(0.010, decode_rows=1, prompt_tokens=0)
+    assert guessed.tokens(64) == 10
+    assert StepBudget(None).tokens(64) == 64
+    with pytest.raises(ValueError):
+        StepBudget(1.0)
