@@ -82,8 +82,8 @@ class TerminalChat:
             for number, message in enumerate(self.conv.messages):
                 self.write(f"{number:>3} {message['role']}: {message['content']}\n")
         elif command == "/version":
-            if not rest.strip().isdigit():
-                raise ValueError("/version takes a number: /version 1")
+            if not rest.strip().isdigit() or int(rest) < 1:
+                raise ValueError("/version takes a version number, from 1: /version 1")
             self.conv.select_version(int(rest) - 1)
             active, count = self.conv.versions
             self.write(f"(version {active + 1} of {count}): {self.conv.messages[-1]['content']}\n")
@@ -94,7 +94,8 @@ class TerminalChat:
         elif command == "/edit":
             number, _, text = rest.partition(" ")
             if not number.isdigit() or not text.strip():
-                raise ValueError("/edit takes a message number and the new text: /edit 1 What is 2 + 2?")
+                raise ValueError("/edit takes the number /history shows for one of your messages, then the new "
+                                 "text: /edit 0 What is 2 + 2?")
             self.reply(lambda: self.conv.edit(int(number), text, **self._options()))
         elif command.startswith("/"):
             self.write(f"(!) unknown command {command}; /help lists them\n")

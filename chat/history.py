@@ -162,8 +162,9 @@ class History:
         self.parent_at(index, error)
         node = self.entries[index]
         if node.role != role:
-            what = "a reply" if role == "assistant" else f"a {role} one"
-            raise error(f"message {index} is a {node.role} message, not {what}")
+            what = "a reply" if role == "assistant" else f"a {role} message"
+            shown = {"assistant": "a reply", "system": "the system prompt"}.get(node.role, f"a {node.role} message")
+            raise error(f"message {index} is {shown}, not {what}")
         return node
 
     def nodes(self) -> list[Node]:

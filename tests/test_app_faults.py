@@ -289,7 +289,7 @@ def test_fuzzed_inputs_either_work_or_name_the_problem(app, field, value):
         named = "settings" if field == "too few" else field
         # ours name the field; Gradio's own check of a slider's value names the input by position
         position = {"message": 0, "index": 0}.get(field, 2 + FIELDS.index(field) if field in FIELDS else -1)
-        said = str(error)  # a refusal of the conversation's names the message ("message 0 is a system message")
+        said = str(error)  # a refusal of the conversation's names the message ("message 0 is the system prompt, not a user message")
         assert said.startswith(f"{named}:") or f"the {named} " in said or f"index {position}" in said or \
             (field == "index" and said.startswith("message ")) or \
             "minimum value" in said or "maximum value" in said, said

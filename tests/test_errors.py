@@ -77,6 +77,15 @@ def test_refused_operation_changes_nothing(conv, case):
     assert conv.messages[-2]["content"] == "Still works?"
 
 
+def test_a_refused_edit_names_what_the_message_is_in_words(conv):
+    """Issue #32 (7): it said "message 2 is a assistant message"."""
+    list(conv.send("Hello?", **OPTIONS))
+    with pytest.raises(NotAUserMessageError, match="message 2 is a reply, not a user message"):
+        conv.edit(2, "new", **OPTIONS)
+    with pytest.raises(NotAUserMessageError, match="message 0 is the system prompt, not a user message"):
+        conv.edit(0, "new", **OPTIONS)
+
+
 def test_nothing_to_act_on(make_engine):
     conv = make_engine("full").conversation("System prompt.")
     before = snapshot(conv)

@@ -39,13 +39,14 @@ def saved_model(tmp_path, base_tokenizer, eos: bool = True):
 def test_commands_work_and_help_is_not_sent_to_the_model(tmp_path, base_tokenizer):
     folder = saved_model(tmp_path, base_tokenizer)
     result = run_chat(folder, "/help\nHello there\n/regen\n/version 1\n/history\n/edit 0 Edited\n/continue\n"
-                              "/undo\n/bogus\n/edit x\n/new\n/quit\n")
+                              "/undo\n/bogus\n/edit x\n/version 0\n/new\n/quit\n")
     out = result.stdout
     assert result.returncode == 0 and "Traceback" not in result.stderr
     assert "/regen" in out and "/edit N text" in out  # the help list, printed locally
     assert "0 user: Hello there" in out and "(version 1 of 2)" in out
     assert "from the cache" in out and "(undone)" in out and "(a new conversation)" in out
-    assert "unknown command /bogus" in out and "/edit takes a message number" in out
+    assert "unknown command /bogus" in out and "/edit takes the number /history shows" in out
+    assert "/version takes a version number, from 1" in out and "branch -1" not in out  # issue #32 (7)
 
 
 def test_ctrl_c_stops_the_reply_and_a_second_one_exits(tmp_path, base_tokenizer):
