@@ -171,11 +171,6 @@ class ColdStore:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="cold-writer")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="cold-reader")
 
-    def holds(self, session: CacheStates) -> bool:
-        """Whether its states are here (on disk, or on their way there)."""
-        with self._lock:
-            return session in self._files or session in self._writes or session in self._reads
-
     def stats(self) -> ColdStats:
         with self._lock:
             return ColdStats(sessions=len(self._files), bytes=self._bytes(), max_bytes=self.max_bytes,

@@ -156,9 +156,10 @@ class CacheOwner:
     def forward_rows(self, rows: list[tuple[CacheSession, list[int]]], logits_of: list[int]) -> torch.Tensor:
         """One packed forward: every session reads and writes its own cache in place (no batch
         copy; cache_sessions/resident.py). The logits of the rows `logits_of`. If it raises, the
-        caller ends every row as failed (their states may hold part of the step)."""
-        for session, _ in rows:
-            self._on_loop(session)
+        caller ends every row as failed (their states may hold part of the step). Every row's
+        session is a live request's (registered and brought back when it began, never spilled
+        since), so only the thread is checked here, once a step, not each row's books."""
+        self._on_loop()
         logits = forward_rows(self.model, rows, logits_of)
         for session, fed in rows:
             session.note_extended(fed)
