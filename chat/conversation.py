@@ -10,6 +10,7 @@ the source how the shown path changes, so it can keep and put back its states.
 from __future__ import annotations
 
 import threading
+import weakref
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
@@ -72,8 +73,10 @@ class Conversation:
 
     @property
     def is_busy(self) -> bool:
-        """An operation runs (a reply, a switch, an undo...): the one meaning of busy."""
-        return self._lock.locked()
+        """An operation runs (a reply, a switch, an undo...) or a reply was started and has not
+        ended: the one meaning of busy. (A started reply holds the lock only once its stream is
+        read; before that, a second operation must be refused too, #32 item 1.)"""
+        return self._lock.locked() or self._running is not None
 
     @property
     def is_running(self) -> bool:
@@ -100,6 +103,17 @@ class Conversation:
             plan = running.plan
             return saved.to_dict_as_recorded(self.history, plan.history, plan.reply, running.stopped_now())
 
+    def reply_so_far(self) -> dict[str, Any] | None:
+        """The running reply's message as `snapshot()` has it now (its "content",
+        "reasoning_content", "thought_s"), or None when no reply runs: what a page's draft of the
+        reply is brought up to date with while it streams, without the whole conversation."""
+        with self._recording:
+            running = self._running
+            if running is None:
+                return None
+            version = running.stopped_now()
+        return saved.reply_fields(version)
+
     # ---- operations that make a reply ----------------------------------------------------------
     def send(self, text: str, *, fit_context: bool = False, **options: Any) -> ReplyStream:
         """Add a user message and stream the reply (see `operations.Send` for `fit_context`)."""
@@ -125,7 +139,9 @@ class Conversation:
         plan = self.plan(operation, options or GenerationOptions(), cancelled)
         self._stop.clear()
         self._running = RunningReply(plan)
-        return ReplyStream(self.run(plan), plan.dropped_turns)
+        stream = ReplyStream(self.run(plan), plan.dropped_turns)
+        weakref.finalize(stream, self._end_running, plan)  # a stream dropped unread frees the conversation
+        return stream
 
     def plan(self, operation: Operation, options: GenerationOptions, cancelled: Cancelled = lambda: False) -> Plan:
         if self.is_busy:
@@ -139,7 +155,7 @@ class Conversation:
         started = self._running is not None and self._running.plan is plan  # by start(), which cleared Stop
         running = self._running if started else RunningReply(plan)
         try:
-            with self.exclusive():
+            with _Exclusive(self._lock, lambda: self._running is not None and not started):
                 if plan.revision != self._revision:
                     raise StalePlanError("the conversation changed after this operation was planned")
                 if not started:
@@ -239,8 +255,8 @@ class Conversation:
 
     def exclusive(self) -> "_Exclusive":
         """Hold the conversation for one operation (its states are in use while the scheduler
-        holds a request of it: chat/scheduler.py keeps that record)."""
-        return _Exclusive(self._lock)
+        holds a request of it: chat/scheduler.py keeps that record); refused while a reply runs."""
+        return _Exclusive(self._lock, lambda: self._running is not None)
 
 
 @dataclass
@@ -290,11 +306,15 @@ class RunningReply:
 class _Exclusive:
     """Holds the conversation lock for one operation; a second concurrent one is refused, not queued."""
 
-    def __init__(self, lock: threading.Lock):
+    def __init__(self, lock: threading.Lock, running: Callable[[], bool]):
         self._lock = lock
+        self._running = running  # another reply was started (its stream not read yet)
 
     def __enter__(self) -> None:
         if not self._lock.acquire(blocking=False):
+            raise ConversationBusyError("a reply is still being generated; stop it first")
+        if self._running():
+            self._lock.release()
             raise ConversationBusyError("a reply is still being generated; stop it first")
 
     def __exit__(self, *exc: object) -> None:

@@ -49,18 +49,23 @@ def to_dict(history: History) -> dict[str, Any]:
                                 "role": node.role, "shown": node.active}
         if node.role == "assistant":
             assert node.reply is not None
-            reply = node.reply
-            item.update(content=reply.content, reasoning_content=reply.reasoning_content,
-                        stopped=reply.stopped, edited=reply.edited)
-            if reply.ended:
-                item["ended"] = True
-            if reply.thought_s is not None:
-                item["thought_s"] = round(reply.thought_s, 1)
+            item.update(reply_fields(node.reply))
         else:
             item["content"] = node.content
         messages.append(item)
     return {"format": FORMAT, "version": VERSION, "messages": messages, "shown": history.root.active,
             "path": [index_of[node.uid] for node in history.entries], "system_prompt": history.system_prompt}
+
+
+def reply_fields(reply: ReplyVersion) -> dict[str, Any]:
+    """An assistant message's fields besides its place in the tree."""
+    item: dict[str, Any] = dict(content=reply.content, reasoning_content=reply.reasoning_content,
+                                stopped=reply.stopped, edited=reply.edited)
+    if reply.ended:
+        item["ended"] = True
+    if reply.thought_s is not None:
+        item["thought_s"] = round(reply.thought_s, 1)
+    return item
 
 
 def to_dict_as_recorded(history: History, path: list[Node], reply: Node | None,

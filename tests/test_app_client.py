@@ -120,7 +120,7 @@ def test_refusals_are_errors_a_client_can_catch_and_change_nothing(client):
     first = client.predict("A question.", *settings(), api_name="/send")[0]
     for args, api_name, reason in ((("   ",), "/send", "empty"),
                                    ((0, "edit the system prompt?"), "/edit", "not a user message"),
-                                   (("x " * 5000,), "/send", "context"), ((), "/next_version", "has no branch 1")):
+                                   (("x " * 5000,), "/send", "too long for this model by about"), ((), "/next_version", "has no branch 1")):
         with pytest.raises(AppError, match=reason):
             client.predict(*args, *settings(), api_name=api_name)
     after = client.predict("Next.", *settings(), api_name="/send")[0]

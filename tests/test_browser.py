@@ -320,12 +320,20 @@ def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
     tracebacks = Path(demo_app.log.name).read_text().count("Traceback")
     page.click("#continue")  # nothing to continue yet
     expect_warning(page, "There is no conversation yet")
-    send(page, "   ")
-    expect_warning(page, "the message is empty")
     # a refusal is one toast: no "Error" badge over the chat, the input, the stats or the settings
     expect(page.locator("[data-testid='status-tracker'] .error >> visible=true")).to_have_count(0)
-    expect(page.locator(".toast-body", has_text="the message is empty")).to_have_count(1)
+    expect(page.locator(".toast-body", has_text="There is no conversation yet")).to_have_count(1)
     assert Path(demo_app.log.name).read_text().count("Traceback") == tracebacks  # routine: no traceback
+    page.fill("#message textarea", "   ")  # an empty box sends nothing, as in other chat apps (#32, 7)
+    expect(page.locator("#send")).to_be_disabled()
+    page.press("#message textarea", "Enter")
+    page.locator("#send").click(force=True)
+    page.fill("#message textarea", "")
+    page.fill("#message textarea", "Now a message.")
+    expect(page.locator("#send")).to_be_enabled()
+    page.fill("#message textarea", "")
+    expect(page.locator(".toast-body", has_text="the message is empty")).to_have_count(0)
+    expect(messages(page, "user")).to_have_count(0)
     wait_reply(page, send(page, "First real message."))
     def shown():  # the messages, not whether the thinking block happens to be open or folded
         return messages(page, "user").all_inner_texts(), messages(page, "bot").count(), \
@@ -334,7 +342,8 @@ def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
     before = shown()
 
     send(page, "word " * 3900)  # under the size limit, over the context
-    expect_warning(page, "exceeds the model's context")
+    expect_warning(page, "too long for this model by about")  # in a user's words (#32, 7)
+    expect_warning(page, "Shorten the message, lower “Max new tokens” in Settings, or start a new chat.")
     assert shown() == before
     assert page.locator("#message textarea").input_value().startswith("word word")  # kept for fixing
 
@@ -552,7 +561,7 @@ DRAFTED_REPLY = """(message) => {
     for (let i = 0; i < localStorage.length; i++) {
         const key = localStorage.key(i);
         if (!key.startsWith("rewind-chat:chat:")) continue;
-        const record = JSON.parse(localStorage.getItem(key));
+        const record = window.rewindCopy.record(key.slice("rewind-chat:chat:".length));  // with the reply so far
         if (!record.draft || !record.data) continue;
         const path = record.data.path.map((at) => record.data.messages[at]);
         const last = path[path.length - 1];
@@ -679,4 +688,119 @@ def test_the_waiting_bubble_shows_only_after_the_new_message(browser, demo_app):
         misplaced, looks = misplaced + page.evaluate(MISPLACED_WAITING), looks + 1
     assert looks > 1 and misplaced == 0
     expect(messages(page, "user")).to_have_count(2)
+    page.close()
+
+
+def test_enter_during_a_reply_keeps_it_and_sends_the_message_when_it_ends(browser, endless_app):
+    """Issue #32, 1: Enter pressed while a reply streamed turned it into an empty "stopped" bubble
+    and rebuilt the cache. Now the reply goes on, the message waits in the box (a line says so)
+    and is sent as the reply ends, here by Stop."""
+    page = open_chat(browser, endless_app.url)
+    page.get_by_text("Settings", exact=True).click()
+    page.locator("#max-new-tokens input[type='number']").fill("1000")
+    page.locator("#max-new-tokens input[type='number']").press("Enter")
+    send(page, "A long reply to type ahead during.")
+    written = page.wait_for_function(DRAFTED_REPLY, arg="A long reply to type ahead during.",
+                                     timeout=60_000).json_value()
+    page.fill("#message textarea", "Typed ahead.")
+    page.press("#message textarea", "Enter")
+    expect(page.locator("#waiting-note")).to_contain_text("Sent when this reply ends")
+    expect(page.locator("#message textarea")).to_have_value("Typed ahead.")
+    expect(messages(page, "user")).to_have_count(1)
+    page.wait_for_function("(n) => document.querySelector('#chatbot').innerText.length > n",
+                           arg=len(page.inner_text("#chatbot")) + 10, timeout=60_000)  # it goes on
+    expect(page.locator("#stop")).to_be_visible()
+    page.click("#stop")
+    expect(messages(page, "user")).to_have_count(2)  # sent as the reply ended
+    expect(messages(page, "user").last).to_contain_text("Typed ahead.")
+    expect(page.locator("#waiting-note")).to_be_hidden()
+    expect(page.locator("#stats")).to_contain_text("generating")
+    before = stats_text(page)
+    page.click("#stop")
+    wait_reply(page, before)
+    assert "rebuilt" not in stats_text(page)
+    expect(page.locator("#chatbot")).to_contain_text(written[:10].strip())  # the first reply, kept
+    page.close()
+
+
+SHOWN_REPLY = """(message) => {
+    const rows = [...document.querySelectorAll("#chatbot .message-row")];
+    const asked = rows.findIndex((row) => row.classList.contains("user-row") && row.innerText.includes(message));
+    const reply = asked >= 0 ? rows.slice(asked + 1).find((row) => row.classList.contains("bot-row")) : null;
+    const text = reply ? reply.innerText.trim() : "";
+    return text.length >= 3 ? text : null;
+}"""
+
+
+def test_a_reload_as_a_reply_begins_keeps_what_was_on_screen(browser, endless_app):
+    """Issue #32, 3: the draft was written once a second, so a reload in a reply's first second
+    (all of a demo reply) showed an empty "stopped" bubble. The draft now follows each update of
+    the chat: a reload just after the first words keeps them."""
+    page = open_chat(browser, endless_app.url)
+    page.get_by_text("Settings", exact=True).click()
+    page.locator("#max-new-tokens input[type='number']").fill("1000")
+    page.locator("#max-new-tokens input[type='number']").press("Enter")
+    send(page, "Reload me as I begin.")
+    shown = page.wait_for_function(SHOWN_REPLY, arg="Reload me as I begin.", timeout=60_000).json_value()
+    page.reload()
+    page.wait_for_selector("#message textarea")
+    expect(page.locator("#chatbot")).to_contain_text("stopped")
+    kept = page.wait_for_function(SHOWN_REPLY, arg="Reload me as I begin.", timeout=30_000).json_value()
+    assert kept.startswith(shown[:3]), (shown, kept)
+    page.close()
+
+
+def test_a_typed_system_prompt_survives_a_reload_and_an_import_brings_its_own(browser, demo_app, tmp_path):
+    """Issue #32, 4: a system prompt typed and not applied yet was lost on reload. Issue #32, 2: an
+    import kept the box's prompt, so the next message forked the imported conversation."""
+    page = open_chat(browser, demo_app.url)
+    page.get_by_text("Settings", exact=True).click()
+    page.fill("#system-prompt textarea", "You are a helpful assistant.")
+    wait_reply(page, send(page, "What is 10 + 10?"))
+    page.click("#export-json")
+    link = page.locator("#download a").first
+    expect(link).to_be_visible(timeout=10_000)
+    with page.expect_download() as download:
+        link.click()
+    exported = tmp_path / "conversation.json"
+    download.value.save_as(exported)
+
+    page.fill("#system-prompt textarea", "You are terse.")
+    expect(page.locator("#prompt-note")).to_contain_text("Not applied yet")
+    page.reload()
+    wait_loaded(page)
+    expect(page.locator("#chatbot")).to_contain_text("What is 10 + 10?")
+    page.get_by_text("Settings", exact=True).click()
+    expect(page.locator("#system-prompt textarea")).to_have_value("You are terse.")  # still pending
+    expect(page.locator("#prompt-note")).to_contain_text("Not applied yet")
+
+    with page.expect_file_chooser() as chooser:
+        page.click("#import")
+    chooser.value.set_files(str(exported))
+    expect(page.locator("#chat-list label")).to_have_count(2)
+    expect(page.locator("#system-prompt textarea")).to_have_value("You are a helpful assistant.")  # its own
+    expect(page.locator("#prompt-note")).not_to_contain_text("Not applied yet")
+    wait_reply(page, send(page, "plus 8"))
+    expect(page.locator("#chatbot")).to_contain_text("What is 10 + 10?")  # the imported turn stays in view
+    expect(page.get_by_text("The system prompt changed")).to_have_count(0)
+    page.close()
+
+
+def test_the_trash_button_starts_a_new_chat_and_says_so(browser, demo_app):
+    """Issue #32, 5: the chat's trash button blanked the view only (the list still marked the
+    conversation, the next message went on with it, a reload brought it back)."""
+    page = open_chat(browser, demo_app.url)
+    wait_reply(page, send(page, "What is 12 + 12?"))
+    expect(page.locator("#chat-list input:checked")).to_have_count(1)
+    page.locator("#chatbot button[aria-label='Clear']").click()
+    expect(page.locator("#stats")).to_contain_text("Cleared: this is a new chat")
+    expect(messages(page, "user")).to_have_count(0)
+    expect(page.locator("#chat-list input:checked")).to_have_count(0)
+    expect(page.locator("#chat-list")).to_contain_text("What is 12 + 12?")  # kept in the list
+    wait_reply(page, send(page, "What is 3 + 4?"))
+    expect(messages(page, "user")).to_have_count(1)
+    page.reload()
+    wait_loaded(page)
+    expect(page.locator("#chatbot")).to_contain_text("What is 3 + 4?")
+    expect(page.locator("#chatbot")).not_to_contain_text("What is 12 + 12?")
     page.close()

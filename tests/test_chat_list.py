@@ -34,8 +34,17 @@ class Browser:
     def apply(self, box):
         if isinstance(box, dict) and "records" in box:
             for record in box["records"]:
-                self.records[record["id"]] = {**self.records.get(record["id"], {}), **record}
+                stored = self.records.get(record["id"], {})
+                if "reply" in record:  # the streaming reply so far, into its own draft
+                    if stored.get("draft") and stored.get("rev") == record["rev"]:
+                        self.reply_of(record["id"]).update(record["reply"])
+                    continue
+                self.records[record["id"]] = {**stored, **record}
             self.current = box["current"]
+
+    def reply_of(self, chat_id):
+        data = self.records[chat_id]["data"]
+        return data["messages"][data["path"][-1]]
 
     def probe(self, **extra):
         record = self.records.get(self.current)
@@ -146,28 +155,74 @@ def test_a_record_another_tab_changed_replaces_the_servers_older_copy(make_engin
     assert book.revs[browser.current] == 2
 
 
-def test_a_streaming_reply_is_drafted_so_a_reload_keeps_the_message_and_the_text(make_engine, monkeypatch):
-    import ui.chat_list
-
-    monkeypatch.setattr(ui.chat_list, "DRAFT_EVERY_S", 0.0)
+def test_a_streaming_reply_is_drafted_so_a_reload_keeps_the_message_and_the_text(make_engine):
+    """The message is in the browser's copy before its reply streams (the whole record, once), and
+    each update of the chat brings the draft's reply up to what is on screen (#32, 3: a draft
+    written each second lost a reply shorter than that)."""
     handlers, chat_list = make_list(make_engine)
     browser, book = Browser(), Book()
     key = send(chat_list, browser, book, "First?", None)
     event_key(chat_list, browser, book, key)
     long = Settings(system_prompt="Be brief.", max_new_tokens=40, temperature=0.0).values()
-    drafts = []
+    drafts, patches, on_screen = [], [], []
     for outputs in chat_list.drafting(streamed(handlers.send))(None, "Write a lot.", key, *long, key, book):
         if isinstance(outputs[-1], dict) and outputs[-1].get("records"):
-            drafts.append(outputs[-1]["records"][0])
+            (drafts if "data" in outputs[-1]["records"][0] else patches).append(outputs[-1]["records"][0])
+            browser.apply(outputs[-1])
+            if patches and patches[-1] is outputs[-1]["records"][0]:  # the reply, as the chat shows it now
+                last, kept = outputs[CHAT][-1], browser.reply_of(browser.current)
+                on_screen.append((last["content"], kept["reasoning_content" if last.get("metadata") else "content"]))
     final = handlers.directory.find(key).conversation.to_dict()
-    assert drafts and all(d["draft"] and d["rev"] == 2 and d["id"] == browser.current for d in drafts)
+    assert len(drafts) == 1 and drafts[0]["draft"] and drafts[0]["rev"] == 2 and drafts[0]["id"] == browser.current
     first = drafts[0]["data"]
     assert [first["messages"][i]["content"] for i in first["path"][:4]] == \
         [final["messages"][i]["content"] for i in final["path"][:4]]  # the message, before the reply streamed
-    texts = [d["data"]["messages"][d["data"]["path"][-1]]["content"] for d in drafts[1:]]
     reply = final["messages"][final["path"][-1]]["content"]
-    assert texts and all(reply.startswith(text) for text in texts) and any(texts)  # the reply so far
+    texts = [patch["reply"]["content"] for patch in patches]
+    assert len(patches) > 2 and all(p["draft"] and p["rev"] == 2 for p in patches)
+    assert all(reply.startswith(text) for text in texts) and texts[-1]  # the reply so far, growing
+    assert on_screen and all(kept == shown for shown, kept in on_screen)  # what was on screen
     assert handlers.directory.find(key).conversation.to_dict() == final  # drafting changed nothing
+
+
+def test_a_message_typed_during_a_reply_never_rebuilds_it_from_its_own_draft(make_engine):
+    """Issue #32, 1: Enter pressed while a reply streamed sent the page's probe with the revision of
+    that reply's own draft; the server took it for another tab's change, rebuilt the conversation
+    from the draft and so stopped the reply (an empty "stopped" bubble, a "rebuilt" stats line).
+    Now the page's own draft is known: the reply goes on and the message is refused as busy (the
+    page holds it and sends it when the reply ends)."""
+    import pytest
+
+    handlers, chat_list = make_list(make_engine)
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "First?", None)
+    long = Settings(system_prompt="Be brief.", max_new_tokens=400, temperature=0.0).values()
+    conversation = handlers.directory.find(key).conversation
+    drafted, asked = threading.Event(), threading.Event()
+
+    def stream():  # what Gradio's worker does with the event, and the page with its drafts
+        for outputs in chat_list.drafting(streamed(handlers.send))(None, "Write a lot.", key, *long, key, book):
+            if isinstance(outputs[-1], dict) and outputs[-1].get("records"):
+                browser.apply(outputs[-1])
+                if browser.reply_of(browser.current)["content"]:  # some of the reply is drafted
+                    drafted.set()
+                    asked.wait(30)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert drafted.wait(30)
+    assert browser.records[browser.current]["draft"]  # the browser holds this page's draft
+    typed_ahead = chat_list.ensure(browser.probe(), key, book)
+    with pytest.raises(gr.Error, match="still being generated"):
+        list(handlers.send(None, "Typed ahead?", key, *long))
+    still_running = conversation.is_running and handlers.directory.find(key) is not None
+    conversation.stop()
+    asked.set()
+    reader.join(timeout=30)
+    assert typed_ahead == (book, None) and still_running
+    reply = conversation.messages[-1]
+    assert reply["role"] == "assistant" and reply["content"] and not conversation.stats.rebuilt
+    assert [m["content"] for m in conversation.messages if m["role"] == "user"] == ["First?", "Write a lot."]
 
 
 def test_new_chat_during_a_reply_stops_it_and_keeps_the_partial_reply(make_engine):
@@ -334,3 +389,52 @@ def test_a_snapshot_as_a_reply_is_recorded_shows_it_once(make_engine, monkeypatc
     snapshot = next(s for s in snapshots if isinstance(s, dict))
     assert [m["role"] for m in snapshot["messages"]] == ["system", "user", "assistant"]
     assert snapshot == conversation.to_dict()
+
+
+SYSTEM_PROMPT = ChatOutputs.names().index("system_prompt")
+APPLIED = ChatOutputs.names().index("applied_prompt")
+
+
+def test_an_import_brings_its_own_system_prompt_into_the_box(make_engine, tmp_path):
+    """Issue #32, 2: the box kept the page's prompt, so the next message forked the imported
+    conversation onto a new system-prompt branch and its history left the view."""
+    handlers, chat_list = make_list(make_engine)
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "First question?", None)  # with "Be brief."
+    exported = chat_list.files.export("json", key, book)["value"]
+    result = chat_list.import_file(None, exported, None, Book())
+    assert result[SYSTEM_PROMPT] == "Be brief." and result[APPLIED] == {"prompt": "Be brief."}
+
+
+def test_a_reload_keeps_a_system_prompt_typed_and_not_yet_applied(make_engine):
+    """Issue #32, 4: the load drew the record's prompt over the one typed before the reload."""
+    handlers, chat_list = make_list(make_engine)
+    browser, book = Browser(), Book()
+    send(chat_list, browser, book, "First question?", None)
+    record = browser.records[browser.current]
+    for pending, shown in (({"id": browser.current, "text": "Be terse."}, "Be terse."),
+                           ({"id": "another-record-id", "text": "Be terse."}, "Be brief."),  # another chat's
+                           ({"id": browser.current, "text": "x" * 10_000}, "Be brief."),  # over the limit
+                           (None, "Be brief.")):
+        loaded = chat_list.load(browser.probe(record=record, index=[[browser.current, "First question?"]],
+                                              pending=pending), Book())
+        assert loaded[SYSTEM_PROMPT] == shown and loaded[APPLIED] == {"prompt": "Be brief."}
+
+
+def test_the_chats_trash_button_starts_a_new_chat_and_says_so(make_engine):
+    """Issue #32, 5: it blanked the view only; the next message went on with the old conversation."""
+    from ui import views
+
+    handlers, chat_list = make_list(make_engine)
+    browser, book = Browser(), Book()
+    key = send(chat_list, browser, book, "First question?", None)
+    old_id = browser.current
+    cleared = chat_list.clear(key, book)
+    browser.apply(cleared[OUTBOX])
+    assert cleared[CHAT] == [] and cleared[KEY] is None and cleared[ChatOutputs.names().index("stats")] == views.CLEARED
+    assert browser.current is None and book.current is None
+    assert cleared[OUTBOX + 2]["value"] is None and [entry for entry, _ in book.index] == [old_id]  # kept, not shown
+    new_key = send(chat_list, browser, book, "A new start?", None)
+    assert new_key != key and browser.current != old_id
+    users = [m["content"] for m in handlers.directory.find(new_key).conversation.messages if m["role"] == "user"]
+    assert users == ["A new start?"]

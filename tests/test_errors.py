@@ -1,5 +1,7 @@
 """Issue check 5: every refused operation leaves messages, ledger and cache exactly as they were."""
 
+import gc
+
 import pytest
 import torch
 
@@ -96,11 +98,15 @@ def test_nothing_to_act_on(make_engine):
     assert_unchanged(conv, before)
 
 
-def test_second_operation_while_streaming_is_refused(conv):
+@pytest.mark.parametrize("read_first", [True, False])
+def test_second_operation_while_streaming_is_refused(conv, read_first):
+    """Refused from the moment the reply is started, not only once its stream is read: a second
+    Send in that moment replaced the running reply (issue #32, 1)."""
     stream = conv.send("A long answer please.", max_new_tokens=20, do_sample=False)
-    next(stream)
+    if read_first:
+        next(stream)
     for operation in (lambda: conv.send("again", **OPTIONS), lambda: conv.regenerate(**OPTIONS), conv.undo,
-                      lambda: conv.edit(1, "x", **OPTIONS)):
+                      lambda: conv.edit(1, "x", **OPTIONS), lambda: conv.switch_branch(1, 0)):
         with pytest.raises(ConversationBusyError):
             operation()
     list(stream)
@@ -109,13 +115,26 @@ def test_second_operation_while_streaming_is_refused(conv):
 
 
 def test_stale_plan_is_refused(conv):
-    """A stream created, then overtaken by another operation, must not run on the new history."""
-    stale = conv.send("planned first", **OPTIONS)
+    """A plan overtaken by another operation before it runs must not run on the new history."""
+    from chat.operations import Send
+    from chat.options import GenerationOptions
+
+    plan = conv.plan(Send("planned first"), GenerationOptions.from_kwargs(**OPTIONS))
     conv.undo()
     before = snapshot(conv)
     with pytest.raises(StalePlanError):
-        next(stale)
+        next(conv.run(plan))
     assert_unchanged(conv, before)
+
+
+def test_a_reply_started_and_dropped_unread_leaves_the_conversation_free(conv):
+    stream = conv.send("never read", **OPTIONS)
+    assert conv.is_busy
+    del stream  # (a client gone before the first token)
+    gc.collect()
+    assert not conv.is_busy
+    list(conv.send("read", **OPTIONS))
+    assert conv.messages[-2]["content"] == "read"
 
 
 def test_model_failure_leaves_history_and_rebuilds(conv, monkeypatch):

@@ -96,7 +96,7 @@ def test_a_reply_says_which_version_it_is_and_whether_it_was_stopped():
     assert re.search(r'class="branch-step prev bs-1-0"[^>]*><span class="sr-only">Previous branch<', switcher)
     assert re.search(r'class="branch-step next bs-1-2"[^>]* disabled><span class="sr-only">Next branch<', switcher)
     assert "2 / 2</span>" in switcher and index_of[1] is None
-    assert re.search(r'class="branch-step regen br-1"[^>]*><span class="sr-only">Regenerate this reply<', switcher)
+    assert re.search(r'class="branch-step regen br-1"[^>]*><span class="sr-only">Retry this reply<', switcher)
     assert shown[4]["content"] == "C" and len(shown) == 5  # the last reply, one version, not stopped: nothing
 
 

@@ -9,6 +9,7 @@ conversation from it (a reload, a restart, an expiry, another tab changed it) or
   record     {"id", "rev", "title", "renamed", "data": Conversation.to_dict(), "draft"}
   tombstone  {"id", "rev", "deleted": true}       (a delete: other tabs must not bring it back)
   rename     {"id", "rev", "title", "renamed"}    (the stored data kept)
+  reply      {"id", "rev", "draft": true, "reply"} (the streaming reply so far: its draft's last message)
 
 The browser adds "tab" and "updated". It writes a record when it holds none of that id, an older
 revision, or its own draft of the same revision (a draft is the reply so far: written while it
@@ -44,6 +45,7 @@ class Book:
     index: list[tuple[str, str]] = field(default_factory=list)  # (id, title), newest first: the list shown
     renamed: set[str] = field(default_factory=set)  # ids whose name the user chose
     saved: tuple[str, int] | None = None  # (server key, conversation revision) the shown record was written from
+    drafted: dict[str, int] = field(default_factory=dict)  # record id -> revision of this page's latest draft of it
 
     def title(self, chat_id: str | None) -> str:
         return next((title for entry, title in self.index if entry == chat_id), "")
@@ -55,6 +57,7 @@ class Book:
     def forget(self, chat_id: str) -> None:
         self.index = [(entry, name) for entry, name in self.index if entry != chat_id]
         self.revs.pop(chat_id, None)
+        self.drafted.pop(chat_id, None)
         self.renamed.discard(chat_id)
 
     def hear(self, said: "Probe") -> list[str]:
@@ -122,6 +125,7 @@ class Probe:
     notices: list[str] = field(default_factory=list)
     index: list[tuple[str, str]] | None = None  # the list (on load and when another tab changed it)
     record: dict[str, Any] | None = None  # the shown record (on load, opening one, rebuilding one)
+    pending_prompt: tuple[str, str] | None = None  # (record id, text): a system prompt typed, not applied (on load)
 
 
 def checked_probe(value: Any) -> Probe:
@@ -136,7 +140,17 @@ def checked_probe(value: Any) -> Probe:
                  full=value.get("full") is True,
                  notices=[checked_title(text) for text in notices[:MAX_NOTICES] if isinstance(text, str)],
                  index=checked_index(value["index"]) if "index" in value else None,
-                 record=checked_record(value.get("record")))
+                 record=checked_record(value.get("record")),
+                 pending_prompt=checked_pending(value.get("pending")))
+
+
+def checked_pending(value: Any) -> tuple[str, str] | None:
+    """The system prompt this tab typed for a record and has not applied yet (its length is
+    checked where it is used, against the server's limit)."""
+    if not isinstance(value, dict) or not isinstance(value.get("text"), str):
+        return None
+    chat_id = checked_id(value.get("id"))
+    return (chat_id, value["text"]) if chat_id else None
 
 
 def checked_index(value: Any) -> list[tuple[str, str]]:
@@ -164,10 +178,18 @@ def record(book: Book, chat_id: str, data: dict[str, Any], *, draft: bool = Fals
     record will have, and this page does not count it as written)."""
     title = book.title(chat_id) if chat_id in book.renamed else title_of(data)
     rev = book.revs.get(chat_id, 0) + 1 if draft else book.next_rev(chat_id)
-    if not draft:
+    if draft:
+        book.drafted[chat_id] = rev
+    else:
         book.put_first(chat_id, title)
     return {"id": chat_id, "rev": rev, "title": title, "renamed": chat_id in book.renamed, "data": data,
             "draft": draft}
+
+
+def reply_patch(draft: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
+    """The streaming reply's message so far, for the browser's copy of `draft` (its last message):
+    a few kilobytes with each update of the chat, not the whole conversation again."""
+    return {"id": draft["id"], "rev": draft["rev"], "draft": True, "reply": reply}
 
 
 def tombstone(book: Book, chat_id: str) -> dict[str, Any]:
@@ -201,7 +223,7 @@ def title_of(data: dict[str, Any]) -> str:
 # a tab shows is the tab's own (sessionStorage: it survives a reload, a new tab starts a new chat).
 SCRIPT = """<script>
 window.rewindCopy = (() => {
-  const PREFIX = "rewind-chat:chat:", MAX_CHATS = %(max_chats)d, TOMBSTONE_DAYS = 30;
+  const PREFIX = "rewind-chat:chat:", REPLY = "rewind-chat:reply:", MAX_CHATS = %(max_chats)d, TOMBSTONE_DAYS = 30;
   const token = () => Array.from(crypto.getRandomValues(new Uint8Array(12)),
       (b) => "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"[b & 63]).join("");
   let tab = sessionStorage.getItem("rewind-chat:tab");
@@ -211,9 +233,18 @@ window.rewindCopy = (() => {
   const current = () => sessionStorage.getItem("rewind-chat:current");
   const setCurrent = (id) => id ? sessionStorage.setItem("rewind-chat:current", id)
                                 : sessionStorage.removeItem("rewind-chat:current");
-  const read = (id) => { try { return JSON.parse(localStorage.getItem(PREFIX + id)); } catch { return null; } };
+  const parsed = (key) => { try { return JSON.parse(localStorage.getItem(key)); } catch { return null; } };
+  const read = (id) => {  // a draft with the streaming reply so far (kept apart: small, written often)
+    const rec = parsed(PREFIX + id), patch = rec && rec.draft && rec.data ? parsed(REPLY + id) : null;
+    if (patch && patch.rev === rec.rev && patch.reply && typeof patch.reply === "object") {
+      const path = rec.data.path, messages = rec.data.messages;
+      const last = Array.isArray(path) && Array.isArray(messages) ? messages[path[path.length - 1]] : null;
+      if (last && last.role === "assistant") Object.assign(last, patch.reply);
+    }
+    return rec;
+  };
   const write = (rec) => {
-    try { localStorage.setItem(PREFIX + rec.id, JSON.stringify(rec)); return true; }
+    try { localStorage.setItem(PREFIX + rec.id, JSON.stringify(rec)); localStorage.removeItem(REPLY + rec.id); return true; }
     catch (error) { full = true; return false; }  // over the browser's quota: the server says so
   };
   const all = () => {
@@ -246,6 +277,13 @@ window.rewindCopy = (() => {
     for (const incoming of box.records) {
       const stored = read(incoming.id), now = Date.now();
       const rec = {...incoming, tab, updated: now};
+      if ("reply" in incoming) {  // the reply so far, beside this tab's own draft of that revision
+        if (stored && stored.draft && stored.tab === tab && stored.rev === incoming.rev) {
+          try { localStorage.setItem(REPLY + incoming.id, JSON.stringify({rev: incoming.rev, reply: incoming.reply})); }
+          catch (error) { full = true; }
+        }
+        continue;
+      }
       if (!("data" in incoming) && !incoming.deleted) {  // a rename: the stored data stays
         if (stored && !stored.deleted) write({...stored, title: rec.title, renamed: rec.renamed,
                                               rev: Math.max(stored.rev, rec.rev), tab, updated: now});
@@ -284,7 +322,12 @@ window.rewindCopy = (() => {
     withList: () => { prune(); const listed = index(); shownList = JSON.stringify(listed);
                       return {...probe(), index: listed}; },
     onLoad: () => { prune(); const listed = index(); shownList = JSON.stringify(listed);
-                    return {...probe(), index: listed, record: live(current())}; },
+                    let pending = null;
+                    try { pending = JSON.parse(sessionStorage.getItem("rewind-chat:pending-prompt")); } catch {}
+                    return {...probe(), index: listed, record: live(current()), pending}; },
+    typedPrompt: (text) => {  // the system prompt box as typed: a reload shows it again, still pending
+      try { sessionStorage.setItem("rewind-chat:pending-prompt", JSON.stringify({id: current(), text})); } catch {}
+    },
   };
 })();
 </script>""" % {"max_chats": MAX_CHATS}

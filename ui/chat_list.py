@@ -38,7 +38,6 @@ from ui.outputs import ChatOutputs
 
 STOP_WAIT_S = 5.0  # how long leaving a conversation waits for its stopped reply to end
 SWEEP_AFTER_S = 60.0  # an export older than this was served (Gradio copies it as the event ends)
-DRAFT_EVERY_S = 1.0  # while a reply streams, the browser's copy is brought up to date this often
 
 
 def markdown_of(data: dict[str, Any], title: str | None = None) -> str:
@@ -104,7 +103,10 @@ class CopyKeeping:
             book.current = browser_copy.new_id()
             return book, None
         chat, known = self.directory.find(key), book.revs.get(book.current)
-        stale = said.current == book.current and said.rev is not None and said.rev != known
+        # this page's own draft of a reply that may still stream (a message typed ahead, a click
+        # during it) is no other tab's change: rebuilding from it would stop that reply (#32, 1)
+        own = (known, book.drafted.get(book.current))
+        stale = said.current == book.current and said.rev is not None and said.rev not in own
         if said.rev is not None and (chat is None or stale):
             return book, {"id": book.current}
         return book, None
@@ -126,26 +128,33 @@ class CopyKeeping:
 
     def drafting(self, handler: Callable[..., Iterator[tuple]]) -> Callable[..., Iterator[tuple]]:
         """A generating event's stream with the browser's copy of its reply so far besides it
-        (`key` and `book` as its last two inputs; the outbox as its last output): the message is
-        in the browser before the reply streams, and what was written is there every
-        `DRAFT_EVERY_S`, so a reload mid-reply loses neither."""
+        (`key` and `book` as its last two inputs; the outbox as its last output): the whole
+        record once, as the message shows (so it is in the browser before the reply streams),
+        then with each update of the chat the reply's own text (a patch of that draft), so a
+        reload mid-reply keeps what was on screen (#32, 3)."""
         key_field = ChatOutputs.names().index("key")
 
         @functools.wraps(handler)
         def run(*args: Any) -> Iterator[tuple]:
             *args, key, book = args
-            book, drafted_at = checked_book(book), None
+            book, drafted, patched = checked_book(book), None, None
             for outputs in handler(*args):
                 key = outputs[key_field] if isinstance(outputs[key_field], str) else key
                 chat = self.directory.find(key)
-                due = drafted_at is None or time.monotonic() - drafted_at >= DRAFT_EVERY_S
-                if due and chat is not None and chat.shown and book.current and chat.conversation.is_running:
+                if chat is None or not chat.shown or not book.current or not chat.conversation.is_running:
+                    yield (*outputs, gr.skip())
+                elif drafted is None:
                     data = chat.conversation.snapshot()
                     if said_anything(data):
-                        drafted_at = time.monotonic()
-                        yield (*outputs, outbox(book, browser_copy.record(book, book.current, data, draft=True)))
-                        continue
-                yield (*outputs, gr.skip())
+                        drafted = browser_copy.record(book, book.current, data, draft=True)
+                        yield (*outputs, outbox(book, drafted))
+                    else:
+                        yield (*outputs, gr.skip())
+                elif (reply := chat.conversation.reply_so_far()) is not None and reply != patched:
+                    patched = reply
+                    yield (*outputs, outbox(book, browser_copy.reply_patch(drafted, reply)))
+                else:
+                    yield (*outputs, gr.skip())
         parameters = list(inspect.signature(handler).parameters.values())
         if all(parameter.kind is not inspect.Parameter.VAR_POSITIONAL for parameter in parameters):
             parameters += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
@@ -201,6 +210,9 @@ class ChatList(CopyKeeping):
             if outputs.chat:  # drawn (else a warning said why)
                 book.current = said.record["id"]
                 book.read(said.record)
+                pending = said.pending_prompt
+                if pending and pending[0] == book.current and len(pending[1]) <= self.handlers.limits.max_system_chars:
+                    outputs.system_prompt = pending[1]  # typed before the reload, still not applied (#32, 4)
         listed = ListOutputs.of(book)
         listed.outbox = None  # nothing to write
         return (*outputs.to_gradio(), *listed.to_gradio())
@@ -235,13 +247,19 @@ class ChatList(CopyKeeping):
             book.read(record)
         return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
 
-    def new_chat(self, key: Any, book: Any) -> tuple:
+    def new_chat(self, key: Any, book: Any, stats: str = "") -> tuple:
         """New chat: the current conversation stays in the list (a running reply is stopped and kept)."""
         book = checked_book(book)
         left = self._leave(key, book)
         book.current = None
-        outputs = replace(self.handlers.empty(), textbox=gr.update(value="", placeholder=views.READY))
+        outputs = replace(self.handlers.empty(), textbox=gr.update(value="", placeholder=views.READY), stats=stats)
         return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
+
+    def clear(self, key: Any, book: Any) -> tuple:
+        """The chat's trash button: a New chat that says so (it blanked only the view, and the next
+        message went on with the old conversation, #32 item 5). Nothing is deleted: that is the
+        list's Delete, with its confirmation."""
+        return self.new_chat(key, book, stats=views.CLEARED)
 
     def rename(self, title: Any, book: Any) -> tuple:
         book = checked_book(book)
@@ -284,7 +302,8 @@ class ChatList(CopyKeeping):
             book.renamed.add(book.current)
             book.put_first(book.current, title)
         written = self._write(book, new_key, chat)
-        outputs = self.handlers.view(new_key, chat, stats="Imported: its cache is computed at the next message.")
+        outputs = self.handlers.view(new_key, chat, stats="Imported: its cache is computed at the next message.",
+                                     system_prompt=chat.conversation.system_prompt or "")  # its own (#32, 2)
         return (*outputs.to_gradio(), *ListOutputs.of(book, *left, *([written] if written else [])).to_gradio())
 
     # ---- moving between conversations --------------------------------------------------------------
@@ -319,6 +338,7 @@ class ChatList(CopyKeeping):
             return outputs
         outputs.chat = views.path_messages(history.entries)[0]
         outputs.system_prompt = history.system_prompt or ""
+        outputs.applied_prompt = {"prompt": outputs.system_prompt}
         return outputs
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import gradio as gr
 
+from chat.errors import ContextOverflowError
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -28,7 +30,19 @@ def refused(reason: Any) -> gr.Error:
     """A refusal, raised by a handler before it changes anything: an API client gets an error it
     can catch, the page one toast with every component left as it was (the page's style hides
     Gradio's per-output error badges), and the log no traceback (it is routine, not a fault)."""
-    return gr.Error(str(reason), title="Not accepted", print_exception=False)
+    text = too_long(reason) if isinstance(reason, ContextOverflowError) else str(reason)
+    return gr.Error(text, title="Not accepted", print_exception=False)
+
+
+def too_long(error: ContextOverflowError) -> str:
+    """A prompt over the model's context, in a user's words: by how much, and what to do (#32, 7).
+    (Older turns are dropped by themselves when the newest message alone fits.)"""
+    if not error.context_limit or error.prompt_tokens is None or error.max_new_tokens is None:
+        return str(error)
+    over = error.prompt_tokens + error.max_new_tokens - error.context_limit
+    return (f"That is too long for this model by about {over:,} tokens (roughly {4 * over:,} characters): it "
+            f"holds {error.context_limit:,} tokens, {error.max_new_tokens:,} of them kept for the reply. "
+            "Shorten the message, lower “Max new tokens” in Settings, or start a new chat.")
 
 
 def text(value: Any, field: str, max_chars: int) -> str:

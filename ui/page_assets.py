@@ -30,6 +30,48 @@ PAGE_SCRIPT = """() => {
     document.addEventListener("keydown", (event) => {  // Escape stops a reply
         if (event.key === "Escape") document.querySelector("#stop")?.click();
     });
+    // Typing ahead (#32, 1): Enter while a reply streams does not send (that would be refused, or
+    // worse); the message waits in the box, a line under it says so, and it is sent as the reply
+    // ends (Stop ends it now). Emptying the box takes the message back.
+    const shown = (selector) => { const node = document.querySelector(selector); return !!node && node.offsetParent !== null; };
+    const box = () => document.querySelector("#message textarea");
+    let waiting = false, waitNote = null;
+    const showWaiting = (on) => {
+        waiting = on;
+        if (!waitNote) {
+            waitNote = Object.assign(document.createElement("div"), {id: "waiting-note", className: "waiting-note"});
+            waitNote.setAttribute("role", "status");
+            document.querySelector("#input-row")?.after(waitNote);
+        }
+        waitNote.textContent = on ? "Sent when this reply ends (Stop ends it now; empty the box to cancel)." : "";
+    };
+    const holdEnter = (event) => {  // (and an empty box sends nothing, as Send is disabled then)
+        if (event.key !== "Enter" || event.shiftKey || event.isComposing || event.target !== box()) return;
+        const empty = !box().value.trim();
+        if (!empty && !shown("#stop")) return;
+        event.preventDefault();
+        event.stopImmediatePropagation();
+        if (event.type === "keydown" && !empty) showWaiting(true);
+    };
+    // Send is disabled while the box is empty (#32, 7): other chat apps do so, and a toast said "Error"
+    const sendState = () => { const send = document.querySelector("#send"); if (send && box()) send.disabled = !box().value.trim(); };
+    document.addEventListener("input", sendState, true);
+    document.addEventListener("input", (event) => {  // a system prompt typed, kept through a reload (#32, 4)
+        if (event.target.closest?.("#system-prompt")) window.rewindCopy.typedPrompt(event.target.value);
+    }, true);
+    document.addEventListener("click", (event) => {
+        if (event.target.closest?.("#send") && box() && !box().value.trim()) { event.preventDefault(); event.stopImmediatePropagation(); }
+    }, true);
+    document.addEventListener("keydown", holdEnter, true);
+    document.addEventListener("keypress", holdEnter, true);
+    document.addEventListener("input", (event) => { if (waiting && event.target === box() && !box().value.trim()) showWaiting(false); }, true);
+    setInterval(() => {  // the reply ended: Send is back (and the box may have been set by the server)
+        sendState();
+        if (waiting && shown("#send") && !shown("#stop")) {
+            showWaiting(false);
+            if (box()?.value.trim()) document.querySelector("#send")?.click();
+        }
+    }, 100);
     document.addEventListener("click", (event) => {  // "‹ 2 / 3 ›" and ↻ under a message
         const button = event.target.closest?.("button.branch-step");
         if (!button || button.disabled) return;
@@ -56,6 +98,8 @@ CSS = """
 .branch-step.prev::before { content: "‹" / ""; }  /* drawn, not read: the button's name is its text */
 .branch-step.next::before { content: "›" / ""; }
 .branch-step.regen::before { content: "↻" / ""; }
+.waiting-note { font-size: 0.85em; opacity: 0.8; padding: 0 0.5em; min-height: 0; }
+.waiting-note:empty { display: none; }
 .sr-only { position: absolute; width: 1px; height: 1px; overflow: hidden; clip-path: inset(50%); white-space: nowrap; }
 @media (max-width: 640px), (pointer: coarse) {  /* a finger's size */
   .branch-nav button { min-width: 40px; min-height: 40px; }

@@ -10,6 +10,7 @@ from chat import TurnStats
 THINKING_TITLE = "Thinking"
 GENERATING = "generating… (Stop or Esc ends it and keeps what was written)"
 READY = "Message (Enter to send)"
+CLEARED = "Cleared: this is a new chat. The one you left stays in the list (Delete there removes it)."
 BUSY = "A reply is being written: Stop (or Esc) first, or wait for it to end"
 
 
@@ -60,7 +61,7 @@ class Nav:
 
 def branch_switcher(index: int, nav: Nav, label: str = "") -> str:
     """Buttons the page's script turns into events (ui/page_assets.py), named by their text
-    ("Previous branch", "Regenerate this reply": read by a screen reader, hidden on screen, where
+    ("Previous branch", "Retry this reply": read by a screen reader, hidden on screen, where
     the page's style draws ‹ › ↻). The chat's sanitizer keeps classes, titles and roles, not data
     or aria attributes: the target is in the class."""
     def button(kind: str, target: str, name: str, usable: bool = True) -> str:
@@ -74,7 +75,7 @@ def branch_switcher(index: int, nav: Nav, label: str = "") -> str:
                      f'<span class="branch-count">{nav.shown + 1} / {nav.count}</span> '
                      f'{button("next", f"bs-{index}-{after}", "Next branch", after < nav.count)}')
     if nav.retry:
-        parts.append(button("regen", f"br-{index}", "Regenerate this reply"))
+        parts.append(button("regen", f"br-{index}", "Retry this reply"))  # as Gradio's own Retry
     return f'<div class="{SWITCHER_CLASS}" role="group">{" ".join(parts)}</div>'
 
 
