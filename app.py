@@ -87,7 +87,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
 
 def sidebar() -> dict[str, Any]:
     with gr.Sidebar(label="Conversations", open=True, elem_id="sidebar", width=280):
-        parts = dict(sidebar_new_chat=gr.Button("New chat", size="sm", elem_id="sidebar-new-chat"),
+        parts = dict(sidebar_new_chat=gr.Button("Start a new chat", size="sm", elem_id="sidebar-new-chat"),
                      chats=gr.Radio(choices=[], label="Kept in this browser", elem_id="chat-list"),
                      title=gr.Textbox(label="Name of this conversation", elem_id="chat-title", max_lines=1),
                      rename=gr.Button("Rename", size="sm", elem_id="rename"))
@@ -98,7 +98,8 @@ def sidebar() -> dict[str, Any]:
                       import_file=gr.UploadButton("Import JSON", file_types=[".json"], size="sm", elem_id="import"),
                       delete=gr.Button("Delete this conversation", size="sm", variant="stop", elem_id="delete"),
                       confirm_delete=gr.Button("Yes, delete it for good", size="sm", variant="stop", visible=False,
-                                               elem_id="confirm-delete"))
+                                               elem_id="confirm-delete"),
+                      cancel_delete=gr.Button("Cancel", size="sm", visible=False, elem_id="cancel-delete"))
     return parts
 
 
@@ -112,7 +113,7 @@ def chat_area(placeholder: str) -> dict[str, Any]:
     # this label is for API clients
     parts["versions"] = gr.Markdown("", visible=False, elem_id="versions")
     with gr.Row(elem_id="input-row", equal_height=True):  # Send turns into Stop while a reply streams
-        parts |= dict(textbox=gr.Textbox(placeholder=views.READY, show_label=False, scale=6, elem_id="message",
+        parts |= dict(textbox=gr.Textbox(placeholder=views.READY, label="Message", show_label=False, scale=6, elem_id="message",
                                          autofocus=True),
                       send=gr.Button("Send", variant="primary", scale=1, min_width=72, elem_id="send"),
                       stop=gr.Button("Stop", variant="stop", scale=1, min_width=72, elem_id="stop", visible=False))

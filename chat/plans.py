@@ -84,7 +84,7 @@ class Planner:
         if last is None or last.reply is None:
             raise NothingToRegenerateError("there is no reply to continue")
         if last.reply.ended:
-            raise ReplyEndedError("this reply had ended: there is nothing to continue (Regenerate writes another)")
+            raise ReplyEndedError("this reply had ended: there is nothing to continue (Retry writes another)")
         entries = history.entries
         messages = [node.message() for node in entries]
         rendered = None
@@ -136,7 +136,7 @@ def answered_path(operation: Operation, history: History) -> list[Node]:
         case Regenerate(index=None):  # the last reply, or a trailing user message left without one
             if path and path[-1].role in ("assistant", "user"):
                 return path[:-1] if path[-1].role == "assistant" else path
-            raise NothingToRegenerateError("there is no reply to regenerate")
+            raise NothingToRegenerateError("there is no reply to retry")
         case Regenerate(index=index):
             history.message_at(index, "assistant", NothingToRegenerateError)
             return path[:index]

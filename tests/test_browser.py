@@ -318,12 +318,8 @@ def test_closing_the_tab_frees_its_conversation(browser, demo_app):
 def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
     page = open_chat(browser, demo_app.url)
     tracebacks = Path(demo_app.log.name).read_text().count("Traceback")
-    page.click("#continue")  # nothing to continue yet
-    expect_warning(page, "There is no conversation yet")
-    # a refusal is one toast: no "Error" badge over the chat, the input, the stats or the settings
-    expect(page.locator("[data-testid='status-tracker'] .error >> visible=true")).to_have_count(0)
-    expect(page.locator(".toast-body", has_text="There is no conversation yet")).to_have_count(1)
-    assert Path(demo_app.log.name).read_text().count("Traceback") == tracebacks  # routine: no traceback
+    for button in ("#continue", "#export-json", "#export-markdown", "#delete"):  # nothing to act on yet (#32, 9)
+        expect(page.locator(button)).to_be_disabled()
     page.fill("#message textarea", "   ")  # an empty box sends nothing, as in other chat apps (#32, 7)
     expect(page.locator("#send")).to_be_disabled()
     page.press("#message textarea", "Enter")
@@ -341,6 +337,13 @@ def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
 
     before = shown()
 
+    for button in ("#continue", "#export-json", "#export-markdown", "#delete"):
+        expect(page.locator(button)).to_be_enabled()
+    page.click("#continue")  # the reply had ended: refused
+    expect_warning(page, "ended")
+    # a refusal is one toast: no "Error" badge over the chat, the input, the stats or the settings
+    expect(page.locator("[data-testid='status-tracker'] .error >> visible=true")).to_have_count(0)
+    assert Path(demo_app.log.name).read_text().count("Traceback") == tracebacks  # routine: no traceback
     send(page, "word " * 3900)  # under the size limit, over the context
     expect_warning(page, "too long for this model by about")  # in a user's words (#32, 7)
     expect_warning(page, "Shorten the message, lower “Max new tokens” in Settings, or start a new chat.")
@@ -803,4 +806,53 @@ def test_the_trash_button_starts_a_new_chat_and_says_so(browser, demo_app):
     wait_loaded(page)
     expect(page.locator("#chatbot")).to_contain_text("What is 3 + 4?")
     expect(page.locator("#chatbot")).not_to_contain_text("What is 12 + 12?")
+    page.close()
+
+
+SMALLEST_CONTROL = """() => {
+    const names = ["Copy message", "Retry", "Undo", "Edit", "Continue", "New chat", "Light / dark"];
+    const sizes = [];
+    for (const button of document.querySelectorAll("button")) {
+        const name = (button.getAttribute("aria-label") || button.innerText || "").trim();
+        const box = button.getBoundingClientRect();
+        if (names.includes(name) && box.width > 0) sizes.push([name, Math.min(box.width, box.height)]);
+    }
+    return sizes;
+}"""
+
+
+def test_controls_are_named_and_finger_sized_and_the_list_takes_enter_and_cancel(browser, endless_app):
+    """Issue #32, 8 and 9: the message box was announced as "Textbox", two buttons were both "New
+    chat", a stopped reply was read as "<sub>stopped</sub>", the message buttons were 18 px on a
+    phone; Enter in the name box did nothing and Delete's confirmation had no Cancel."""
+    page = browser.new_page(viewport={"width": 390, "height": 844}, has_touch=True, is_mobile=True)
+    page.goto(endless_app.url)
+    wait_loaded(page)
+    expect(page.get_by_role("textbox", name="Message")).to_have_count(1)
+    expect(page.get_by_role("button", name="New chat", exact=True)).to_have_count(1)
+    before = send(page, "A reply I stop.")
+    expect(page.locator("#stats")).to_contain_text("generating")
+    page.click("#stop")
+    wait_reply(page, before)
+    stopped = page.locator("#chatbot [aria-label*='stopped']").first
+    expect(stopped).to_be_attached()
+    assert "<" not in stopped.get_attribute("aria-label")
+    sizes = page.evaluate(SMALLEST_CONTROL)
+    assert {name for name, _ in sizes} >= {"Copy message", "Retry", "Undo", "Continue"}, sizes
+    assert all(size >= 40 for _, size in sizes), sizes
+
+    page.set_viewport_size({"width": 1200, "height": 1000})
+    folded = page.locator(".sidebar:not(.open) button[aria-label='Toggle Sidebar']")
+    if folded.count():  # (folded away on the phone)
+        folded.first.click()
+    name = page.locator("#chat-title textarea, #chat-title input").first
+    name.fill("Renamed with Enter")
+    name.press("Enter")
+    expect(page.locator("#chat-list")).to_contain_text("Renamed with Enter")
+    page.click("#delete")
+    expect(page.locator("#cancel-delete")).to_be_visible()
+    page.click("#cancel-delete")
+    expect(page.locator("#confirm-delete")).to_be_hidden()
+    expect(page.locator("#cancel-delete")).to_be_hidden()
+    expect(page.locator("#chat-list")).to_contain_text("Renamed with Enter")  # nothing deleted
     page.close()

@@ -269,9 +269,6 @@ class ChatList(CopyKeeping):
             return gr.skip(), gr.skip(), gr.skip()
         return outbox(book, browser_copy.rename(book, book.current, text)), book, choices_of(book)
 
-    def ask_delete(self) -> Any:
-        return gr.update(visible=True)
-
     def delete(self, key: Any, book: Any) -> tuple:
         """Confirmed: the shown conversation leaves the list (a tombstone, so no tab brings it back)
         and the server."""

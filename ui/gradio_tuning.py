@@ -1,6 +1,6 @@
 """Two costs of Gradio 6.31 that slow the model down while a reply streams, and their remedies.
 
-Both were measured with `python -m benchmarks.web_stream` (see README, "Through the web"): the
+Both were measured with `python -m benchmarks.web_stream` (see docs/performance.md, "Through the web"): the
 model's compute thread shares the process, the GIL and, on a small machine, the cores with
 Gradio's event loop, so every bit of work the loop does per update or per millisecond is taken
 from decoding.

@@ -21,9 +21,12 @@ PAGE_SCRIPT = """() => {
     document.addEventListener("change", (event) => foldList(event, "#chat-list"));  // (a label's click is two)
     // Gradio names each message by its raw text: for the branch controls, their markup. They are
     // named by what they are instead ("Branches: Previous branch 2 / 3 Next branch").
-    const nameControls = () => document.querySelectorAll('#chatbot [aria-label*="branch-nav"]').forEach((message) => {
-        const nav = message.querySelector(".branch-nav");
-        message.setAttribute("aria-label", `Branches: ${nav ? nav.textContent.trim() : ""}`);
+    // Other messages are named by their text without markup ("…: stopped", not "<sub>stopped</sub>").
+    const nameControls = () => document.querySelectorAll('#chatbot [aria-label*="<"]').forEach((message) => {
+        const nav = message.querySelector(".branch-nav"), label = message.getAttribute("aria-label");
+        const named = nav ? `Branches: ${nav.textContent.trim()}`
+                          : label.replace(/<[^>]*>/g, " ").replace(/\s+/g, " ").trim();
+        if (named !== label) message.setAttribute("aria-label", named);  // (a set is a mutation: only a change)
     });
     new MutationObserver(nameControls).observe(document.body, {subtree: true, childList: true, attributes: true,
                                                                attributeFilter: ["aria-label"]});
@@ -67,6 +70,11 @@ PAGE_SCRIPT = """() => {
     document.addEventListener("input", (event) => { if (waiting && event.target === box() && !box().value.trim()) showWaiting(false); }, true);
     setInterval(() => {  // the reply ended: Send is back (and the box may have been set by the server)
         sendState();
+        const empty = !document.querySelector("#chatbot .message-row");  // nothing to continue, export or delete
+        for (const id of ["#continue", "#export-json", "#export-markdown", "#delete"]) {
+            const button = document.querySelector(id);
+            if (button && button.disabled !== empty) button.disabled = empty;
+        }
         if (waiting && shown("#send") && !shown("#stop")) {
             showWaiting(false);
             if (box()?.value.trim()) document.querySelector("#send")?.click();
@@ -103,6 +111,9 @@ CSS = """
 .sr-only { position: absolute; width: 1px; height: 1px; overflow: hidden; clip-path: inset(50%); white-space: nowrap; }
 @media (max-width: 640px), (pointer: coarse) {  /* a finger's size */
   .branch-nav button { min-width: 40px; min-height: 40px; }
+  #chatbot .message-buttons button, #chatbot .message-buttons-left button, #chatbot .message-buttons-right button {
+    min-width: 40px; min-height: 40px; }
+  #continue, #new-chat, #dark-mode { min-height: 40px; }
 }
 /* Gradio's "•••" waiting bubble belongs after the user's message, until the reply's first text.
    Its node is reused as the list grows and can land between earlier messages (seen under an

@@ -161,10 +161,13 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     page["chatbot"].clear(chat_list.clear, [key, book], with_list, api_name=False)
     page["chats"].input(chat_list.open, [page["chats"], probe, key, book], with_list, api_name=False, js=CHOSEN,
                         **ONE_RECORD_AT_A_TIME)
-    page["rename"].click(chat_list.rename, [page["title"], book], [page["outbox"], book, page["chats"]],
-                         api_name=False)
-    page["delete"].click(chat_list.ask_delete, None, page["confirm_delete"], api_name=False)
-    page["confirm_delete"].click(chat_list.delete, [key, book], with_list, api_name=False)
+    for trigger in (page["rename"].click, page["title"].submit):  # the button, or Enter in the name
+        trigger(chat_list.rename, [page["title"], book], [page["outbox"], book, page["chats"]], api_name=False)
+    confirm = [page["confirm_delete"], page["cancel_delete"]]
+    page["delete"].click(lambda: [gr.update(visible=True)] * 2, None, confirm, api_name=False)
+    page["cancel_delete"].click(lambda: [gr.update(visible=False)] * 2, None, confirm, **QUIET)
+    page["confirm_delete"].click(chat_list.delete, [key, book], with_list, api_name=False) \
+        .then(lambda: gr.update(visible=False), None, page["cancel_delete"], **QUIET)
     for button, kind in ((page["export_json"], "json"), (page["export_markdown"], "markdown")):
         with_conversation(chat_list, page, button.click) \
             .then(functools.partial(chat_list.files.export, kind), [key, book], page["download"], api_name=False)
