@@ -346,7 +346,7 @@ def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
     assert Path(demo_app.log.name).read_text().count("Traceback") == tracebacks  # routine: no traceback
     send(page, "word " * 3900)  # under the size limit, over the context
     expect_warning(page, "too long for this model by about")  # in a user's words (#32, 7)
-    expect_warning(page, "Shorten the message, lower “Max new tokens” in Settings, or start a new chat.")
+    expect_warning(page, "lower “Max new tokens” in Settings, or start a new chat.")
     assert shown() == before
     assert page.locator("#message textarea").input_value().startswith("word word")  # kept for fixing
 

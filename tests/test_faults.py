@@ -42,7 +42,7 @@ def test_a_refused_first_message_or_prompt_change_keeps_everything(make_engine):
     engine = make_engine("full", context_limit=64)
     handlers = ChatHandlers(engine, ChatDirectory(engine))
     short = Settings(system_prompt="S.", max_new_tokens=4, temperature=0.0).values()
-    with pytest.raises(gr.Error, match="context"):  # cannot fit: refused, nothing created
+    with pytest.raises(gr.Error, match="too long for this model"):  # cannot fit: refused, nothing created
         list(handlers.send(None, "word " * 80, None, *short))
     assert len(handlers.directory.manager) == 0
     key = list(handlers.send(None, "Hello.", None, *short))[0].key
@@ -51,7 +51,7 @@ def test_a_refused_first_message_or_prompt_change_keeps_everything(make_engine):
     conv = handlers.directory.find(key).conversation
     messages = conv.messages
     long_prompt = Settings(system_prompt="word " * 80, max_new_tokens=4, temperature=0.0).values()
-    with pytest.raises(gr.Error, match="context"):
+    with pytest.raises(gr.Error, match="too long for this model"):
         list(handlers.send(None, "With a new system prompt.", key, *long_prompt))
     assert handlers.directory.find(key) is not None and conv.messages == messages  # the old one is kept
     assert len(handlers.directory.manager) == 1

@@ -42,7 +42,7 @@ def too_long(error: ContextOverflowError) -> str:
     over = error.prompt_tokens + error.max_new_tokens - error.context_limit
     return (f"That is too long for this model by about {over:,} tokens (roughly {4 * over:,} characters): it "
             f"holds {error.context_limit:,} tokens, {error.max_new_tokens:,} of them kept for the reply. "
-            "Shorten the message, lower “Max new tokens” in Settings, or start a new chat.")
+            "Shorten the message (or the system prompt), lower “Max new tokens” in Settings, or start a new chat.")
 
 
 def text(value: Any, field: str, max_chars: int) -> str:
