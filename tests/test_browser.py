@@ -841,7 +841,13 @@ def test_controls_are_named_and_finger_sized_and_the_list_takes_enter_and_cancel
     assert {name for name, _ in sizes} >= {"Copy message", "Retry", "Undo", "Continue"}, sizes
     assert all(size >= 40 for _, size in sizes), sizes
 
+    chip = page.locator("#chatbot .icon-button-wrapper.top-panel").first
+    assert chip.evaluate("(e) => getComputedStyle(e).backgroundColor") not in ("rgba(0, 0, 0, 0)", "transparent")
+
     page.set_viewport_size({"width": 1200, "height": 1000})
+    footer = page.evaluate("() => [...document.querySelector('footer').children]"
+                           ".filter((e) => e.getClientRects().length > 0).map((e) => e.textContent.trim())")
+    assert footer and footer[-1] != "·", footer  # no stray separator at the end
     folded = page.locator(".sidebar:not(.open) button[aria-label='Toggle Sidebar']")
     if folded.count():  # (folded away on the phone)
         folded.first.click()

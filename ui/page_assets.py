@@ -106,6 +106,10 @@ CSS = """
 .branch-step.prev::before { content: "‹" / ""; }  /* drawn, not read: the button's name is its text */
 .branch-step.next::before { content: "›" / ""; }
 .branch-step.regen::before { content: "↻" / ""; }
+/* Gradio's footer ends in a separator before its hidden "Stop Recording": a stray "·" (#32, 9) */
+footer .divider:last-child { display: none !important; }
+/* the chat's trash button: messages scroll under an opaque chip, not through the icon (#32, 9) */
+#chatbot .icon-button-wrapper.top-panel { background: var(--block-background-fill); border-radius: var(--radius-sm); }
 .waiting-note { font-size: 0.85em; opacity: 0.8; padding: 0 0.5em; min-height: 0; }
 .waiting-note:empty { display: none; }
 .sr-only { position: absolute; width: 1px; height: 1px; overflow: hidden; clip-path: inset(50%); white-space: nowrap; }
