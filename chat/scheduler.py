@@ -288,8 +288,10 @@ class DecodeScheduler:
         pieces: list[tuple[GenerationRequest, list[int]]] = []
         self._on_disk = set()
         for request in self._prefill_order(budget):
-            if request.prefill is None and not request.stop.is_set() and not self.caches.ready(request.session):
-                self._on_disk.add(request)  # its states are being read beside the loop: the others go on
+            if request.prefill is None and not self.caches.ready(request.session):
+                # its states are being read beside the loop: the others go on (a stopped one too:
+                # ending it now would wait for that read on the loop; it ends once the read is in)
+                self._on_disk.add(request)
                 continue
             if budget == 0:
                 request.passed_over += 1

@@ -353,3 +353,41 @@ def test_a_reply_whose_states_are_on_disk_waits_for_them_while_the_others_decode
     assert not waiting.is_alive() and not cold.stats.rebuilt and cold.stats.reused_tokens > 0
     assert engine.caches.stats().cold.resumed == 1 and not cold_files(folder)
     check_exact(cold, engine.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)
+
+
+def test_a_reply_stopped_while_its_states_are_read_never_holds_up_the_others(make_engine, models, tmp_path,
+                                                                             monkeypatch):
+    """A Stop of a reply whose states were still being read ended it on the loop at once, which put
+    its states back there: it read the file on the loop (the read beside it not begun yet) or
+    waited for that read, and every other user's step waited too. Now the stopped reply waits for
+    its read like any other (the others decode meanwhile) and then ends."""
+    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
+    folder = tmp_path / "cold"
+    engine = make_engine("full", cache_dir=str(folder))
+    cold, busy = engine.conversation("Be brief."), engine.conversation("Be terse.")
+    list(cold.send("Hello there?", **OPTIONS))
+    engine.caches.budget_bytes = 0
+    engine.caches.enforce_budget()
+    written(engine)
+    engine.caches.budget_bytes = None
+    gate = held_thread(engine.caches.cold_store._reader)
+    try:
+        stream = busy.send("Talk for a while.", max_new_tokens=400, do_sample=False)
+        next(stream)
+        waiting = threading.Thread(target=lambda: list(cold.send("And then?", **OPTIONS)), daemon=True)
+        waiting.start()
+        deadline = time.monotonic() + 60
+        while engine.batch_stats().prefilling == 0:  # its request was admitted, its read is held
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        cold.stop()
+        steps = engine.batch_stats().steps
+        while engine.batch_stats().steps < steps + 20:  # the busy reply decodes on
+            assert time.monotonic() < deadline and waiting.is_alive()
+            time.sleep(0.001)
+    finally:
+        gate.set()
+    waiting.join(60)
+    stream.close()
+    assert not waiting.is_alive() and cold.stats.stopped
+    assert [m["content"] for m in cold.messages if m["role"] == "user"] == ["Hello there?", "And then?"]
