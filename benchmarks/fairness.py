@@ -37,7 +37,7 @@ from benchmarks.report import publish, target_table
 from chat import ChatEngine, Conversation
 from chat.models import build_model
 from chat.scheduler import GenerationRequest
-from chat.step_budget import DEFAULT_GAP_FACTOR
+from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR
 from chat.worker import ModelWorker
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
@@ -154,14 +154,17 @@ def engine_for(config: str, model, tokenizer, worker: ModelWorker) -> ChatEngine
     """`before`: the scheduler before #30 (256 tokens a step while others decode, a whole prefill
     alone, oldest first, on the gathered batch). `gathered:A/B`: chunks as `A/B`, prefill and
     decode in separate forwards on the gathered batch (before packed steps); `fixed:A/B`: packed,
-    `A` prompt tokens a step while others decode; `A/B`: packed, at most `A`, fewer when timed
-    steps say so (chat/step_budget.py)."""
+    `A` prompt tokens a step while others decode; `A/B`: packed, at most `A` while others decode
+    and `B` alone, fewer when timed steps say so (chat/step_budget.py); `alone-fixed:A/B`: the
+    same with `B` tokens alone always (as before the alone steps were timed)."""
     kind, _, sizes = config.rpartition(":")
     chunk, alone, order = (256, 10**9, "arrival") if sizes == "before" else (*map(int, sizes.split("/")), "shortest")
+    timed = not kind or kind == "alone-fixed"
     return ChatEngine(model, tokenizer, worker=worker, shared_prefixes=0, prefill_chunk=chunk,
                       prefill_chunk_alone=alone, prefill_order=order,
                       packed_steps=kind != "gathered" and sizes != "before",
-                      step_gap_factor=None if kind or sizes == "before" else DEFAULT_GAP_FACTOR)
+                      step_gap_factor=DEFAULT_GAP_FACTOR if timed and sizes != "before" else None,
+                      alone_step_s=DEFAULT_ALONE_STEP_S if not kind else None)
 
 
 def markdown(result: dict) -> str:
@@ -193,8 +196,8 @@ def targets(result: dict) -> list[tuple[str, str, bool]]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="before,64/512",
-                        help="comma-separated: before, CHUNK/ALONE (packed, measured), fixed:CHUNK/ALONE, "
-                        "or gathered:CHUNK/ALONE")
+                        help="comma-separated: before, CHUNK/ALONE (packed, measured), alone-fixed:CHUNK/ALONE (measured "
+                        "beside decode rows only), fixed:CHUNK/ALONE, or gathered:CHUNK/ALONE")
     parser.add_argument("--model", default="bench-full", help="a row of chat/models.py (bench-full, real-qwen3-0.6b)")
     parser.add_argument("--stream-prompt", type=int, default=3000, help="tokens of the message sent mid-stream")
     parser.add_argument("--long-prompt", type=int, default=4000, help="tokens of the long message")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import DEFAULT_MAX_ENTRIES
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
-from chat.step_budget import DEFAULT_GAP_FACTOR
+from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR
 from chat.weights import check_weight_format
 
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -32,7 +32,9 @@ class EngineConfig:
     gathered batch whatever this says); False: the gathered batch, as measured before it.
     `step_gap_factor`: while others decode, a step carries at most `prefill_chunk` prompt tokens
     and no more than keep it within this many decode steps, as timed on this machine
-    (chat/step_budget.py); None: always `prefill_chunk`.
+    (chat/step_budget.py); None: always `prefill_chunk`. `alone_step_s`: while none decodes, a
+    step carries at most `prefill_chunk_alone` prompt tokens and no more than fit in this many
+    seconds, timed the same way (None, or `step_gap_factor` None: always `prefill_chunk_alone`).
     `cache_budget_bytes`: every cache together (None: no limit); over it, kept branches of idle
     conversations go first, then idle conversations' caches (cache_sessions/owner.py).
     `cache_dir`: where idle conversations' caches go over the budget instead of being dropped
@@ -52,6 +54,7 @@ class EngineConfig:
     prefill_order: str = "shortest"
     packed_steps: bool = True
     step_gap_factor: float | None = DEFAULT_GAP_FACTOR
+    alone_step_s: float | None = DEFAULT_ALONE_STEP_S
     cache_budget_bytes: int | None = None
     cache_dir: str | None = None
     cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES

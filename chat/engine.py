@@ -45,7 +45,7 @@ class ChatEngine:
                                     prefill_chunk=config.prefill_chunk,
                                     prefill_chunk_alone=config.prefill_chunk_alone,
                                     prefill_order=config.prefill_order, packed_steps=config.packed_steps,
-                                    step_gap_factor=config.step_gap_factor,
+                                    step_gap_factor=config.step_gap_factor, alone_step_s=config.alone_step_s,
                                     budget_bytes=config.cache_budget_bytes,
                                     max_checkpoints=config.max_checkpoints, prefix_store=prefix_store,
                                     offload=config.offload_sessions, cold_store=cold_store,

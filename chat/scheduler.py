@@ -48,7 +48,7 @@ from chat.loop import Loop
 from chat.options import GenerationOptions
 from chat.request_table import RequestTable
 from chat.sampling import TokenChooser
-from chat.step_budget import DEFAULT_GAP_FACTOR, StepBudget
+from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR, StepBudget
 from chat.worker import ModelWorker
 
 T = TypeVar("T")
@@ -165,17 +165,21 @@ class DecodeScheduler:
     def __init__(self, model: PreTrainedModel, worker: ModelWorker, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE,
                  prefill_order: str = "shortest", packed_steps: bool = True,
-                 step_gap_factor: float | None = DEFAULT_GAP_FACTOR, **cache_settings: Any):
+                 step_gap_factor: float | None = DEFAULT_GAP_FACTOR, alone_step_s: float | None = DEFAULT_ALONE_STEP_S,
+                 **cache_settings: Any):
         """`prefill_order`: "shortest" (remaining prefill first, see above) or "arrival" (oldest
         first, measured against it in benchmarks/fairness.py). `packed_steps`: one forward a step
         for decode rows and prefill pieces, each on its own cache (where the model allows; False:
         the gathered batch and separate prefill forwards, as measured before). `step_gap_factor`:
         while rows decode, a step's prompt tokens are at most `prefill_chunk` and as many as keep
         it within that many decode steps, measured (chat/step_budget.py; None: `prefill_chunk`
-        always). `cache_settings`:
+        always); `alone_step_s`: the same while none decodes, in seconds a step (None:
+        `prefill_chunk_alone` always). `cache_settings`:
         the cache owner's (budget_bytes, max_checkpoints, prefix_store, offload)."""
         if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
             raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
+        if alone_step_s is not None and not alone_step_s > 0:
+            raise ValueError("alone_step_s must be above 0 seconds (or None)")
         if prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}")
         self.prefill_order = prefill_order
@@ -185,6 +189,7 @@ class DecodeScheduler:
         self.caches = CacheOwner(model, self.loop, self.in_use, **cache_settings)
         self.packed = packed_steps and self.caches.packs
         self.step_budget, self.clock = StepBudget(step_gap_factor), time.perf_counter
+        self.alone_step_s = alone_step_s
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
         atexit.register(_shut_down_at_exit, weakref.ref(self))  # before the worker's: atexit runs last first
@@ -283,8 +288,12 @@ class DecodeScheduler:
         """This step's prefill pieces within its budget, shortest remaining prefill first (see the
         module's docstring); newcomers are rolled back first, and one with only its last token
         left starts decoding now."""
-        budget = self.prefill_chunk_alone if not self._requests.decoding else (
-            self.step_budget.tokens(self.prefill_chunk) if self.packed else self.prefill_chunk)
+        if not self.packed:
+            budget = self.prefill_chunk if self._requests.decoding else self.prefill_chunk_alone
+        elif self._requests.decoding:
+            budget = self.step_budget.tokens(self.prefill_chunk)
+        else:
+            budget = self.step_budget.alone_tokens(self.prefill_chunk_alone, self.alone_step_s)
         pieces: list[tuple[GenerationRequest, list[int]]] = []
         self._on_disk = set()
         for request in self._prefill_order(budget):

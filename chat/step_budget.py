@@ -6,7 +6,8 @@ at Qwen3-0.6B's shape (benchmarks/fairness.py); on a GPU, where a step is bound 
 weights, hundreds of tokens cost little more than one. So the scheduler times its packed steps: steps with no prefill give a decode step's
 time, steps with prefill give what each prompt token added (both as moving averages), and the
 budget is the most tokens that keep a step within `gap_factor` decode steps, between 1 and the
-configured cap (`prefill_chunk`). Before any step with both was timed, a token's cost is taken
+configured cap (`prefill_chunk`). With no row decoding, a step carries as many as fit in
+`alone_step_s` (at most `prefill_chunk_alone`): what a newcomer waits behind. Before any step with both was timed, a token's cost is taken
 from prefills that ran alone (dearer per token than beside a decode step, at small chunks: a
 safe first guess; at Qwen3-0.6B's shape the cap's 64 tokens held the first mixed step ~2 s);
 with neither, the cap.
@@ -15,6 +16,8 @@ with neither, the cap.
 from __future__ import annotations
 
 DEFAULT_GAP_FACTOR = 3.0  # a step with prefill takes at most ~3 decode steps (target: worst gap <= 4x)
+DEFAULT_ALONE_STEP_S = 0.5  # a prefill step with no row decoding: what a message arriving meanwhile waits
+MIN_ALONE_TOKENS = 32  # (below that a step's fixed cost, reading the weights, outweighs its tokens)
 _WEIGHT = 0.25  # of the newest sample in each moving average
 
 
@@ -39,6 +42,23 @@ class StepBudget:
             self.decode_s = _average(self.decode_s, seconds)
         elif self.decode_s is not None:
             self.token_s = _average(self.token_s, max(0.0, seconds - self.decode_s) / prompt_tokens)
+
+    def alone_tokens(self, cap: int, step_s: float | None) -> int:
+        """This step's prompt tokens when no row decodes: as many as fit in `step_s`, the longest a
+        message arriving meanwhile waits before its own prefill begins (at Qwen3-0.6B's shape
+        on these cores, 512 tokens alone took 10-20 s), at least `MIN_ALONE_TOKENS`, at most
+        `cap`. A step's time is its fixed cost (a decode step's) and what each token adds, when
+        both were timed; else the tokens of prefills alone; else a first step of `MIN_ALONE_TOKENS`.
+        None: `cap`."""
+        if step_s is None or self.gap_factor is None:
+            return cap
+        if self.token_s and self.decode_s is not None:
+            fitting = (step_s - self.decode_s) / self.token_s
+        elif self.alone_token_s:
+            fitting = step_s / self.alone_token_s
+        else:
+            fitting = MIN_ALONE_TOKENS  # a small first step, timed, then sized
+        return max(min(cap, MIN_ALONE_TOKENS), min(cap, int(fitting)))
 
     def tokens(self, cap: int) -> int:
         """This step's prompt tokens while others decode."""

@@ -134,10 +134,11 @@ def test_fairness_benchmark_writes_the_documented_fields(tmp_path):
     from benchmarks.fairness import main as fairness
 
     out = tmp_path / "fairness.json"
-    fairness(["--configs", "before,32/128", "--stream-prompt", "300", "--long-prompt", "400", "--reply-tokens", "30",
-              "--repeats", "1", "--json", str(out)])
+    fairness(["--configs", "before,alone-fixed:32/128,32/128", "--stream-prompt", "300", "--long-prompt", "400",
+              "--reply-tokens", "30", "--repeats", "1", "--json", str(out)])
     result = json.loads(out.read_text())
-    assert [run["config"] for run in result["runs"]] == ["before", "32/128"] and len(result["targets"]) == 3
+    assert [run["config"] for run in result["runs"]] == ["before", "alone-fixed:32/128", "32/128"]
+    assert len(result["targets"]) == 3
     for run in result["runs"]:
         stream, short_after_long = run["stream"], run["short_after_long"]
         assert stream["prompt_tokens"] >= 300 and short_after_long["prompt_tokens"] >= 400

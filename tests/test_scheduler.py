@@ -465,6 +465,31 @@ def test_the_prompt_budget_beside_decode_rows_is_sized_by_timed_steps(make_engin
     check_exact(newcomer, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
 
 
+def test_a_long_prompt_alone_is_fed_in_steps_of_the_time_a_newcomer_may_wait(make_engine, models, tokenizers,
+                                                                              monkeypatch):
+    """With no row decoding, a step carries what fits in `alone_step_s` (here on a made-up clock:
+    a forward costs 10 units, each prompt token 2 more, and 110 units are allowed): a first small
+    step is timed, then steps of at most (110 / 2.2...) < 50 tokens, not the cap's 512."""
+    engine = make_engine("full", prefill_chunk_alone=512, alone_step_s=110.0)
+    now = [0.0]
+    engine.scheduler.clock = lambda: now[0]
+    packed, pieces = cache_sessions.owner.forward_rows, []
+
+    def costed(model, rows, logits_of):
+        prompt_tokens = sum(len(fed) for _, fed in rows[len(logits_of):])
+        now[0] += 10 + 2 * prompt_tokens
+        if prompt_tokens:
+            pieces.append(prompt_tokens)
+        return packed(model, rows, logits_of)
+
+    monkeypatch.setattr(cache_sessions.owner, "forward_rows", costed)
+    conv = engine.conversation("You are terse.")
+    list(conv.send(" ".join(f"word{i}" for i in range(150)), **GREEDY))
+    assert len(pieces) >= 4 and pieces[0] <= 32 and sum(pieces) > 300  # (the first: the shared system prompt)
+    assert all(32 <= tokens <= 50 for tokens in pieces[1:-1]), pieces
+    check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
+
+
 def test_a_step_budget_stays_between_one_token_and_its_cap():
     budget = StepBudget(3.0)
     assert budget.tokens(64) == 64  # nothing timed yet
@@ -480,3 +505,11 @@ def test_a_step_budget_stays_between_one_token_and_its_cap():
     assert StepBudget(None).tokens(64) == 64
     with pytest.raises(ValueError):
         StepBudget(1.0)
+    alone = StepBudget(3.0)  # with no row decoding: within a time, between 32 tokens and the cap
+    assert alone.alone_tokens(512, 0.5) == 32 and alone.alone_tokens(16, 0.5) == 16  # nothing timed: a small step
+    assert alone.alone_tokens(512, None) == 512 and StepBudget(None).alone_tokens(512, 0.5) == 512
+    alone.record(0.100, decode_rows=0, prompt_tokens=100)  # 1 ms a token, alone
+    assert alone.alone_tokens(512, 0.5) == 500 and alone.alone_tokens(256, 0.5) == 256
+    alone.record(0.010, decode_rows=1, prompt_tokens=0)
+    alone.record(0.030, decode_rows=1, prompt_tokens=10)  # 2 ms a token beside a 10 ms step
+    assert alone.alone_tokens(512, 0.5) == 245 and alone.alone_tokens(512, 0.001) == 32

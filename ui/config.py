@@ -64,9 +64,10 @@ class AppConfig:
     max_batch: int = _setting(EngineConfig.max_batch_size, "MAX_BATCH",
                               "replies decoded together, one batched forward per step")
     prefill_chunk: int = _setting(EngineConfig.prefill_chunk, "PREFILL_CHUNK",
-                                  "prompt tokens prefilled per step while others decode")
+                                  "the most prompt tokens a step carries while others decode (fewer when timed steps say so)")
     prefill_chunk_alone: int = _setting(EngineConfig.prefill_chunk_alone, "PREFILL_CHUNK_ALONE",
-                                        "prompt tokens prefilled per step while none decodes")
+                                        "the most prompt tokens a step carries while none decodes (fewer when a "
+                                        "step would pass 0.5 s)")
     concurrency: int = _setting(0, "CONCURRENCY", "replies streaming at once (Gradio queue); 0: as many "
                                 "as --max-batch")
     max_new_tokens: int = _setting(512, "MAX_NEW_TOKENS", "the largest reply a user may ask for")
