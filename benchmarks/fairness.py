@@ -150,7 +150,8 @@ def gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
 
-def engine_for(config: str, model, tokenizer, worker: ModelWorker) -> ChatEngine:
+def engine_for(config: str, model, tokenizer, worker: ModelWorker,
+               alone_step_s: float = DEFAULT_ALONE_STEP_S) -> ChatEngine:
     """`before`: the scheduler before #30 (256 tokens a step while others decode, a whole prefill
     alone, oldest first, on the gathered batch). `gathered:A/B`: chunks as `A/B`, prefill and
     decode in separate forwards on the gathered batch (before packed steps); `fixed:A/B`: packed,
@@ -164,7 +165,7 @@ def engine_for(config: str, model, tokenizer, worker: ModelWorker) -> ChatEngine
                       prefill_chunk_alone=alone, prefill_order=order,
                       packed_steps=kind != "gathered" and sizes != "before",
                       step_gap_factor=DEFAULT_GAP_FACTOR if timed and sizes != "before" else None,
-                      alone_step_s=DEFAULT_ALONE_STEP_S if not kind else None)
+                      alone_step_s=alone_step_s if not kind else None)
 
 
 def markdown(result: dict) -> str:
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--long-prompt", type=int, default=4000, help="tokens of the long message")
     parser.add_argument("--reply-tokens", type=int, default=160, help="the streaming user's reply")
     parser.add_argument("--delay", type=float, default=0.05, help="seconds between the long and short message")
+    parser.add_argument("--alone-step-s", type=float, default=DEFAULT_ALONE_STEP_S,
+                        help="with CHUNK/ALONE: the seconds a step may take while none decodes")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each scenario (medians reported)")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
@@ -215,11 +218,11 @@ def main(argv: list[str] | None = None) -> dict:
     stream_text, long_text = message_of(tokenizer, words, args.stream_prompt), message_of(tokenizer, words,
                                                                                          args.long_prompt)
     configs = args.configs.split(",")
-    engine = engine_for(configs[-1], model, tokenizer, worker)
+    engine = engine_for(configs[-1], model, tokenizer, worker, args.alone_step_s)
     list(engine.conversation(SYSTEM_PROMPT).send("Warm up.", max_new_tokens=4))  # untimed: lazy set-up
     runs = []
     for config in configs:
-        engine = engine_for(config, model, tokenizer, worker)
+        engine = engine_for(config, model, tokenizer, worker, args.alone_step_s)
         run = {"config": config,
                "stream": medians([stream_scenario(engine, stream_text, args.reply_tokens)
                                   for _ in range(args.repeats)]),

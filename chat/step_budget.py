@@ -16,7 +16,9 @@ with neither, the cap.
 from __future__ import annotations
 
 DEFAULT_GAP_FACTOR = 3.0  # a step with prefill takes at most ~3 decode steps (target: worst gap <= 4x)
-DEFAULT_ALONE_STEP_S = 0.5  # a prefill step with no row decoding: what a message arriving meanwhile waits
+DEFAULT_ALONE_STEP_S = 2.0  # a prefill step with no row decoding: what a message arriving meanwhile waits
+# (at Qwen3-0.6B's shape here, 0.5 s made a long prompt alone 2x slower to prefill, 2 s 1.2x:
+# benchmarks/results/fairness-qwen3-0.6b-alone*.json)
 MIN_ALONE_TOKENS = 32  # (below that a step's fixed cost, reading the weights, outweighs its tokens)
 _WEIGHT = 0.25  # of the newest sample in each moving average
 

@@ -67,7 +67,7 @@ class AppConfig:
                                   "the most prompt tokens a step carries while others decode (fewer when timed steps say so)")
     prefill_chunk_alone: int = _setting(EngineConfig.prefill_chunk_alone, "PREFILL_CHUNK_ALONE",
                                         "the most prompt tokens a step carries while none decodes (fewer when a "
-                                        "step would pass 0.5 s)")
+                                        "step would pass 2 s)")
     concurrency: int = _setting(0, "CONCURRENCY", "replies streaming at once (Gradio queue); 0: as many "
                                 "as --max-batch")
     max_new_tokens: int = _setting(512, "MAX_NEW_TOKENS", "the largest reply a user may ask for")
