@@ -23,3 +23,23 @@ def test_every_python_example_runs_as_written(path, capsys):
     for block in python_blocks(path):
         exec(compile(HUB_LOAD.sub('ChatEngine.load("demo")', block), str(path), "exec"), namespace)
     assert "conv" in namespace or "engine" in namespace  # the examples ran, they were not skipped
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (lower case, punctuation dropped, spaces as -)."""
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_every_link_between_readme_and_docs_resolves(path):
+    """The README was split into docs/ (issue #32, 10): a link to a moved section must follow it."""
+    broken = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if link.startswith(("http://", "https://")):
+            continue
+        target_name, _, anchor = link.partition("#")
+        target = path.parent / target_name if target_name else path
+        if not target.exists() or (anchor and target.suffix == ".md" and anchor not in heading_anchors(target.read_text())):
+            broken.append(link)
+    assert not broken
