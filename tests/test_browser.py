@@ -463,6 +463,17 @@ def switcher(page: Page):
     return page.locator("#chatbot .branch-nav")
 
 
+def export_json(page: Page, path: Path) -> Path:
+    """Export JSON, as a person does: the button, then the download link it shows."""
+    page.click("#export-json")
+    link = page.locator("#download a").first
+    expect(link).to_be_visible(timeout=10_000)
+    with page.expect_download() as download:
+        link.click()
+    download.value.save_as(path)
+    return path
+
+
 def test_branches_the_list_and_a_reload_lose_nothing(browser, demo_app, tmp_path):
     """Issue #8 in a real browser: a new reply to an earlier message keeps the later turns on the
     old branch, ‹ › switches back, a reload shows the same branch and list, New chat keeps the old
@@ -498,13 +509,7 @@ def test_branches_the_list_and_a_reload_lose_nothing(browser, demo_app, tmp_path
     expect(page.locator("#chatbot")).to_contain_text("What is 47 + 38?")
     expect(page.locator("#chatbot")).not_to_contain_text("What is 7 * 46?")
 
-    page.click("#export-json")
-    link = page.locator("#download a").first
-    expect(link).to_be_visible(timeout=10_000)
-    with page.expect_download() as download:
-        link.click()
-    exported = tmp_path / "conversation.json"
-    download.value.save_as(exported)
+    exported = export_json(page, tmp_path / "conversation.json")
     with page.expect_file_chooser() as chooser:
         page.click("#import")
     chooser.value.set_files(str(exported))
@@ -760,13 +765,7 @@ def test_a_typed_system_prompt_survives_a_reload_and_an_import_brings_its_own(br
     page.get_by_text("Settings", exact=True).click()
     page.fill("#system-prompt textarea", "You are a helpful assistant.")
     wait_reply(page, send(page, "What is 10 + 10?"))
-    page.click("#export-json")
-    link = page.locator("#download a").first
-    expect(link).to_be_visible(timeout=10_000)
-    with page.expect_download() as download:
-        link.click()
-    exported = tmp_path / "conversation.json"
-    download.value.save_as(exported)
+    exported = export_json(page, tmp_path / "conversation.json")
 
     page.fill("#system-prompt textarea", "You are terse.")
     expect(page.locator("#prompt-note")).to_contain_text("Not applied yet")

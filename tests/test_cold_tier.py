@@ -6,6 +6,8 @@ two mixed, and linear attention (whose rollbacks need the checkpoints that trave
 import pickle
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import torch
@@ -317,13 +319,11 @@ def test_a_spill_is_written_beside_the_loop_and_taken_back_from_memory_before_it
     assert not cold_files(folder) and cold.spilled == 0 and cold.resumed == 1 and cold.writing_bytes == 0
 
 
-def test_a_reply_whose_states_are_on_disk_waits_for_them_while_the_others_decode(make_engine, models, tokenizers,
-                                                                                 tmp_path, monkeypatch):
-    """Its states are read beside the loop: the other users' steps go on meanwhile, and the reply
-    then reuses its history as if it had never left memory."""
-    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
-    folder = tmp_path / "cold"
-    engine = make_engine("full", cache_dir=str(folder))
+@contextmanager
+def a_reply_waiting_on_its_read(engine, folder) -> Iterator[tuple]:
+    """`cold`'s states spilled to `folder`; `busy` streams a long reply; then `cold`'s next message
+    is admitted while its read is held. Yields (cold, waiting thread, deadline); on leaving, the
+    read is let go, the waiting reply joined and the busy stream closed."""
     cold, busy = engine.conversation("Be brief."), engine.conversation("Be terse.")
     list(cold.send("Hello there?", **OPTIONS))
     engine.caches.budget_bytes = 0
@@ -332,6 +332,7 @@ def test_a_reply_whose_states_are_on_disk_waits_for_them_while_the_others_decode
     engine.caches.budget_bytes = None
     assert len(cold_files(folder)) == 1 and cold.session.nbytes() == 0
     gate = held_thread(engine.caches.cold_store._reader)
+    stream = waiting = None
     try:
         stream = busy.send("Talk for a while.", max_new_tokens=400, do_sample=False)
         next(stream)
@@ -341,15 +342,33 @@ def test_a_reply_whose_states_are_on_disk_waits_for_them_while_the_others_decode
         while engine.batch_stats().prefilling == 0:  # its request was admitted, its read is held
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        steps = engine.batch_stats().steps
-        while engine.batch_stats().steps < steps + 20:  # the busy reply decodes meanwhile
-            assert time.monotonic() < deadline and waiting.is_alive()
-            time.sleep(0.001)
-        assert engine.batch_stats().prefilling == 1
+        yield cold, waiting, deadline
     finally:
         gate.set()
-    waiting.join(60)
-    stream.close()
+        if waiting is not None:
+            waiting.join(60)
+        if stream is not None:
+            stream.close()
+
+
+def decode_steps_go_on(engine, waiting: threading.Thread, deadline: float, steps: int = 20) -> None:
+    """The busy reply decodes `steps` more steps while the other waits for its read."""
+    start = engine.batch_stats().steps
+    while engine.batch_stats().steps < start + steps:
+        assert time.monotonic() < deadline and waiting.is_alive()
+        time.sleep(0.001)
+
+
+def test_a_reply_whose_states_are_on_disk_waits_for_them_while_the_others_decode(make_engine, models, tokenizers,
+                                                                                 tmp_path, monkeypatch):
+    """Its states are read beside the loop: the other users' steps go on meanwhile, and the reply
+    then reuses its history as if it had never left memory."""
+    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
+    folder = tmp_path / "cold"
+    engine = make_engine("full", cache_dir=str(folder))
+    with a_reply_waiting_on_its_read(engine, folder) as (cold, waiting, deadline):
+        decode_steps_go_on(engine, waiting, deadline)
+        assert engine.batch_stats().prefilling == 1
     assert not waiting.is_alive() and not cold.stats.rebuilt and cold.stats.reused_tokens > 0
     assert engine.caches.stats().cold.resumed == 1 and not cold_files(folder)
     check_exact(cold, engine.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)
@@ -364,30 +383,8 @@ def test_a_reply_stopped_while_its_states_are_read_never_holds_up_the_others(mak
     monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
     folder = tmp_path / "cold"
     engine = make_engine("full", cache_dir=str(folder))
-    cold, busy = engine.conversation("Be brief."), engine.conversation("Be terse.")
-    list(cold.send("Hello there?", **OPTIONS))
-    engine.caches.budget_bytes = 0
-    engine.caches.enforce_budget()
-    written(engine)
-    engine.caches.budget_bytes = None
-    gate = held_thread(engine.caches.cold_store._reader)
-    try:
-        stream = busy.send("Talk for a while.", max_new_tokens=400, do_sample=False)
-        next(stream)
-        waiting = threading.Thread(target=lambda: list(cold.send("And then?", **OPTIONS)), daemon=True)
-        waiting.start()
-        deadline = time.monotonic() + 60
-        while engine.batch_stats().prefilling == 0:  # its request was admitted, its read is held
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+    with a_reply_waiting_on_its_read(engine, folder) as (cold, waiting, deadline):
         cold.stop()
-        steps = engine.batch_stats().steps
-        while engine.batch_stats().steps < steps + 20:  # the busy reply decodes on
-            assert time.monotonic() < deadline and waiting.is_alive()
-            time.sleep(0.001)
-    finally:
-        gate.set()
-    waiting.join(60)
-    stream.close()
+        decode_steps_go_on(engine, waiting, deadline)
     assert not waiting.is_alive() and cold.stats.stopped
     assert [m["content"] for m in cold.messages if m["role"] == "user"] == ["Hello there?", "And then?"]
