@@ -178,8 +178,6 @@ class DecodeScheduler:
         the cache owner's (budget_bytes, max_checkpoints, prefix_store, offload)."""
         if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
             raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
-        if alone_step_s is not None and not alone_step_s > 0:
-            raise ValueError("alone_step_s must be above 0 seconds (or None)")
         if prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}")
         self.prefill_order = prefill_order
@@ -188,8 +186,7 @@ class DecodeScheduler:
         self.loop = Loop(worker, self._step, self._has_work, lambda: self.caches.settle())
         self.caches = CacheOwner(model, self.loop, self.in_use, **cache_settings)
         self.packed = packed_steps and self.caches.packs
-        self.step_budget, self.clock = StepBudget(step_gap_factor), time.perf_counter
-        self.alone_step_s = alone_step_s
+        self.step_budget, self.clock = StepBudget(step_gap_factor, alone_step_s), time.perf_counter
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
         atexit.register(_shut_down_at_exit, weakref.ref(self))  # before the worker's: atexit runs last first
@@ -293,7 +290,7 @@ class DecodeScheduler:
         elif self._requests.decoding:
             budget = self.step_budget.tokens(self.prefill_chunk)
         else:
-            budget = self.step_budget.alone_tokens(self.prefill_chunk_alone, self.alone_step_s)
+            budget = self.step_budget.alone_tokens(self.prefill_chunk_alone)
         pieces: list[tuple[GenerationRequest, list[int]]] = []
         self._on_disk = set()
         for request in self._prefill_order(budget):

@@ -431,6 +431,24 @@ def test_a_short_message_behind_a_long_one_is_prefilled_first(make_engine, model
         check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
 
 
+def costed_steps(engine, monkeypatch, *, beside_decode_rows: bool) -> list[int]:
+    """The engine's steps on a made-up clock: a forward costs 10 units, each prompt token in it 2
+    more. Returns the list the prompt tokens of each step with prefill go to (only the steps
+    that also carry decode rows, with `beside_decode_rows`)."""
+    now, pieces, packed = [0.0], [], cache_sessions.owner.forward_rows
+    engine.scheduler.clock = lambda: now[0]
+
+    def costed(model, rows, logits_of):
+        prompt_tokens = sum(len(fed) for _, fed in rows[len(logits_of):])
+        now[0] += 10 + 2 * prompt_tokens
+        if prompt_tokens and (logits_of or not beside_decode_rows):
+            pieces.append(prompt_tokens)
+        return packed(model, rows, logits_of)
+
+    monkeypatch.setattr(cache_sessions.owner, "forward_rows", costed)
+    return pieces
+
+
 def test_the_prompt_budget_beside_decode_rows_is_sized_by_timed_steps(make_engine, models, tokenizers, hooks,
                                                                       monkeypatch):
     """Steps are timed (here on a made-up clock: a forward costs 10 units, each prompt token in it
@@ -439,18 +457,7 @@ def test_the_prompt_budget_beside_decode_rows_is_sized_by_timed_steps(make_engin
     runner's own prefill alone (dearer per token: fewer)."""
     monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
     engine = make_engine("full", prefill_chunk=64)
-    now = [0.0]
-    engine.scheduler.clock = lambda: now[0]
-    packed, pieces = cache_sessions.owner.forward_rows, []
-
-    def costed(model, rows, logits_of):
-        prompt_tokens = sum(len(fed) for _, fed in rows[len(logits_of):])
-        now[0] += 10 + 2 * prompt_tokens
-        if logits_of and prompt_tokens:
-            pieces.append(prompt_tokens)
-        return packed(model, rows, logits_of)
-
-    monkeypatch.setattr(cache_sessions.owner, "forward_rows", costed)
+    pieces = costed_steps(engine, monkeypatch, beside_decode_rows=True)
     runner, newcomer = engine.conversation("You are terse."), engine.conversation("You are terse.")
     consumer = Consumer(runner, runner.send("Talk for a while.", max_new_tokens=PAUSES_AT_THIRD_TOKEN,
                                             do_sample=False))
@@ -471,18 +478,7 @@ def test_a_long_prompt_alone_is_fed_in_steps_of_the_time_a_newcomer_may_wait(mak
     a forward costs 10 units, each prompt token 2 more, and 110 units are allowed): a first small
     step is timed, then steps of at most (110 / 2.2...) < 50 tokens, not the cap's 512."""
     engine = make_engine("full", prefill_chunk_alone=512, alone_step_s=110.0)
-    now = [0.0]
-    engine.scheduler.clock = lambda: now[0]
-    packed, pieces = cache_sessions.owner.forward_rows, []
-
-    def costed(model, rows, logits_of):
-        prompt_tokens = sum(len(fed) for _, fed in rows[len(logits_of):])
-        now[0] += 10 + 2 * prompt_tokens
-        if prompt_tokens:
-            pieces.append(prompt_tokens)
-        return packed(model, rows, logits_of)
-
-    monkeypatch.setattr(cache_sessions.owner, "forward_rows", costed)
+    pieces = costed_steps(engine, monkeypatch, beside_decode_rows=False)
     conv = engine.conversation("You are terse.")
     list(conv.send(" ".join(f"word{i}" for i in range(150)), **GREEDY))
     assert len(pieces) >= 4 and pieces[0] <= 32 and sum(pieces) > 300  # (the first: the shared system prompt)
@@ -505,11 +501,15 @@ def test_a_step_budget_stays_between_one_token_and_its_cap():
     assert StepBudget(None).tokens(64) == 64
     with pytest.raises(ValueError):
         StepBudget(1.0)
-    alone = StepBudget(3.0)  # with no row decoding: within a time, between 32 tokens and the cap
-    assert alone.alone_tokens(512, 0.5) == 32 and alone.alone_tokens(16, 0.5) == 16  # nothing timed: a small step
-    assert alone.alone_tokens(512, None) == 512 and StepBudget(None).alone_tokens(512, 0.5) == 512
+    alone = StepBudget(3.0, 0.5)  # with no row decoding: within a time, between 32 tokens and the cap
+    assert alone.alone_tokens(512) == 32 and alone.alone_tokens(16) == 16  # nothing timed: a small step
+    assert StepBudget(3.0, None).alone_tokens(512) == 512 and StepBudget(None, 0.5).alone_tokens(512) == 512
     alone.record(0.100, decode_rows=0, prompt_tokens=100)  # 1 ms a token, alone
-    assert alone.alone_tokens(512, 0.5) == 500 and alone.alone_tokens(256, 0.5) == 256
+    assert alone.alone_tokens(512) == 500 and alone.alone_tokens(256) == 256
     alone.record(0.010, decode_rows=1, prompt_tokens=0)
     alone.record(0.030, decode_rows=1, prompt_tokens=10)  # 2 ms a token beside a 10 ms step
-    assert alone.alone_tokens(512, 0.5) == 245 and alone.alone_tokens(512, 0.001) == 32
+    assert alone.alone_tokens(512) == 245
+    alone.alone_step_s = 0.001
+    assert alone.alone_tokens(512) == 32
+    with pytest.raises(ValueError):
+        StepBudget(3.0, 0.0)

@@ -37,8 +37,6 @@ def refused(reason: Any) -> gr.Error:
 def too_long(error: ContextOverflowError) -> str:
     """A prompt over the model's context, in a user's words: by how much, and what to do (#32, 7).
     (Older turns are dropped by themselves when the newest message alone fits.)"""
-    if not error.context_limit or error.prompt_tokens is None or error.max_new_tokens is None:
-        return str(error)
     over = error.prompt_tokens + error.max_new_tokens - error.context_limit
     return (f"That is too long for this model by about {over:,} tokens (roughly {4 * over:,} characters): it "
             f"holds {error.context_limit:,} tokens, {error.max_new_tokens:,} of them kept for the reply. "

@@ -58,16 +58,16 @@ PAGE_SCRIPT = """() => {
     };
     // Send is disabled while the box is empty (#32, 7): other chat apps do so, and a toast said "Error"
     const sendState = () => { const send = document.querySelector("#send"); if (send && box()) send.disabled = !box().value.trim(); };
-    document.addEventListener("input", sendState, true);
-    document.addEventListener("input", (event) => {  // a system prompt typed, kept through a reload (#32, 4)
-        if (event.target.closest?.("#system-prompt")) window.rewindCopy.typedPrompt(event.target.value);
+    document.addEventListener("input", (event) => {
+        sendState();
+        if (waiting && event.target === box() && !box().value.trim()) showWaiting(false);  // taken back
+        if (event.target.closest?.("#system-prompt")) window.rewindCopy.typedPrompt(event.target.value);  // #32, 4
     }, true);
     document.addEventListener("click", (event) => {
         if (event.target.closest?.("#send") && box() && !box().value.trim()) { event.preventDefault(); event.stopImmediatePropagation(); }
     }, true);
     document.addEventListener("keydown", holdEnter, true);
     document.addEventListener("keypress", holdEnter, true);
-    document.addEventListener("input", (event) => { if (waiting && event.target === box() && !box().value.trim()) showWaiting(false); }, true);
     setInterval(() => {  // the reply ended: Send is back (and the box may have been set by the server)
         sendState();
         const empty = !document.querySelector("#chatbot .message-row");  // nothing to continue, export or delete
