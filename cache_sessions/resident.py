@@ -13,13 +13,20 @@ Exactness: a row's position ids, the cache update it calls and the mask it atten
 ones its own forward would use (each mask is built by the model's own mask functions from the
 row's cache before the step); only the row count of the matrix products differs, as in any batch.
 
-Linear attention keeps a recurrent state per sequence over a batch dimension, which a packed
-sequence has not: models with such layers decode on a gathered batch (cache_sessions/batch.py).
+Linear attention (and state-space) layers keep one recurrent state per sequence, folded over
+every token in order, so a packed sequence cannot run through them as one: during a packed step
+each such mixer runs on each row's span with that row's own states: the decoding rows together,
+their bounded states stacked for the call and written back, and each prefill piece alone. The
+rest of the layer stays packed. A model whose
+recurrent layers' mixers cannot be found (no module taking `cache_params`) keeps the gathered
+batch (cache_sessions/batch.py).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -35,9 +42,23 @@ from cache_sessions.session import CacheSession
 ROWS_ATTENTION = "rewind_rows"
 
 
+_MIXERS: "weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]]" = weakref.WeakKeyDictionary()
+
+
+def recurrent_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` that read and write a layer's recurrent state: those whose forward
+    takes the cache as `cache_params` (transformers' linear-attention and state-space mixers)."""
+    if model not in _MIXERS:
+        _MIXERS[model] = [module for module in model.modules() if hasattr(module, "layer_idx")
+                          and "cache_params" in inspect.signature(module.forward).parameters]
+    return _MIXERS[model]
+
+
 def packs(sessions: Sequence[CacheSession]) -> bool:
-    """Whether these sessions' layers can run packed (no recurrent state among them)."""
-    return not any(isinstance(kind, RecurrentState) for session in sessions for kind in session.kinds)
+    """Whether these sessions' layers can run packed: every recurrent state has a mixer to run
+    per row (the rest packs as it is)."""
+    return all(sum(isinstance(kind, RecurrentState) for kind in session.kinds) <= len(recurrent_mixers(session.model))
+               for session in sessions)
 
 
 @dataclass
@@ -85,6 +106,79 @@ def _rows_attention(module: torch.nn.Module, query: torch.Tensor, key: Any, valu
 AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
 
 
+class _NotStackable(Exception):
+    """A mixer asked the stacked states for something they do not offer: run its rows one by one."""
+
+
+class _StackedStates:
+    """The recurrent states of several decoding rows, stacked on the batch dimension for one call
+    of a mixer: the `cache_params` it reads and updates (transformers' decode path updates the conv
+    window in place and hands back the new recurrent state). Copies of bounded states (a conv
+    window and one state a row), so a call that raises leaves every row's cache as it was;
+    `put_back` writes each row's slice into its own cache."""
+
+    def __init__(self, caches: list[Any], layer_idx: int):
+        self.caches, self.layer_idx = caches, layer_idx
+        self.conv = torch.cat([cache.get_conv_state(layer_idx) for cache in caches])
+        self.recurrent = torch.cat([cache.get_recurrent_state(layer_idx) for cache in caches])
+
+    @staticmethod
+    def fits(cache: Any, layer_idx: int) -> bool:
+        """A row whose states exist and hold only their bounded window (nothing recorded)."""
+        return (cache.get_conv_state(layer_idx) is not None and cache.get_recurrent_state(layer_idx) is not None
+                and not cache.is_recording_past(layer_idx))
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.conv
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.recurrent
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def update_recurrent_state(self, states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+                               ) -> torch.Tensor:
+        self.recurrent = states
+        return states
+
+    def __getattr__(self, name: str) -> Any:  # anything else (a conv update is a prefill's): not stacked
+        raise _NotStackable(name)
+
+    def put_back(self) -> None:
+        for index, cache in enumerate(self.caches):
+            cache.get_conv_state(self.layer_idx).copy_(self.conv[index:index + 1])
+            cache.update_recurrent_state(self.recurrent[index:index + 1], self.layer_idx)
+
+
+def _mixer_per_row(mixer: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A recurrent mixer's forward that, in a packed step, runs on each row's span with its own
+    cache (a recurrent state folds one sequence's tokens in order): the decoding rows together in
+    one call on their stacked states, the prefill pieces one by one."""
+    def per_row(hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None, **kwargs: Any
+                ) -> torch.Tensor:
+        if not isinstance(cache_params, PackedRows):
+            return forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        # No padding in a row's span: its own forward would have no recurrent mask either.
+        rows, outputs = cache_params.rows, {}
+        decoding = [index for index, row in enumerate(rows)
+                    if row.end - row.start == 1 and _StackedStates.fits(row.session.cache, mixer.layer_idx)]
+        if len(decoding) > 1:
+            stacked = _StackedStates([rows[index].session.cache for index in decoding], mixer.layer_idx)
+            inputs = torch.cat([hidden_states[:, rows[index].start:rows[index].end] for index in decoding])
+            try:
+                together = forward(inputs, cache_params=stacked, **kwargs)
+            except _NotStackable:
+                pass  # a mixer this does not know: its rows run one by one below
+            else:
+                stacked.put_back()
+                outputs = {index: together[place:place + 1] for place, index in enumerate(decoding)}
+        return torch.cat([outputs[index] if index in outputs else
+                          forward(hidden_states[:, row.start:row.end], cache_params=row.session.cache, **kwargs)
+                          for index, row in enumerate(rows)], dim=1)
+    return per_row
+
+
 def _uses_sliding_masks(config: Any) -> bool:
     if getattr(config, "sliding_window", None) is None:
         return False
@@ -125,10 +219,21 @@ def forward_rows(model: PreTrainedModel, rows: Sequence[tuple[CacheSession, Sequ
     # The model's own attention function; "eager" is each model's own (found from its module).
     attention = None if original == "eager" else ALL_ATTENTION_FUNCTIONS.get_interface(original, sdpa_attention_forward)
     last = torch.tensor([spans[index][1] - 1 for index in logits_of] or [len(tokens) - 1], device=device)
-    model.config._attn_implementation = ROWS_ATTENTION  # for this forward only: all run on the loop thread
+    mixers = recurrent_mixers(model)
+    # For this forward only (all run on the loop thread): rows attend to their own caches, and
+    # recurrent mixers run per row.
+    model.config._attn_implementation = ROWS_ATTENTION
+    own_forwards = [mixer.__dict__.get("forward") for mixer in mixers]  # set on the instance (hooks), or None
+    for mixer in mixers:
+        mixer.forward = _mixer_per_row(mixer, mixer.forward)
     try:
         logits = model(input_ids=torch.tensor([tokens], device=device), position_ids=position_ids,
                        past_key_values=PackedRows(packed, attention), use_cache=True, logits_to_keep=last).logits
     finally:
         model.config._attn_implementation = original
+        for mixer, own in zip(mixers, own_forwards):
+            if own is None:
+                del mixer.forward  # the class's own forward again
+            else:
+                mixer.forward = own
     return logits[0, : len(logits_of)]

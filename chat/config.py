@@ -28,8 +28,8 @@ class EngineConfig:
     step while none decodes (what a newcomer can wait behind; chat/scheduler.py says why both);
     `prefill_order`: who gets a step's prefill budget first, "shortest" remaining or "arrival".
     `packed_steps`: one forward a step carries every decode row and the prefill pieces, each
-    session on its own cache (cache_sessions/resident.py; models with linear attention use the
-    gathered batch whatever this says); False: the gathered batch, as measured before it.
+    session on its own cache (cache_sessions/resident.py; linear-attention mixers run per row
+    there); False: the gathered batch, as measured before it.
     `step_gap_factor`: while others decode, a step carries at most `prefill_chunk` prompt tokens
     and no more than keep it within this many decode steps, as timed on this machine
     (chat/step_budget.py); None: always `prefill_chunk`. `alone_step_s`: while none decodes, a

@@ -6,9 +6,10 @@ end requests stopped while they waited; admit waiting requests while rows are fr
 newcomers; then one packed forward (cache_sessions/resident.py) that carries the next token of
 every decoding row and the prefill pieces chosen for this step, each session reading and writing
 its own cache in place (vLLM v1's mixed step, llama.cpp's slots); then the cache owner settles
-(frees closed sessions, keeps the budget). Models with linear attention cannot pack: they
-prefill on their own caches and decode in a gathered batch (cache_sessions/batch.py), in two
-forwards a step.
+(frees closed sessions, keeps the budget). Linear-attention layers pack too: their mixers run
+on each row's own recurrent state (the decoding rows stacked for one call). The gathered batch
+(cache_sessions/batch.py, two forwards a step) is kept as the measured "before"
+(`packed_steps=False`) and for a recurrent model whose mixers cannot be found.
 
 Prefill is always chunked, so nobody waits on another's whole prompt. While rows decode, a step
 carries at most `prefill_chunk` prompt tokens (what a long pasted prompt delays the running
@@ -357,8 +358,9 @@ class DecodeScheduler:
 
     def _forward_gathered(self, decoding: list[GenerationRequest], pieces: list[tuple[GenerationRequest, list[int]]]
                           ) -> tuple[list[GenerationRequest], torch.Tensor | None]:
-        """Models that cannot pack (linear attention): each piece in a forward of its own, then the
-        decode rows in one forward on their gathered batch (cache_sessions/batch.py)."""
+        """Steps as before packing (`packed_steps=False`, or a recurrent model whose mixers
+        cannot be found): each piece in a forward of its own, then the decode rows in one forward
+        on their gathered batch (cache_sessions/batch.py)."""
         fed = []
         for request, piece in pieces:
             try:

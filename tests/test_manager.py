@@ -158,10 +158,10 @@ def test_offloaded_engine_round_trips_through_cuda(models, tokenizers):
 
 
 def test_the_batched_copy_counts_in_the_budget(make_engine, models, monkeypatch):
-    """Linear attention decodes on a gathered batch: bytes held outside the sessions (its copy)
-    push idle sessions out too."""
+    """The gathered batch (kept as the measured "before", `packed_steps=False`) holds a copy of
+    the rows' states: bytes held outside the sessions push idle sessions out too."""
     monkeypatch.setattr(models["hybrid"].generation_config, "eos_token_id", None)  # replies run to their limit
-    engine = make_engine("hybrid")
+    engine = make_engine("hybrid", packed_steps=False)
     assert not engine.scheduler.packed
     idle = engine.conversation()
     list(idle.send("Hello?", **GREEDY))
@@ -179,11 +179,13 @@ def test_the_batched_copy_counts_in_the_budget(make_engine, models, monkeypatch)
         stream.close()
 
 
-def test_rows_decoding_together_hold_their_states_once(make_engine, models, monkeypatch):
-    """Packed steps read each session's cache in place: while two decode, the caches hold the
-    three sessions' own bytes and nothing else (read on the loop, between two steps)."""
-    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
-    engine = make_engine("full")
+@pytest.mark.parametrize("arch", ["full", "hybrid"])
+def test_rows_decoding_together_hold_their_states_once(make_engine, models, monkeypatch, arch):
+    """Packed steps read each session's cache in place (recurrent states too): while two decode,
+    the caches hold the three sessions' own bytes and nothing else (read on the loop, between
+    two steps)."""
+    monkeypatch.setattr(models[arch].generation_config, "eos_token_id", None)
+    engine = make_engine(arch)
     assert engine.scheduler.packed
     idle = engine.conversation()
     list(idle.send("Hello?", **GREEDY))

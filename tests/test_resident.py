@@ -9,7 +9,9 @@ import torch
 
 from cache_sessions import CacheSession
 from cache_sessions.kv_cache import KVCacheKind
-from cache_sessions.resident import forward_rows, packs
+from cache_sessions import resident
+from cache_sessions.resident import forward_rows, packs, recurrent_mixers
+from cache_sessions.rollback import RecurrentState
 from reference import (LOGIT_TOLERANCE, QUANTIZED_LOGIT_TOLERANCE, cached_vs_scratch_logit_error, fresh,
                        scratch_greedy_reply)
 
@@ -34,12 +36,25 @@ def scratch_logits(model, token_ids: list[int], kv_cache: KVCacheKind) -> torch.
 
 
 @pytest.mark.parametrize("arch,kv_cache", [("full", KVCacheKind()), ("sliding", KVCacheKind()), ("mixed", KVCacheKind()),
-                                           ("full", KVCacheKind("quantized", 8))])
+                                           ("hybrid", KVCacheKind()), ("full", KVCacheKind("quantized", 8))])
 def test_decode_rows_and_prefill_chunks_in_one_forward_give_each_row_its_own_result(models, arch, kv_cache):
     """Two sessions decode while a third is prefilled 7 tokens a step beside them in the same
     forwards, then decodes with them: every chosen token and logit is the scratch forward's, and
     every cache ends exact (and rolls back exactly)."""
-    model = models[arch]
+    check_rows_against_scratch(models[arch], arch, kv_cache)
+
+
+def test_a_recurrent_mixer_the_stacked_states_do_not_serve_runs_its_rows_one_by_one(models, monkeypatch):
+    """Decoding rows' recurrent states are stacked for one call of a mixer; a mixer that asks
+    them for anything else (another model's decode path) runs each row alone, still exact."""
+    calls = []
+    monkeypatch.setattr(resident._StackedStates, "is_recording_past",
+                        lambda self, layer_idx: calls.append(layer_idx) or self.anything_else)
+    check_rows_against_scratch(models["hybrid"], "hybrid", KVCacheKind())
+    assert calls  # the stacked call was tried, and refused
+
+
+def check_rows_against_scratch(model, arch: str, kv_cache: KVCacheKind) -> None:
     tolerance = QUANTIZED_LOGIT_TOLERANCE[kv_cache.bits] if kv_cache.name == "quantized" else LOGIT_TOLERANCE
     sessions = [ready(model, prompt, kv_cache) for prompt in PROMPTS[:2]] + [CacheSession(model, kv_cache=kv_cache)]
     sessions[2].prepare(PROMPTS[2], prefill=False)
@@ -68,15 +83,26 @@ def test_decode_rows_and_prefill_chunks_in_one_forward_give_each_row_its_own_res
         assert session.token_ids == sequence[:-1]  # the last chosen token is not fed yet
         assert cached_vs_scratch_logit_error(model, session.cache, session.token_ids, 7, kv_cache) < tolerance
     back = sessions[2]  # rolls back into the packed reply exactly
-    assert back.prepare(back.token_ids[:-3] + [5]).reused_tokens > 0
+    rolled = back.prepare(back.token_ids[:-3] + [5])
+    # A recurrent state goes back only to a checkpoint, which the scheduler takes (none here).
+    assert rolled.reused_tokens > 0 or (arch == "hybrid" and rolled.rebuilt)
     assert cached_vs_scratch_logit_error(model, back.cache, back.token_ids, 7, kv_cache) < tolerance
 
 
-def test_linear_attention_does_not_pack(models):
-    """A recurrent state has no per-row span in a packed sequence: those models keep the
-    gathered batch (cache_sessions/batch.py)."""
-    assert not packs([CacheSession(models["hybrid"])])
-    assert packs([CacheSession(models["full"])])
+def test_linear_attention_packs_with_its_mixers_run_per_row_and_put_back(models):
+    """A recurrent state folds one sequence in order, so its mixer runs once per row in a packed
+    step (the test above checks the rows against scratch); after the step the mixers are the
+    model's own again, also when the step raises."""
+    model = models["hybrid"]
+    mixers = recurrent_mixers(model)
+    recurrent = sum(isinstance(kind, RecurrentState) for kind in CacheSession(model).kinds)
+    assert recurrent > 0 and len(mixers) == recurrent
+    assert packs([CacheSession(model)]) and packs([CacheSession(models["full"])])
+    with pytest.raises(IndexError):  # a token past the vocabulary: the embedding raises mid-forward
+        forward_rows(model, [(ready(model, PROMPTS[0], KVCacheKind()), [model.config.vocab_size])], [0])
+    assert all("forward" not in vars(mixer) for mixer in mixers)
+    forward_rows(model, [(ready(model, PROMPTS[1], KVCacheKind()), [PROMPTS[1][-1]])], [0])
+    assert all("forward" not in vars(mixer) for mixer in mixers)
 
 
 def test_a_packed_forward_leaves_the_model_as_it_was(models):
