@@ -98,9 +98,31 @@ def _rows_attention(module: torch.nn.Module, query: torch.Tensor, key: Any, valu
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kind = "sliding" if kwargs.get("sliding_window") is not None else "full"
     attention = key.attention or sys.modules[type(module).__module__].eager_attention_forward
-    outputs = [attention(module, query[:, :, row.start:row.end], keys, values, row.masks[kind], **kwargs)[0]
-               for row, (keys, values) in zip(key.rows, key.states, strict=True)]
+    grouped = (attention is sdpa_attention_forward and getattr(module, "num_key_value_groups", 1) > 1
+               and kwargs.get("softcap") is None and kwargs.get("position_bias") is None)
+    outputs = []
+    for row, (keys, values) in zip(key.rows, key.states, strict=True):
+        rows_query, mask = query[:, :, row.start:row.end], row.masks[kind]
+        if grouped and isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1:
+            outputs.append(_grouped_sdpa(module, rows_query, keys, values, mask, kwargs.get("scaling")))
+        else:
+            outputs.append(attention(module, rows_query, keys, values, mask, **kwargs)[0])
     return torch.cat(outputs, dim=1), None
+
+
+def _grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """SDPA with the query heads that share a key/value head stacked along the query axis, and the
+    mask repeated to match: every such head sees the same keys, so the history is read as it is.
+    transformers does this for one query token (`pack_gqa`) but repeats the keys and values for
+    more, a copy of the whole history every layer: 13 ms of a 76 ms step carrying 16 prompt tokens
+    over a 3,000-token history on the benchmark model. Same sums per query, so the same result."""
+    batch, heads, length, dim = query.shape
+    groups = module.num_key_value_groups
+    stacked = query.reshape(batch, heads // groups, groups * length, dim)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        stacked, keys, values, attn_mask=mask.repeat(1, 1, groups, 1), scale=scaling)
+    return output.reshape(batch, heads, length, values.shape[-1]).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(ROWS_ATTENTION, _rows_attention)

@@ -168,3 +168,14 @@ def test_outlier_channels_keep_the_fp32_function_and_the_exactness_run_holds(mon
     result = exactness.run_mode("int8, outlier channels", None)
     assert result["replies"] == 25 and len(result["logit_diffs"]) == 5
     assert result["equal_to_scratch"] == 25  # greedy replies equal generate from scratch
+
+
+def test_step_anatomy_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.step_anatomy import KINDS, main as step_anatomy
+
+    out = tmp_path / "steps.json"
+    step_anatomy(["--history", "40", "--prompt-history", "60", "--chunk", "4", "--steps", "1", "--rounds", "2",
+                  "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["median_step_ms"]) == set(KINDS) and all(ms > 0 for ms in result["median_step_ms"].values())
+    assert {"four_rows_over_one", "mixed_repeated_over_stacked", "targets"} <= set(result)

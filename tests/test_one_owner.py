@@ -56,7 +56,7 @@ def scratch_error(engine, conv) -> float:
     return engine.scheduler.call(measure)
 
 
-@pytest.mark.parametrize("arch", ["full", "hybrid"])
+@pytest.mark.parametrize("arch", ["full", "sliding", "mixed", "hybrid"])
 @settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(program=rounds)
 def test_operations_on_several_conversations_while_the_budget_evicts_stay_exact(make_engine, arch, program):

@@ -114,3 +114,22 @@ def test_a_packed_forward_leaves_the_model_as_it_was(models):
         forward_rows(model, [(session, [])], [])
     forward_rows(model, [(session, [PROMPTS[0][-1]])], [0])
     assert model.config._attn_implementation == before
+
+
+def test_stacked_query_heads_attend_as_keys_repeated_per_head():
+    """A prompt chunk attends with the query heads that share a key/value head stacked (no copy
+    of the history); the reference repeats the keys and values for every head, as transformers'
+    SDPA path does, and masks each query's future by hand."""
+    torch.manual_seed(0)
+    kv_heads, groups, dim, chunk, history = 2, 3, 16, 5, 40
+    query = torch.randn(1, kv_heads * groups, chunk, dim)
+    keys, values = torch.randn(1, kv_heads, history, dim), torch.randn(1, kv_heads, history, dim)
+    mask = torch.ones(1, 1, chunk, history, dtype=torch.bool).tril(history - chunk)
+    module = torch.nn.Module()
+    module.num_key_value_groups = groups
+    output = resident._grouped_sdpa(module, query, keys, values, mask, 0.25)
+    repeated_keys, repeated_values = (states.repeat_interleave(groups, dim=1) for states in (keys, values))
+    scores = (query @ repeated_keys.transpose(-1, -2) * 0.25).masked_fill(~mask, float("-inf"))
+    expected = (torch.softmax(scores, dim=-1) @ repeated_values).transpose(1, 2)
+    assert output.shape == (1, chunk, kv_heads * groups, dim)
+    assert torch.allclose(output, expected, atol=1e-5)
