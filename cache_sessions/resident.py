@@ -17,9 +17,8 @@ Linear attention (and state-space) layers keep one recurrent state per sequence,
 every token in order, so a packed sequence cannot run through them as one: during a packed step
 each such mixer runs on each row's span with that row's own states: the decoding rows together,
 their bounded states stacked for the call and written back, and each prefill piece alone. The
-rest of the layer stays packed. A model whose
-recurrent layers' mixers cannot be found (no module taking `cache_params`) keeps the gathered
-batch (cache_sessions/batch.py).
+rest of the layer stays packed. A model whose recurrent layers' mixers cannot be found (no
+module taking `cache_params`) keeps the gathered batch (cache_sessions/batch.py).
 """
 
 from __future__ import annotations
@@ -132,6 +131,10 @@ class _NotStackable(Exception):
     """A mixer asked the stacked states for something they do not offer: run its rows one by one."""
 
 
+# Mixers that raised `_NotStackable` once: not tried stacked again (a try runs their projections).
+_UNSTACKABLE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
 class _StackedStates:
     """The recurrent states of several decoding rows, stacked on the batch dimension for one call
     of a mixer: the `cache_params` it reads and updates (transformers' decode path updates the conv
@@ -185,13 +188,13 @@ def _mixer_per_row(mixer: torch.nn.Module, forward: Callable[..., torch.Tensor])
         rows, outputs = cache_params.rows, {}
         decoding = [index for index, row in enumerate(rows)
                     if row.end - row.start == 1 and _StackedStates.fits(row.session.cache, mixer.layer_idx)]
-        if len(decoding) > 1:
+        if len(decoding) > 1 and mixer not in _UNSTACKABLE:
             stacked = _StackedStates([rows[index].session.cache for index in decoding], mixer.layer_idx)
             inputs = torch.cat([hidden_states[:, rows[index].start:rows[index].end] for index in decoding])
             try:
                 together = forward(inputs, cache_params=stacked, **kwargs)
             except _NotStackable:
-                pass  # a mixer this does not know: its rows run one by one below
+                _UNSTACKABLE.add(mixer)  # a mixer this does not know: its rows run one by one below
             else:
                 stacked.put_back()
                 outputs = {index: together[place:place + 1] for place, index in enumerate(decoding)}

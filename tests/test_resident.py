@@ -4,6 +4,8 @@ one forward, each on its own cache, give every row what it gives alone.
 The reference is a from-scratch forward over each row's whole sequence (no cache at all), and
 greedy `generate` from scratch on each prompt."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -46,12 +48,16 @@ def test_decode_rows_and_prefill_chunks_in_one_forward_give_each_row_its_own_res
 
 def test_a_recurrent_mixer_the_stacked_states_do_not_serve_runs_its_rows_one_by_one(models, monkeypatch):
     """Decoding rows' recurrent states are stacked for one call of a mixer; a mixer that asks
-    them for anything else (another model's decode path) runs each row alone, still exact."""
+    them for anything else (another model's decode path) runs each row alone, still exact, and
+    is not tried stacked again."""
     calls = []
+    monkeypatch.setattr(resident, "_UNSTACKABLE", weakref.WeakSet())  # (the models are shared by the tests)
     monkeypatch.setattr(resident._StackedStates, "is_recording_past",
                         lambda self, layer_idx: calls.append(layer_idx) or self.anything_else)
     check_rows_against_scratch(models["hybrid"], "hybrid", KVCacheKind())
-    assert calls  # the stacked call was tried, and refused
+    mixers = recurrent_mixers(models["hybrid"])
+    assert sorted(calls) == sorted(mixer.layer_idx for mixer in mixers)  # each tried once, and refused
+    assert set(resident._UNSTACKABLE) == set(mixers)
 
 
 def check_rows_against_scratch(model, arch: str, kv_cache: KVCacheKind) -> None:
