@@ -589,9 +589,13 @@ def test_a_reload_during_a_reply_keeps_the_message_and_what_was_written(browser,
     tokens = page.locator("#max-new-tokens input[type='number']")
     tokens.fill("6")
     tokens.press("Enter")
+    expect(page.locator("#max-new-tokens input[type='range']")).to_have_value("6")
     wait_reply(page, send(page, "A short first turn."))
-    tokens.fill("1900")  # the whole conversation fits the model's 2,048 positions: no turn dropped
+    # the whole conversation fits the model's 2,048 positions, no turn dropped (which would make the
+    # long message a new first one), even had the first reply run to the default 512 tokens
+    tokens.fill("1400")
     tokens.press("Enter")
+    expect(page.locator("#max-new-tokens input[type='range']")).to_have_value("1400")
     send(page, "A long reply I reload during.")
     written = page.wait_for_function(DRAFTED_REPLY, arg="A long reply I reload during.", timeout=60_000).json_value()
     page.reload()
