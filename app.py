@@ -175,7 +175,7 @@ def load_engine(config: AppConfig) -> Any:
                              cache_budget_bytes=int(config.cache_budget_mb * 2**20),
                              cache_dir=None if ON_ZERO_GPU else config.cache_dir,
                              cache_dir_bytes=int(config.cache_dir_mb * 2**20), kv_cache=config.kv_cache,
-                             kv_bits=config.kv_bits, weights=config.weights,
+                             kv_bits=config.kv_bits, weights=config.weights, compile=config.compile,
                              **(dict(shared_prefixes=0) if ON_ZERO_GPU else {}))
     if ON_ZERO_GPU:  # each reply runs in the worker process `spaces.GPU` forks (chat/remote.py)
         remote.ENGINE = engine

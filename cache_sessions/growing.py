@@ -57,6 +57,21 @@ class GrowingLayer(DynamicLayer):
         self._value_buffer[..., held:end, :].copy_(value_states)
         self.keys, self.values = self._key_buffer[..., :end, :], self._value_buffer[..., :end, :]
 
+    def room_for(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers, grown if they hold fewer than `end` positions, for a writer that fills
+        positions up to `end` itself (the compiled step) and then calls `filled(end)`."""
+        held = self._held()  # kept short of full: a graph compiled for part of a buffer serves no full one
+        if not self._owns_views() or end >= self._key_buffer.shape[-2]:
+            self._grow(self.keys, self.values, held, end + spare_tokens(end))
+            self.filled(held)
+        assert self._key_buffer is not None and self._value_buffer is not None
+        return self._key_buffer, self._value_buffer
+
+    def filled(self, end: int) -> None:
+        """Hold the first `end` positions of the buffers (written by the caller of `room_for`)."""
+        assert self._key_buffer is not None and self._value_buffer is not None
+        self.keys, self.values = self._key_buffer[..., :end, :], self._value_buffer[..., :end, :]
+
     def use_buffers(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
         """Hold the first `length` positions of these buffers (filled by the caller: the batch's
         gather writes its rows straight into them), the rest being room to grow."""

@@ -29,6 +29,7 @@ from cache_sessions.accounts import Accounts
 from cache_sessions.batch import BatchedCache, SingleRow, decode_batch
 from cache_sessions.branches import BranchKeep, BranchMove, keep_before_reply, move_branch
 from cache_sessions.cold import ColdStats, ColdStore
+from cache_sessions.compiled import CompiledDecode
 from cache_sessions.eviction import Eviction
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import PrefixStore
@@ -68,12 +69,15 @@ class CacheOwner:
                  budget_bytes: int | None = None,
                  max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS, prefix_store: PrefixStore | None = None,
                  offload: bool = False, cold_store: ColdStore | None = None,
-                 kv_cache: KVCacheKind = KVCacheKind(), clock: Callable[[], float] = time.monotonic):
+                 kv_cache: KVCacheKind = KVCacheKind(), compiled: CompiledDecode | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         """`offload`: sessions rest on the CPU and go to the model's device only while a reply
         runs (ZeroGPU, where GPU memory does not survive between calls). `cold_store`: where idle
         sessions go instead of being released when the budget is reached. `kv_cache`: the kind of
-        cache every session's states live in (cache_sessions/kv_cache.py)."""
+        cache every session's states live in (cache_sessions/kv_cache.py). `compiled`: the
+        compiled step a conversation decoding alone takes once it is ready (cache_sessions/compiled.py)."""
         self.model, self.loop, self.cold_store, self.kv_cache = model, loop, cold_store, kv_cache
+        self.compiled = compiled
         self.in_use = in_use
         self.budget_bytes, self.max_checkpoints = budget_bytes, max_checkpoints
         self.prefix_store, self.offload = prefix_store, offload
@@ -160,7 +164,11 @@ class CacheOwner:
         session is a live request's (registered and brought back when it began, never spilled
         since), so only the thread is checked here, once a step, not each row's books."""
         self._on_loop()
-        logits = forward_rows(self.model, rows, logits_of)
+        logits = None
+        if self.compiled is not None and self.compiled.takes(rows, logits_of):
+            logits = self.compiled.step(rows[0][0], rows[0][1][0])
+        if logits is None:
+            logits = forward_rows(self.model, rows, logits_of)
         for session, fed in rows:
             session.note_extended(fed)
             self._measure(session)

@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cache_sessions.cold import ColdStore
+from cache_sessions.compiled import CompiledDecode
 from cache_sessions.owner import CacheOwner
 from cache_sessions.prefixes import PrefixStore
 from chat import saved
@@ -35,6 +36,9 @@ class ChatEngine:
         self.config = config
         self.model = apply_weight_format(model, config.weights).eval()
         config.kv_cache_kind.check_applies(model)
+        # Steps run eager at once; the compiled one takes over when its thread has built it.
+        self.compiled = CompiledDecode(self.model, config.compile if config.kv_cache == "dynamic" else "off")
+        self.compiled.start()
         self.tokenizer = tokenizer
         template = ChatTemplate(tokenizer)
         prefix_store = PrefixStore(config.shared_prefixes) if config.shared_prefixes else None
@@ -49,7 +53,7 @@ class ChatEngine:
                                     budget_bytes=config.cache_budget_bytes,
                                     max_checkpoints=config.max_checkpoints, prefix_store=prefix_store,
                                     offload=config.offload_sessions, cold_store=cold_store,
-                                    kv_cache=config.kv_cache_kind)
+                                    kv_cache=config.kv_cache_kind, compiled=self.compiled)
         self.runtime = Runtime(model=self.model, tokenizer=tokenizer, template=template, scheduler=scheduler,
                                eos_token_ids=frozenset(_eos_token_ids(model, tokenizer)), prefix_store=prefix_store,
                                config=config)
@@ -104,6 +108,7 @@ class ChatEngine:
                           "join_wait_mean_s": round(batch.join_wait_mean_s, 4),
                           "join_wait_max_s": round(batch.join_wait_max_s, 4), "packed": batch.packed,
                           "prompt_tokens_per_step": batch.prompt_tokens_per_step},
+                "compiled_step": self.compiled.stats(),
                 "cache_bytes": caches.cache_bytes, "cache_budget_bytes": caches.budget_bytes,
                 "shared_prefix_bytes": caches.shared_prefix_bytes, "busy_caches": caches.busy,
                 "evictions": caches.evictions, "branch_segments_freed": caches.segments_freed}

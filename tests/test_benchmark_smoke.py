@@ -179,3 +179,15 @@ def test_step_anatomy_benchmark_writes_the_documented_fields(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["median_step_ms"]) == set(KINDS) and all(ms > 0 for ms in result["median_step_ms"].values())
     assert {"four_rows_over_one", "mixed_repeated_over_stacked", "targets"} <= set(result)
+
+
+def test_compiled_step_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.compiled_step import MODES, main as compiled_step
+
+    out = tmp_path / "compiled.json"
+    compiled_step(["--model", "tiny-full", "--history", "40", "--steps", "1", "--rounds", "2", "--agree", "4",
+                   "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["median_step_ms"]) == set(MODES) and all(ms > 0 for ms in result["median_step_ms"].values())
+    assert result["graphs"] >= 1 and result["greedy_agreement"]["tokens"] == 4
+    assert {"eager_over_compiled", "compile_s", "targets"} <= set(result)

@@ -96,6 +96,7 @@ class _Gauges:
         status = server_status(self.directory)
         batch = status.get("batch", {})  # a model server's engine has no batch or caches here
         cold = status.get("cold_tier", {})  # only with --cache-dir
+        compiled = status.get("compiled_step", {})
         for name, value, text in (
             ("rewind_conversations", status["conversations"], "Conversations held"),
             ("rewind_generating", status["generating"], "Replies being generated"),
@@ -106,6 +107,9 @@ class _Gauges:
             ("rewind_batch_waiting", batch.get("waiting", 0), "Replies waiting for a free row"),
             ("rewind_batch_bytes", batch.get("batch_bytes", 0), "Bytes of the batched copy of decoding caches"),
             ("rewind_cold_bytes", cold.get("bytes", 0), "Bytes of idle caches kept on disk (--cache-dir)"),
+            ("rewind_compiled_step_ready", int(bool(compiled.get("ready"))), "Whether a lone decode step runs compiled"),
+            ("rewind_compiled_step_graphs", compiled.get("graphs", 0), "Graphs compiled for the decode step"),
+            ("rewind_compiled_step_compile_seconds", compiled.get("compile_s") or 0, "Seconds its compile took"),
         ):
             yield GaugeMetricFamily(name, text, value=value)
         for name, value, text in (

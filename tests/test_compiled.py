@@ -1,0 +1,93 @@
+"""The compiled decode step (cache_sessions/compiled.py, issue #31): each step against a
+from-scratch forward over the whole sequence, one graph for every length and buffer capacity,
+rollback into compiled steps, and every operation of an engine that uses it held to the same
+references as the eager engine (tests/reference.py)."""
+
+import pytest
+import torch
+from conftest import THINKING_TEMPLATE
+from reference import LOGIT_TOLERANCE, check_exact
+from test_exactness import MAX_NEW, every_operation
+from tiny_models import build_model
+
+from cache_sessions import CacheSession
+from cache_sessions.compiled import CompiledDecode
+from chat import ChatEngine
+from chat.config import EngineConfig
+
+WAIT_S = 600  # compiling on a busy 2-core machine: minutes at worst
+
+
+def scratch_logits(model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([token_ids])).logits[0, -1]
+
+
+def test_each_compiled_step_gives_a_from_scratch_forwards_logits_with_one_graph(base_tokenizer):
+    model = build_model("full", len(base_tokenizer), None)  # 4 query heads on 2 key/value heads
+    compiled = CompiledDecode(model, "on")
+    compiled.warm()
+    assert compiled.ready and compiled.error is None
+    graphs = compiled.graphs()
+    session = CacheSession(model)
+    session.extend(list(range(30, 60)))
+    token, capacities = 7, set()
+    for _ in range(40):
+        assert compiled.takes([(session, [token])], [0])
+        logits = compiled.step(session, token)
+        session.note_extended([token])
+        expected = scratch_logits(model, session.token_ids)
+        torch.testing.assert_close(logits[0], expected, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
+        capacities.add(session.cache.layers[0]._key_buffer.shape[-2])
+        token = int(expected.argmax())
+    assert len(capacities) > 1  # the buffers grew on the way, and the graph read them in place
+    assert compiled.graphs() == graphs  # no length or capacity compiled again
+    assert compiled.steps == 40
+    # rolled back into what compiled steps wrote, the next step reads the kept part only
+    session.prepare(session.token_ids[:-25] + [11])  # the kept part; 11 is the next token fed
+    assert len(session.token_ids) == 45
+    logits = compiled.step(session, 11)
+    session.note_extended([11])
+    torch.testing.assert_close(logits[0], scratch_logits(model, session.token_ids), atol=LOGIT_TOLERANCE,
+                               rtol=LOGIT_TOLERANCE)
+    # not one row decoding alone: the packed eager forward's
+    assert not compiled.takes([(session, [1, 2])], [0])
+    assert not compiled.takes([(session, [1]), (CacheSession(model), [2])], [0, 1])
+
+
+def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(base_tokenizer):
+    """A new graph would stall every user on the loop: refused before anything runs."""
+    model = build_model("full", len(base_tokenizer), None)
+    compiled = CompiledDecode(model, "on")
+    compiled.warm()
+    session = CacheSession(model)
+    session.extend(list(range(30, 50)))
+    for layer in session.cache.layers:  # states of another dtype: a guard of the graph fails
+        layer.keys, layer.values = layer.keys.double(), layer.values.double()
+    assert compiled.step(session, 7) is None
+    assert not compiled.ready and "compiled again" in compiled.stats()["not_compiled_because"]
+    assert len(session.token_ids) == 20 and session.cache.get_seq_length() == 20
+    assert not compiled.takes([(session, [7])], [0])
+
+
+def test_every_operation_of_a_compiled_engine_is_exact(tokenizers):
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    model = build_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    engine = ChatEngine(model, tokenizer, compile="on")
+    assert engine.compiled.wait(WAIT_S), engine.compiled.stats()
+    conv = engine.conversation("You are terse.")
+    every_operation(conv, lambda **kwargs: check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, **kwargs))
+    status = engine.status()["compiled_step"]
+    assert status["ready"] and status["steps"] > 0 and status["graphs"] >= 1 and status["compile_s"] is not None
+
+
+def test_what_is_not_compiled_says_why(base_tokenizer):
+    small = CompiledDecode(build_model("full", len(base_tokenizer), None), "auto")
+    assert not small.enabled and "compiled from 200 M" in small.stats()["not_compiled_because"]
+    sliding = CompiledDecode(build_model("sliding", len(base_tokenizer), None), "on")
+    assert not sliding.enabled and "MistralForCausalLM is not one of the plain decoders" in sliding.reason
+    off = CompiledDecode(build_model("full", len(base_tokenizer), None), "off")
+    off.start()
+    assert not off.enabled and not off.ready and off.stats()["not_compiled_because"] == "off"
+    with pytest.raises(ValueError, match="compile is one of auto, on, off, not 'fast'"):
+        EngineConfig(compile="fast")
