@@ -1,10 +1,10 @@
-"""One conversation's decode step, eager against compiled (cache_sessions/compiled.py), in one process.
+"""A decode step of `--rows` conversations, eager against compiled (cache_sessions/compiled.py), in one process.
 
-A history of `--history` tokens is prefilled once (untimed) for each mode; then rounds alternate
+Histories of `--history` tokens are prefilled once (untimed); then rounds alternate
 the two modes' order, each round timing `--steps` decode steps of each and rolling them back
-(`crop`) so every step sees the same length. Eager is the engine's packed forward of one row
-(cache_sessions/resident.py), compiled the graph a conversation decoding alone takes once it is
-built. The compile time is the background thread's (from the on-disk cache, if one is warm).
+(`crop`) so every step sees the same lengths. Eager is the engine's packed forward of the rows
+(cache_sessions/resident.py), compiled the graph of the rows' bucket (1, 2, 4 or 8 rows). The
+compile time is every bucket's up to that one (from the on-disk cache, if one is warm).
 Greedy agreement: `--agree` greedy tokens decoded by each from the same history, and with
 `--demo-replies N` the trained demo model's replies to N questions of its evaluation split through
 an engine with the step compiled against one without (benchmarks/agreement.py), fp32 and int8.
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="bench-full", help="a row of chat/models.py")
     parser.add_argument("--weights", default="full", choices=("full", "int8"))
     parser.add_argument("--history", type=int, default=300, help="tokens held before each step")
+    parser.add_argument("--rows", type=int, default=1, help="conversations decoding together")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--agree", type=int, default=32, help="greedy tokens compared between the two")
@@ -48,13 +49,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     model = apply_weight_format(build_model(args.model, VOCAB, None), args.weights)
-    compiled = CompiledDecode(model, "on")
+    compiled = CompiledDecode(model, "on", max_rows=args.rows)
     if not compiled.enabled:
         raise SystemExit(f"not compiled: {compiled.reason}")
     compiled.warm()
-    session, token = conversation(model, args.history, seed=0)
-    steps = {"eager": lambda: resident.forward_rows(model, [(session, [token])], [0]),
-             "compiled": lambda: compiled.step(session, token)}
+    rows = [(session, [token]) for session, token in (conversation(model, args.history, seed) for seed in range(args.rows))]
+    steps = {"eager": lambda: resident.forward_rows(model, rows, list(range(args.rows))),
+             "compiled": lambda: compiled.step(rows)}
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     with torch.no_grad():
         for round_ in range(args.rounds):
@@ -63,16 +64,17 @@ def main(argv: list[str] | None = None) -> dict:
                     begun = time.perf_counter()
                     steps[mode]()
                     times[mode].append(time.perf_counter() - begun)
-                    session.cache.crop(-1)  # the ledger was never told: it still says where it was
+                    for session, _ in rows:  # the ledgers were never told: they still say where they were
+                        session.cache.crop(-1)
     median_ms = {mode: statistics.median(values) * 1000 for mode, values in times.items()}
     result = {"args": vars(args), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "torch": torch.__version__, "parameters": parameter_count(model), "median_step_ms": median_ms,
               "eager_over_compiled": median_ms["eager"] / median_ms["compiled"],
-              "compile_s": compiled.compile_s, "graphs": compiled.graphs(),
+              "compile_s": sum(compiled.compile_s.values()), "graphs": compiled.graphs(),
               "greedy_agreement": greedy_agreement(model, compiled, args.agree)}
     if args.demo_replies:
         result["demo_agreement"] = {weights: demo_agreement(
-            {"eager": lambda: ChatEngine.load("demo", weights=weights, compile="off"),
+            {"eager": lambda: ChatEngine.load("demo", weights=weights, compile="off", max_batch_size=1),
              "compiled": lambda: compiled_engine(weights)}, args.demo_replies)["compiled"] for weights in ("full", "int8")}
     return publish(result, started, targets=targets, markdown=markdown, plot=lambda *_: None,
                    json_path=args.json_path, plot_path=None)
@@ -90,7 +92,7 @@ def greedy_agreement(model, compiled: CompiledDecode, count: int) -> dict[str, i
             if mode == "eager":
                 logits = resident.forward_rows(model, [(session, [token])], [0])
             else:
-                logits = compiled.step(session, token)
+                logits = compiled.step([(session, [token])])
             session.note_extended([token])
             token = int(logits[0].argmax())
             reply.append(token)
@@ -100,7 +102,7 @@ def greedy_agreement(model, compiled: CompiledDecode, count: int) -> dict[str, i
 
 
 def compiled_engine(weights: str) -> ChatEngine:
-    engine = ChatEngine.load("demo", weights=weights, compile="on")
+    engine = ChatEngine.load("demo", weights=weights, compile="on", max_batch_size=1)
     if not engine.compiled.wait(1800):
         raise RuntimeError(f"the demo's step did not compile: {engine.compiled.stats()}")
     return engine
@@ -116,7 +118,7 @@ def markdown(result: dict) -> str:
     lines = ["| step | median |", "|---|---:|"]
     lines += [f"| {mode} | {ms:.1f} ms |" for mode, ms in result["median_step_ms"].items()]
     lines += ["", f"eager / compiled: {result['eager_over_compiled']:.2f}x; compiled in {result['compile_s']:.1f} s "
-              f"({result['graphs']} graph); greedy tokens equal: {agreement['equal_before_first_difference']} of "
+              f"({result['graphs']} graphs in this process); greedy tokens equal: {agreement['equal_before_first_difference']} of "
               f"{agreement['tokens']}", ""]
     for weights, demo in result.get("demo_agreement", {}).items():
         lines += [f"demo model, {weights} weights, {result['args']['demo_replies']} replies: "

@@ -1,4 +1,4 @@
-"""One conversation's decode step as one compiled graph, reading its states in place (issue #31).
+"""Decode steps as compiled graphs, reading each conversation's states in place (issue #31).
 
 An eager decode step at Qwen3-0.6B's shape on a CPU is a few thousand small operations whose
 dispatch costs as much as the matrix products (docs/performance.md). This module writes the
@@ -7,14 +7,16 @@ function of the model's own modules, gpt-fast's way: no cache object, no mask, n
 at run time, so `torch.compile` traces it whole (`fullgraph=True`) and inductor fuses the norms,
 rotary embedding, residual adds and the int8 layers' input rounding around the products.
 
-The states stay where they are: each full-attention layer of the session is a `GrowingLayer`,
+The states stay where they are: each full-attention layer of a session is a `GrowingLayer`,
 whose buffer (with room past the filled positions) goes in as it is; the step writes the new
 token's keys and values into it (`index_copy_`, done in place by inductor) and attends to the
 filled part. Shapes are symbolic (`dynamic=True`): one graph serves every history length and
-every buffer capacity, so compiles stay at one per process (counted in `/status`).
+every buffer capacity. The row count is not: a graph decodes 1, 2, 4 or 8 rows (a step of 3
+takes the 4-row graph with an idle row on scratch buffers), so compiles stay at one a bucket
+(counted in `/status`), built one row first.
 
-It runs only when one conversation decodes alone (`takes`): several rows or prompt pieces go
-through the packed eager forward (cache_sessions/resident.py), the step every test holds exact.
+Steps with prompt pieces, or more rows than the largest bucket, go through the packed eager
+forward (cache_sessions/resident.py).
 
 Exactness: the same operations as the eager forward on the same states, in another order of
 floating-point sums (fused kernels), so logits differ by float noise (measured in
@@ -63,11 +65,20 @@ def compile_refusal(model: PreTrainedModel) -> str | None:
     return None
 
 
-class CompiledDecode:
-    """The compiled step of one model, compiled on a thread of its own (`start`) while the loop
-    serves eager steps; the loop uses it (`takes`, `step`) once it is ready."""
+ROW_BUCKETS = (1, 2, 4, 8)  # rows a graph decodes; a step of 3 takes the 4-row graph with one idle row
+_IDLE_LENGTH, _IDLE_CAPACITY = 5, 11  # an idle row's (sizes no model has: see `warm`)
+# Warm-up lengths of the real rows, and their capacities: distinct from each other, from the idle
+# row's and from every size of a model, since dynamo traces two equal sizes as one (duck sizing)
+# and a later step where they differ would compile again.
+_WARM_LENGTHS = ((37, 41, 43, 47, 53, 59, 61, 67), (71, 73, 79, 83, 89, 97, 101, 103))
+_WARM_SPARE = (54, 56)
 
-    def __init__(self, model: PreTrainedModel, mode: str = "auto"):
+
+class CompiledDecode:
+    """The compiled steps of one model (a graph per row bucket), compiled on a thread of their own
+    (`start`) while the loop serves eager steps; the loop uses each (`takes`, `step`) once ready."""
+
+    def __init__(self, model: PreTrainedModel, mode: str = "auto", max_rows: int = 1):
         check_compile_mode(mode)
         self.model, self.mode = model, mode
         refusal = compile_refusal(model)
@@ -81,62 +92,92 @@ class CompiledDecode:
         else:
             self.reason = None
         self.enabled = self.reason is None
-        self.compile_s, self.error, self.steps = None, None, 0
-        self._ready = threading.Event()
+        # the buckets up to the first that holds `max_rows` (more rows than the largest: eager)
+        self.buckets = tuple(b for b in ROW_BUCKETS if b < max_rows) + tuple(b for b in ROW_BUCKETS if b >= max_rows)[:1]
+        self.compile_s: dict[int, float] = {}
+        self.error, self.steps = None, 0
+        self._ready_rows: set[int] = set()
+        self._all_ready = threading.Event()
+        self._idle: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._thread: threading.Thread | None = None
         self._compiled = torch.compile(self._forward, dynamic=True, fullgraph=True)
 
     # ---- what the loop reads ---------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self._ready.is_set()
+        """Whether a conversation decoding alone runs compiled now."""
+        return self.enabled and 1 in self._ready_rows
+
+    def bucket(self, rows: int) -> int | None:
+        """The graph a step of `rows` decode rows takes, if it is ready."""
+        bucket = next((b for b in self.buckets if b >= rows), None)
+        return bucket if self.enabled and bucket in self._ready_rows else None
 
     def takes(self, rows: Sequence[tuple[Any, Sequence[int]]], logits_of: Sequence[int]) -> bool:
-        """Whether this step is one conversation decoding alone, on states the graph reads."""
-        if not self.ready or len(rows) != 1 or len(rows[0][1]) != 1 or list(logits_of) != [0]:
+        """Whether this step is decode rows only, as many as a ready graph holds, each on states
+        the graph reads (every full-attention layer a grown-in-place buffer)."""
+        if not rows or self.bucket(len(rows)) is None or list(logits_of) != list(range(len(rows))):
             return False
-        session = rows[0][0]
-        held = len(session.token_ids)
-        return held > 1 and all(isinstance(layer, GrowingLayer) and layer.is_initialized
-                                and layer.get_seq_length() == held for layer in session.cache.layers)
+        sessions = [session for session, _ in rows]
+        if len({id(session) for session in sessions}) != len(sessions) or any(len(fed) != 1 for _, fed in rows):
+            return False
+        return all(len(session.token_ids) > 1 and all(
+            isinstance(layer, GrowingLayer) and layer.is_initialized and layer.get_seq_length() == len(session.token_ids)
+            for layer in session.cache.layers) for session in sessions)
 
     @torch.no_grad()
-    def step(self, session: Any, token_id: int) -> torch.Tensor | None:
-        """Feed `token_id` to `session`'s cache; the logits after it, shaped (1, vocab). The
-        ledger is the caller's (as with `forward_rows`). None, with nothing fed, where the graph
-        would have to be compiled again: that would stall every user for a minute on the loop,
-        so the step stays eager from then on (and `/status` says why)."""
-        held = len(session.token_ids)
-        keys, values = zip(*(layer.room_for(held + 1) for layer in session.cache.layers))
+    def step(self, rows: Sequence[tuple[Any, Sequence[int]]]) -> torch.Tensor | None:
+        """Feed each session its one token (rows `takes` accepted); the logits after each, shaped
+        (rows, vocab). The ledgers are the caller's (as with `forward_rows`). None, with nothing
+        fed, where the graph would have to be compiled again: that would stall every user for a
+        minute on the loop, so the steps stay eager from then on (and `/status` says why)."""
+        bucket = self.bucket(len(rows))
+        assert bucket is not None
+        tokens, positions, lengths, keys, values = [], [], [], [], []
+        for session, fed in rows:
+            held = len(session.token_ids)
+            tokens.append(fed[0])
+            positions.append(held)
+            lengths.append(held + 1)
+            for layer in session.cache.layers:
+                key_buffer, value_buffer = layer.room_for(held + 1)
+                keys.append(key_buffer)
+                values.append(value_buffer)
+        for idle_keys, idle_values in self._idle[: bucket - len(rows)]:
+            tokens.append(0)
+            positions.append(_IDLE_LENGTH - 1)
+            lengths.append(_IDLE_LENGTH)
+            keys.extend(idle_keys)
+            values.extend(idle_values)
         device = self.model.device
         try:
             with torch.compiler.set_stance("fail_on_recompile"):  # refused before anything runs
-                logits = self._compiled(torch.tensor([[token_id]], device=device),
-                                        torch.tensor([held], device=device), held + 1, list(keys), list(values))
+                logits = self._compiled(torch.tensor(tokens, device=device).view(-1, 1),
+                                        torch.tensor(positions, device=device), lengths, keys, values)
         except RuntimeError as error:
             if "recompile" not in str(error):
                 raise
             self.error, self.enabled = f"a step would have compiled again: {error}"[:500], False
-            self._ready.clear()
-            log.warning("decode step back to eager: %s", self.error)
+            log.warning("decode steps back to eager: %s", self.error)
             return None
-        for layer in session.cache.layers:
-            layer.filled(held + 1)
+        for session, _ in rows:
+            for layer in session.cache.layers:
+                layer.filled(len(session.token_ids) + 1)
         self.steps += 1
-        return logits
+        return logits[: len(rows)]
 
     def stats(self) -> dict[str, Any]:
         """For `/status`: whether it is used, and what compiling cost."""
-        return {"mode": self.mode, "enabled": self.enabled, "ready": self.ready, "graphs": self.graphs(),
-                "steps": self.steps,
-                "compile_s": None if self.compile_s is None else round(self.compile_s, 1),
+        return {"mode": self.mode, "enabled": self.enabled, "ready": self.ready,
+                "rows_compiled": sorted(self._ready_rows) if self.enabled else [], "graphs": self.graphs(),
+                "steps": self.steps, "compile_s": round(sum(self.compile_s.values()), 1) if self.compile_s else None,
                 "not_compiled_because": self.reason or self.error}
 
     # ---- compiling beside the loop ---------------------------------------------------------------
     def start(self) -> None:
-        """Compile on a thread of its own (the loop serves eager steps meanwhile), with inductor's
-        on-disk cache in the app's cache folder unless one was chosen (TORCHINDUCTOR_CACHE_DIR), so
-        a restart builds the graph from it in seconds."""
+        """Compile on a thread of its own (the loop serves eager steps meanwhile), one row first,
+        with inductor's on-disk cache in the app's cache folder unless one was chosen
+        (TORCHINDUCTOR_CACHE_DIR), so a restart builds the graphs from it in seconds."""
         if not self.enabled or self._thread is not None:
             return
         cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -145,71 +186,85 @@ class CompiledDecode:
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._ready.wait(timeout)
+        """Until every bucket is compiled (or compiling failed); whether they all were."""
+        self._all_ready.wait(timeout)
+        return self.enabled and set(self.buckets) <= self._ready_rows
 
     @torch.no_grad()
     def warm(self) -> None:
-        """Compile by running the step on scratch buffers at two lengths (the second checks that a
-        new length and capacity reuse the graph)."""
-        started = time.perf_counter()
+        """Compile each bucket by running it on scratch buffers twice (the second, at other lengths
+        and capacities, checks they reuse the graph)."""
         try:
-            # lengths and capacities equal to no size of the model: a size that matched one would
-            # be traced as that size (dynamo's duck sizing), and a later step recompile
-            for length, capacity in ((37, 91), (53, 133)):
-                keys, values = self._scratch(capacity)
-                token = torch.zeros(1, 1, dtype=torch.long, device=self.model.device)
-                self._compiled(token, torch.tensor([length - 1], device=self.model.device), length, keys, values)
+            self._idle = [self._scratch(_IDLE_CAPACITY) for _ in range(max(self.buckets) - 1)]
+            for bucket in self.buckets:
+                started = time.perf_counter()
+                for lengths, spare in zip(_WARM_LENGTHS, _WARM_SPARE):
+                    lengths = list(lengths[:bucket])
+                    keys, values = [], []
+                    for length in lengths:
+                        row_keys, row_values = self._scratch(length + spare)
+                        keys.extend(row_keys)
+                        values.extend(row_values)
+                    device = self.model.device
+                    self._compiled(torch.zeros(bucket, 1, dtype=torch.long, device=device),
+                                   torch.tensor([length - 1 for length in lengths], device=device),
+                                   lengths, keys, values)
+                self.compile_s[bucket] = time.perf_counter() - started
+                self._ready_rows.add(bucket)
+                log.info("decode step of %d row(s) compiled in %.1f s", bucket, self.compile_s[bucket])
+                print(f"rewind-chat: decode step of {bucket} row{'s' if bucket > 1 else ''} compiled in "
+                      f"{self.compile_s[bucket]:.1f} s", flush=True)
         except Exception as error:  # an eager engine is still a working one: say why, go on eager
             self.error = f"compiling failed: {type(error).__name__}: {error}"[:500]
             self.enabled = False
             log.warning("decode step not compiled: %s", self.error)
-            return
-        self.compile_s = time.perf_counter() - started
-        log.info("decode step compiled in %.1f s", self.compile_s)
-        print(f"rewind-chat: decode step compiled in {self.compile_s:.1f} s", flush=True)
-        self._ready.set()
+        finally:
+            self._all_ready.set()
 
     def _scratch(self, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         config, layers = self.model.config, self.model.model.layers
-        heads = config.num_key_value_heads
-        shape = (1, heads, capacity, layers[0].self_attn.head_dim)
+        shape = (1, config.num_key_value_heads, capacity, layers[0].self_attn.head_dim)
         make: Callable[[], torch.Tensor] = lambda: torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
         return [make() for _ in layers], [make() for _ in layers]
 
     @staticmethod
     def graphs() -> int:
         """Graphs compiled for the step in this process (dynamo's cache entries for its code: one
-        a guard set, so a new one is a recompile; several engines in one process share the count)."""
+        a guard set, so one a bucket, and any more a recompile; engines in one process share them)."""
         if not hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list"):
             return -1  # this torch no longer says
         return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(CompiledDecode._forward.__code__))
 
     # ---- the step --------------------------------------------------------------------------------
-    def _forward(self, token: torch.Tensor, position: torch.Tensor, length: int, keys: list[torch.Tensor],
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: list[int], keys: list[torch.Tensor],
                  values: list[torch.Tensor]) -> torch.Tensor:
-        """The model's decoder on one token at `position`, each layer writing its keys and values
-        at `position` of its buffer and attending to the first `length` positions. The query heads
-        that share a key/value head are stacked on the query axis (one query sees every held
-        position, so no mask), as cache_sessions/resident.py's `_grouped_sdpa` does."""
+        """The model's decoder on one token for each row (a batch of `len(lengths)`), each layer of
+        row r writing its keys and values at `positions[r]` of that row's buffer (`keys[r * layers
+        + layer]`) and attending to its first `lengths[r]` positions. The query heads that share a
+        key/value head are stacked on the query axis (one query sees every held position, so no
+        mask), as cache_sessions/resident.py's `_grouped_sdpa` does."""
         core = self.model.model
-        hidden = core.embed_tokens(token)
-        cos, sin = core.rotary_emb(hidden, position.view(1, 1))
+        rows, layers = len(lengths), len(core.layers)
+        hidden = core.embed_tokens(tokens)
+        cos, sin = core.rotary_emb(hidden, positions.view(rows, 1))
         for index, layer in enumerate(core.layers):
             attention = layer.self_attn
             rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
             normed = layer.input_layernorm(hidden)
-            shape = (1, 1, -1, attention.head_dim)
+            shape = (rows, 1, -1, attention.head_dim)
             query, key = attention.q_proj(normed).view(shape), attention.k_proj(normed).view(shape)
             if hasattr(attention, "q_norm"):
                 query, key = attention.q_norm(query), attention.k_norm(key)
             value = attention.v_proj(normed).view(shape).transpose(1, 2)
             query, key = rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-            keys[index].index_copy_(2, position, key)
-            values[index].index_copy_(2, position, value)
-            kv_heads = key.shape[1]
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query.reshape(1, kv_heads, -1, attention.head_dim), keys[index][:, :, :length],
-                values[index][:, :, :length], scale=attention.scaling)
-            hidden = hidden + attention.o_proj(out.reshape(1, 1, -1))
+            kv_heads, outputs = key.shape[1], []
+            for row in range(rows):
+                row_keys, row_values = keys[row * layers + index], values[row * layers + index]
+                row_keys.index_copy_(2, positions[row:row + 1], key[row:row + 1])
+                row_values.index_copy_(2, positions[row:row + 1], value[row:row + 1])
+                outputs.append(torch.nn.functional.scaled_dot_product_attention(
+                    query[row:row + 1].reshape(1, kv_heads, -1, attention.head_dim),
+                    row_keys[:, :, :lengths[row]], row_values[:, :, :lengths[row]], scale=attention.scaling))
+            hidden = hidden + attention.o_proj(torch.cat(outputs).reshape(rows, 1, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(core.norm(hidden))[:, -1]

@@ -166,7 +166,7 @@ class CacheOwner:
         self._on_loop()
         logits = None
         if self.compiled is not None and self.compiled.takes(rows, logits_of):
-            logits = self.compiled.step(rows[0][0], rows[0][1][0])
+            logits = self.compiled.step(rows)
         if logits is None:
             logits = forward_rows(self.model, rows, logits_of)
         for session, fed in rows:

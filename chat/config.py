@@ -44,9 +44,10 @@ class EngineConfig:
     cache_sessions/kv_cache.py says what exact means for it and which kinds are refused).
     `weights`: "full" (as loaded) or "int8" (linear weights in int8 with a scale per channel, on
     the CPU; chat/weights.py), applied to the model when the engine is made. `compile`: "on",
-    "off" or "auto" (on from 200 M parameters, where it measured faster): a conversation decoding
-    alone takes one compiled graph a step (cache_sessions/compiled.py), compiled on a thread of
-    its own while steps run eager, for the plain decoders on the CPU."""
+    "off" or "auto" (on from 200 M parameters, where it measured faster): decode steps take
+    compiled graphs (cache_sessions/compiled.py; a graph per 1, 2, 4, 8 rows up to
+    `max_batch_size`), compiled on a thread of their own while steps run eager, for the plain
+    decoders on the CPU."""
 
     max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS
     context_limit: int | None = None

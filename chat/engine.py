@@ -37,7 +37,8 @@ class ChatEngine:
         self.model = apply_weight_format(model, config.weights).eval()
         config.kv_cache_kind.check_applies(model)
         # Steps run eager at once; the compiled one takes over when its thread has built it.
-        self.compiled = CompiledDecode(self.model, config.compile if config.kv_cache == "dynamic" else "off")
+        self.compiled = CompiledDecode(self.model, config.compile if config.kv_cache == "dynamic" else "off",
+                                       max_rows=config.max_batch_size)
         self.compiled.start()
         self.tokenizer = tokenizer
         template = ChatTemplate(tokenizer)

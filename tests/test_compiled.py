@@ -23,36 +23,44 @@ def scratch_logits(model, token_ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([token_ids])).logits[0, -1]
 
 
-def test_each_compiled_step_gives_a_from_scratch_forwards_logits_with_one_graph(base_tokenizer):
+def test_each_compiled_step_gives_a_from_scratch_forwards_logits_with_one_graph_a_bucket(base_tokenizer):
+    """One row alone, then three rows on the four-row graph (one idle row), then one row again
+    after a rollback: every row's logits against a from-scratch forward over its whole sequence."""
     model = build_model("full", len(base_tokenizer), None)  # 4 query heads on 2 key/value heads
-    compiled = CompiledDecode(model, "on")
+    compiled = CompiledDecode(model, "on", max_rows=3)
+    assert compiled.buckets == (1, 2, 4)
     compiled.warm()
-    assert compiled.ready and compiled.error is None
+    assert compiled.wait(0) and compiled.ready and compiled.error is None
     graphs = compiled.graphs()
-    session = CacheSession(model)
-    session.extend(list(range(30, 60)))
-    token, capacities = 7, set()
-    for _ in range(40):
-        assert compiled.takes([(session, [token])], [0])
-        logits = compiled.step(session, token)
-        session.note_extended([token])
-        expected = scratch_logits(model, session.token_ids)
-        torch.testing.assert_close(logits[0], expected, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
-        capacities.add(session.cache.layers[0]._key_buffer.shape[-2])
-        token = int(expected.argmax())
-    assert len(capacities) > 1  # the buffers grew on the way, and the graph read them in place
+    sessions = []
+    for start in (30, 60, 90):
+        sessions.append(CacheSession(model))
+        sessions[-1].extend(list(range(start, start + 17 + start // 10)))  # three lengths
+    tokens, capacities = [7, 8, 9], set()
+    for step in range(40):
+        rows = [(session, [token]) for session, token in zip(sessions, tokens)][: 1 if step < 10 else 3]
+        assert compiled.takes(rows, list(range(len(rows))))
+        logits = compiled.step(rows)
+        assert logits.shape[0] == len(rows)
+        for row, (session, fed) in enumerate(rows):
+            session.note_extended(fed)
+            expected = scratch_logits(model, session.token_ids)
+            torch.testing.assert_close(logits[row], expected, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
+            tokens[row] = int(expected.argmax())
+        capacities.add(sessions[0].cache.layers[0]._key_buffer.shape[-2])
+    assert len(capacities) > 1  # the buffers grew on the way, and the graphs read them in place
     assert compiled.graphs() == graphs  # no length or capacity compiled again
     assert compiled.steps == 40
     # rolled back into what compiled steps wrote, the next step reads the kept part only
+    session = sessions[0]
     session.prepare(session.token_ids[:-25] + [11])  # the kept part; 11 is the next token fed
-    assert len(session.token_ids) == 45
-    logits = compiled.step(session, 11)
+    logits = compiled.step([(session, [11])])
     session.note_extended([11])
     torch.testing.assert_close(logits[0], scratch_logits(model, session.token_ids), atol=LOGIT_TOLERANCE,
                                rtol=LOGIT_TOLERANCE)
-    # not one row decoding alone: the packed eager forward's
+    # anything else is the packed eager forward's: a prompt piece, more rows than a graph holds
     assert not compiled.takes([(session, [1, 2])], [0])
-    assert not compiled.takes([(session, [1]), (CacheSession(model), [2])], [0, 1])
+    assert not compiled.takes([(s, [1]) for s in sessions] + [(CacheSession(model), [2])] * 2, list(range(5)))
 
 
 def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(base_tokenizer):
@@ -64,7 +72,7 @@ def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(bas
     session.extend(list(range(30, 50)))
     for layer in session.cache.layers:  # states of another dtype: a guard of the graph fails
         layer.keys, layer.values = layer.keys.double(), layer.values.double()
-    assert compiled.step(session, 7) is None
+    assert compiled.step([(session, [7])]) is None
     assert not compiled.ready and "compiled again" in compiled.stats()["not_compiled_because"]
     assert len(session.token_ids) == 20 and session.cache.get_seq_length() == 20
     assert not compiled.takes([(session, [7])], [0])
@@ -73,7 +81,7 @@ def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(bas
 def test_every_operation_of_a_compiled_engine_is_exact(tokenizers):
     tokenizer = tokenizers[THINKING_TEMPLATE]
     model = build_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    engine = ChatEngine(model, tokenizer, compile="on")
+    engine = ChatEngine(model, tokenizer, compile="on", max_batch_size=2)
     assert engine.compiled.wait(WAIT_S), engine.compiled.stats()
     conv = engine.conversation("You are terse.")
     every_operation(conv, lambda **kwargs: check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, **kwargs))

@@ -59,7 +59,7 @@ class AppConfig:
     kv_bits: int = _setting(EngineConfig.kv_bits, "KV_BITS", "with --kv-cache quantized: 8 or 4")
     weights: str = _setting(EngineConfig.weights, "WEIGHTS", "full (as loaded) or int8 (linear weights in int8, "
                             "CPU only: a quarter of fp32's bytes, faster decode)")
-    compile: str = _setting(EngineConfig.compile, "COMPILE", "auto, on or off: one compiled graph a decode step "
+    compile: str = _setting(EngineConfig.compile, "COMPILE", "auto, on or off: decode steps as compiled graphs "
                             "(built beside the running app; auto: from 200 M parameters, on the CPU)")
     max_sessions: int = _setting(64, "MAX_SESSIONS")
     idle_timeout_min: float = _setting(30.0, "IDLE_TIMEOUT_MIN", "free a session idle this long")
