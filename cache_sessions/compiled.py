@@ -46,6 +46,10 @@ AUTO_MIN_PARAMETERS = 200_000_000
 
 log = logging.getLogger(__name__)
 
+# Held while a graph is built and while a step runs a built one, in this process: a step refuses
+# to compile by setting dynamo's stance, which is global, so it must never overlap a build.
+_GRAPHS = threading.Lock()
+
 
 def check_compile_mode(mode: str) -> None:
     if mode not in COMPILE_MODES:
@@ -129,10 +133,19 @@ class CompiledDecode:
     def step(self, rows: Sequence[tuple[Any, Sequence[int]]]) -> torch.Tensor | None:
         """Feed each session its one token (rows `takes` accepted); the logits after each, shaped
         (rows, vocab). The ledgers are the caller's (as with `forward_rows`). None, with nothing
-        fed, where the graph would have to be compiled again: that would stall every user for a
-        minute on the loop, so the steps stay eager from then on (and `/status` says why)."""
+        fed, while another graph is being built (this step runs eager), or where the graph would
+        have to be compiled again: that would stall every user for a minute on the loop, so the
+        steps stay eager from then on (and `/status` says why)."""
         bucket = self.bucket(len(rows))
         assert bucket is not None
+        if not _GRAPHS.acquire(blocking=False):
+            return None
+        try:
+            return self._step(rows, bucket)
+        finally:
+            _GRAPHS.release()
+
+    def _step(self, rows: Sequence[tuple[Any, Sequence[int]]], bucket: int) -> torch.Tensor | None:
         tokens, positions, lengths, keys, values = [], [], [], [], []
         for session, fed in rows:
             held = len(session.token_ids)
@@ -198,17 +211,8 @@ class CompiledDecode:
             self._idle = [self._scratch(_IDLE_CAPACITY) for _ in range(max(self.buckets) - 1)]
             for bucket in self.buckets:
                 started = time.perf_counter()
-                for lengths, spare in zip(_WARM_LENGTHS, _WARM_SPARE):
-                    lengths = list(lengths[:bucket])
-                    keys, values = [], []
-                    for length in lengths:
-                        row_keys, row_values = self._scratch(length + spare)
-                        keys.extend(row_keys)
-                        values.extend(row_values)
-                    device = self.model.device
-                    self._compiled(torch.zeros(bucket, 1, dtype=torch.long, device=device),
-                                   torch.tensor([length - 1 for length in lengths], device=device),
-                                   lengths, keys, values)
+                with _GRAPHS:
+                    self._build(bucket)
                 self.compile_s[bucket] = time.perf_counter() - started
                 self._ready_rows.add(bucket)
                 log.info("decode step of %d row(s) compiled in %.1f s", bucket, self.compile_s[bucket])
@@ -220,6 +224,20 @@ class CompiledDecode:
             log.warning("decode step not compiled: %s", self.error)
         finally:
             self._all_ready.set()
+
+    def _build(self, bucket: int) -> None:
+        """Run the `bucket`-row graph on scratch buffers twice: the first call builds it, the
+        second (other lengths and capacities) checks it is reused."""
+        device = self.model.device
+        for lengths, spare in zip(_WARM_LENGTHS, _WARM_SPARE):
+            lengths = list(lengths[:bucket])
+            keys, values = [], []
+            for length in lengths:
+                row_keys, row_values = self._scratch(length + spare)
+                keys.extend(row_keys)
+                values.extend(row_values)
+            self._compiled(torch.zeros(bucket, 1, dtype=torch.long, device=device),
+                           torch.tensor([length - 1 for length in lengths], device=device), lengths, keys, values)
 
     def _scratch(self, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         config, layers = self.model.config, self.model.model.layers

@@ -11,6 +11,7 @@ from test_exactness import MAX_NEW, every_operation
 from tiny_models import build_model
 
 from cache_sessions import CacheSession
+from cache_sessions import compiled as compiled_module
 from cache_sessions.compiled import CompiledDecode
 from chat import ChatEngine
 from chat.config import EngineConfig
@@ -72,6 +73,9 @@ def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(bas
     session.extend(list(range(30, 50)))
     for layer in session.cache.layers:  # states of another dtype: a guard of the graph fails
         layer.keys, layer.values = layer.keys.double(), layer.values.double()
+    with compiled_module._GRAPHS:  # another graph being built: this step is eager's, nothing lost
+        assert compiled.step([(session, [7])]) is None
+    assert compiled.ready and compiled.error is None
     assert compiled.step([(session, [7])]) is None
     assert not compiled.ready and "compiled again" in compiled.stats()["not_compiled_because"]
     assert len(session.token_ids) == 20 and session.cache.get_seq_length() == 20
