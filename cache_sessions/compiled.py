@@ -56,8 +56,11 @@ def check_compile_mode(mode: str) -> None:
         raise ValueError(f"compile is one of {', '.join(COMPILE_MODES)}, not {mode!r}")
 
 
-def compile_refusal(model: PreTrainedModel) -> str | None:
-    """Why this model's decode step is not compiled here (None: it can be)."""
+def compile_refusal(model: PreTrainedModel, auto: bool = False) -> str | None:
+    """Why this model's decode steps are not compiled here (None: they are); `auto`: by `auto`'s rule."""
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    if auto and parameters < AUTO_MIN_PARAMETERS:
+        return f"auto: {parameters / 1e6:.1f} M parameters, compiled from {AUTO_MIN_PARAMETERS / 1e6:.0f} M"
     if type(model).__name__ not in PLAIN_DECODERS:
         return f"{type(model).__name__} is not one of the plain decoders ({', '.join(PLAIN_DECODERS)})"
     config = model.config
@@ -67,6 +70,41 @@ def compile_refusal(model: PreTrainedModel) -> str | None:
     if model.device.type != "cpu":
         return "only the CPU step is compiled and measured (a GPU wants CUDA graphs)"
     return None
+
+
+def decode_rows(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, lengths: list[int],
+                keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """The step every graph is compiled from: `model`'s decoder on one token for each row (a
+    batch of `len(lengths)`), each layer of row r writing its keys and values at `positions[r]` of
+    that row's buffer (`keys[r * layers + layer]`) and attending to its first `lengths[r]`
+    positions. The query heads that share a key/value head are stacked on the query axis (one
+    query sees every held position, so no mask), as cache_sessions/resident.py's `_grouped_sdpa`
+    does."""
+    core = model.model
+    rows, layers = len(lengths), len(core.layers)
+    hidden = core.embed_tokens(tokens)
+    cos, sin = core.rotary_emb(hidden, positions.view(rows, 1))
+    for index, layer in enumerate(core.layers):
+        attention = layer.self_attn
+        rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        normed = layer.input_layernorm(hidden)
+        shape = (rows, 1, -1, attention.head_dim)
+        query, key = attention.q_proj(normed).view(shape), attention.k_proj(normed).view(shape)
+        if hasattr(attention, "q_norm"):
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        value = attention.v_proj(normed).view(shape).transpose(1, 2)
+        query, key = rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        kv_heads, outputs = key.shape[1], []
+        for row in range(rows):
+            row_keys, row_values = keys[row * layers + index], values[row * layers + index]
+            row_keys.index_copy_(2, positions[row:row + 1], key[row:row + 1])
+            row_values.index_copy_(2, positions[row:row + 1], value[row:row + 1])
+            outputs.append(torch.nn.functional.scaled_dot_product_attention(
+                query[row:row + 1].reshape(1, kv_heads, -1, attention.head_dim),
+                row_keys[:, :, :lengths[row]], row_values[:, :, :lengths[row]], scale=attention.scaling))
+        hidden = hidden + attention.o_proj(torch.cat(outputs).reshape(rows, 1, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.lm_head(core.norm(hidden))[:, -1]
 
 
 ROW_BUCKETS = (1, 2, 4, 8)  # rows a graph decodes; a step of 3 takes the 4-row graph with one idle row
@@ -85,26 +123,18 @@ class CompiledDecode:
     def __init__(self, model: PreTrainedModel, mode: str = "auto", max_rows: int = 1):
         check_compile_mode(mode)
         self.model, self.mode = model, mode
-        refusal = compile_refusal(model)
-        parameters = sum(parameter.numel() for parameter in model.parameters())
-        if mode == "off":
-            self.reason = "off"
-        elif refusal is not None:
-            self.reason = refusal
-        elif mode == "auto" and parameters < AUTO_MIN_PARAMETERS:
-            self.reason = f"auto: {parameters / 1e6:.1f} M parameters, compiled from {AUTO_MIN_PARAMETERS / 1e6:.0f} M"
-        else:
-            self.reason = None
+        self.reason = "off" if mode == "off" else compile_refusal(model, auto=mode == "auto")
         self.enabled = self.reason is None
         # the buckets up to the first that holds `max_rows` (more rows than the largest: eager)
-        self.buckets = tuple(b for b in ROW_BUCKETS if b < max_rows) + tuple(b for b in ROW_BUCKETS if b >= max_rows)[:1]
+        self.buckets = (tuple(b for b in ROW_BUCKETS if b < max_rows)
+                        + tuple(b for b in ROW_BUCKETS if b >= max_rows)[:1])
         self.compile_s: dict[int, float] = {}
         self.error, self.steps = None, 0
         self._ready_rows: set[int] = set()
         self._all_ready = threading.Event()
         self._idle: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._thread: threading.Thread | None = None
-        self._compiled = torch.compile(self._forward, dynamic=True, fullgraph=True)
+        self._compiled = torch.compile(decode_rows, dynamic=True, fullgraph=True)
 
     # ---- what the loop reads ---------------------------------------------------------------------
     @property
@@ -126,8 +156,9 @@ class CompiledDecode:
         if len({id(session) for session in sessions}) != len(sessions) or any(len(fed) != 1 for _, fed in rows):
             return False
         return all(len(session.token_ids) > 1 and all(
-            isinstance(layer, GrowingLayer) and layer.is_initialized and layer.get_seq_length() == len(session.token_ids)
-            for layer in session.cache.layers) for session in sessions)
+            isinstance(layer, GrowingLayer) and layer.is_initialized
+            and layer.get_seq_length() == len(session.token_ids) for layer in session.cache.layers)
+            for session in sessions)
 
     @torch.no_grad()
     def step(self, rows: Sequence[tuple[Any, Sequence[int]]]) -> torch.Tensor | None:
@@ -165,7 +196,7 @@ class CompiledDecode:
         device = self.model.device
         try:
             with torch.compiler.set_stance("fail_on_recompile"):  # refused before anything runs
-                logits = self._compiled(torch.tensor(tokens, device=device).view(-1, 1),
+                logits = self._compiled(self.model, torch.tensor(tokens, device=device).view(-1, 1),
                                         torch.tensor(positions, device=device), lengths, keys, values)
         except RuntimeError as error:
             if "recompile" not in str(error):
@@ -236,7 +267,7 @@ class CompiledDecode:
                 row_keys, row_values = self._scratch(length + spare)
                 keys.extend(row_keys)
                 values.extend(row_values)
-            self._compiled(torch.zeros(bucket, 1, dtype=torch.long, device=device),
+            self._compiled(self.model, torch.zeros(bucket, 1, dtype=torch.long, device=device),
                            torch.tensor([length - 1 for length in lengths], device=device), lengths, keys, values)
 
     def _scratch(self, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -251,38 +282,4 @@ class CompiledDecode:
         a guard set, so one a bucket, and any more a recompile; engines in one process share them)."""
         if not hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list"):
             return -1  # this torch no longer says
-        return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(CompiledDecode._forward.__code__))
-
-    # ---- the step --------------------------------------------------------------------------------
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: list[int], keys: list[torch.Tensor],
-                 values: list[torch.Tensor]) -> torch.Tensor:
-        """The model's decoder on one token for each row (a batch of `len(lengths)`), each layer of
-        row r writing its keys and values at `positions[r]` of that row's buffer (`keys[r * layers
-        + layer]`) and attending to its first `lengths[r]` positions. The query heads that share a
-        key/value head are stacked on the query axis (one query sees every held position, so no
-        mask), as cache_sessions/resident.py's `_grouped_sdpa` does."""
-        core = self.model.model
-        rows, layers = len(lengths), len(core.layers)
-        hidden = core.embed_tokens(tokens)
-        cos, sin = core.rotary_emb(hidden, positions.view(rows, 1))
-        for index, layer in enumerate(core.layers):
-            attention = layer.self_attn
-            rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
-            normed = layer.input_layernorm(hidden)
-            shape = (rows, 1, -1, attention.head_dim)
-            query, key = attention.q_proj(normed).view(shape), attention.k_proj(normed).view(shape)
-            if hasattr(attention, "q_norm"):
-                query, key = attention.q_norm(query), attention.k_norm(key)
-            value = attention.v_proj(normed).view(shape).transpose(1, 2)
-            query, key = rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-            kv_heads, outputs = key.shape[1], []
-            for row in range(rows):
-                row_keys, row_values = keys[row * layers + index], values[row * layers + index]
-                row_keys.index_copy_(2, positions[row:row + 1], key[row:row + 1])
-                row_values.index_copy_(2, positions[row:row + 1], value[row:row + 1])
-                outputs.append(torch.nn.functional.scaled_dot_product_attention(
-                    query[row:row + 1].reshape(1, kv_heads, -1, attention.head_dim),
-                    row_keys[:, :, :lengths[row]], row_values[:, :, :lengths[row]], scale=attention.scaling))
-            hidden = hidden + attention.o_proj(torch.cat(outputs).reshape(rows, 1, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(core.norm(hidden))[:, -1]
+        return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(decode_rows.__code__))
