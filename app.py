@@ -113,7 +113,7 @@ def chat_area(placeholder: str) -> dict[str, Any]:
     # this label is for API clients
     parts["versions"] = gr.Markdown("", visible=False, elem_id="versions")
     with gr.Row(elem_id="input-row", equal_height=True):  # Send turns into Stop while a reply streams
-        parts |= dict(textbox=gr.Textbox(placeholder=views.READY, label="Message", show_label=False, scale=6, elem_id="message",
+        parts |= dict(textbox=gr.Textbox(placeholder=views.LOADING, label="Message", show_label=False, scale=6, elem_id="message",
                                          autofocus=True),
                       send=gr.Button("Send", variant="primary", scale=1, min_width=72, elem_id="send"),
                       stop=gr.Button("Stop", variant="stop", scale=1, min_width=72, elem_id="stop", visible=False))

@@ -283,6 +283,40 @@ def test_the_settings_and_the_theme_survive_a_reload(browser, demo_app):
     page.close()
 
 
+SLOW_SETTINGS_RESTORE = """(() => {
+    let settings;  // the page's own script defines it: what its restore reads comes back 1.5 s later
+    Object.defineProperty(window, "rewindSettings", {configurable: true, get: () => settings, set: (value) => {
+        const restore = value.restore.bind(value);
+        value.restore = (spec, values) => {
+            const read = restore(spec, values);
+            return new Promise((resolve) => setTimeout(() => {
+                resolve(read);
+                setTimeout(() => { window.settingsRestored = true; }, 0);
+            }, 1500));
+        };
+        settings = value;
+    }});
+})();"""
+
+
+def test_a_setting_changed_once_the_page_is_ready_is_kept(browser, demo_app):
+    """The settings kept in the browser come back before the page says it is ready (the message
+    box's placeholder): a setting changed from then on is not drawn over by the values the restore
+    read at load, even when restoring takes its time. (A late restore had put Max new tokens back
+    to 512 and the temperature back to 0.7 under a running test.)"""
+    page = browser.new_page(viewport={"width": 1200, "height": 1000})
+    page.add_init_script(SLOW_SETTINGS_RESTORE)
+    page.goto(demo_app.url)
+    wait_loaded(page)
+    page.get_by_text("Settings", exact=True).click()
+    temperature = page.locator("#temperature input[type='number']")
+    temperature.fill("1.3")
+    temperature.press("Enter")
+    page.wait_for_function("() => window.settingsRestored === true")
+    expect(temperature).to_have_value("1.3")
+    page.close()
+
+
 def test_an_example_starts_a_conversation(browser, demo_app):
     page = open_chat(browser, demo_app.url)
     before = stats_text(page)

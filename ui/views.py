@@ -10,6 +10,7 @@ from chat import TurnStats
 THINKING_TITLE = "Thinking"
 GENERATING = "generating… (Stop or Esc ends it and keeps what was written)"
 READY = "Message (Enter to send)"
+LOADING = "Loading your settings and conversations…"  # until the page's load events have run (then READY)
 CLEARED = "Cleared: this is a new chat. The one you left stays in the list (Delete there removes it)."
 BUSY = "A reply is being written: Stop (or Esc) first, or wait for it to end"
 

@@ -177,17 +177,20 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
 
 
 def wire_load(chat_list: ChatList, page: dict[str, Any], demo: gr.Blocks) -> None:
-    """The page's first event: what this tab showed, from the browser's copy (a message typed in
-    the first moment is not drawn over: `ChatList.load` leaves a page that already began alone)."""
-    demo.load(chat_list.load, [page["probe"], page["book"]], list_outputs(page), js=ON_LOAD, api_name=False,
-              show_progress="hidden", **ONE_RECORD_AT_A_TIME)
-    remember_settings(page, chat_list.handlers.limits.max_system_chars, demo)
+    """The page's first events: the settings this browser kept, then what this tab showed, from
+    the browser's copy (a message typed in the first moment is not drawn over: `ChatList.load`
+    leaves a page that already began alone). In that order, so the page says it is ready (the
+    message box's placeholder, set by `ChatList.load`) only once the settings are back: a setting
+    changed from then on is never drawn over by the values the restore read at load."""
+    restored = remember_settings(page, chat_list.handlers.limits.max_system_chars, demo)
+    restored.then(chat_list.load, [page["probe"], page["book"]], list_outputs(page), js=ON_LOAD, api_name=False,
+                  show_progress="hidden", **ONE_RECORD_AT_A_TIME)
 
 
-def remember_settings(page: dict[str, Any], max_system_chars: int, demo: gr.Blocks) -> None:
+def remember_settings(page: dict[str, Any], max_system_chars: int, demo: gr.Blocks) -> Any:
     """The settings and the light/dark choice survive a reload: the page's script keeps them in
     the browser (ui/page_assets.py), with no server step; each value back is checked against its
-    control's range before it is shown."""
+    control's range before it is shown. Returns the load event that restores them."""
     panel = settings_of(page)
     spec = []
     for name, component in zip(Settings.names(), panel):
@@ -199,10 +202,11 @@ def remember_settings(page: dict[str, Any], max_system_chars: int, demo: gr.Bloc
             spec.append([name, "string", 0, max_system_chars])
     restore = (f"(...values) => {{ window.rewindSettings.restoreTheme(); "
                f"return window.rewindSettings.restore({json.dumps(spec)}, values); }}")
-    demo.load(None, panel, panel, js=restore, **QUIET)
+    restored = demo.load(None, panel, panel, js=restore, **QUIET)
     save = f"(...values) => {{ window.rewindSettings.save({json.dumps(Settings.names())}, values); }}"
     for component in panel:
         component.input(None, panel, None, js=save, **QUIET)
+    return restored
 
 
 def wire_api_twins(handlers: ChatHandlers, page: dict[str, Any]) -> None:
