@@ -4,8 +4,8 @@ An eager decode step at Qwen3-0.6B's shape on a CPU is a few thousand small oper
 dispatch costs as much as the matrix products (docs/performance.md). This module writes the
 step of the plain decoder families (Llama, Qwen2, Qwen3: full attention, one token) as one
 function of the model's own modules, gpt-fast's way: no cache object, no mask, no config read
-at run time, so `torch.compile` traces it whole (`fullgraph=True`) and inductor fuses the norms,
-rotary embedding, residual adds and the int8 layers' input rounding around the products.
+at run time, so `torch.compile` traces it whole (`fullgraph=True`) and inductor may fuse what
+lies between the products (norms, rotary embedding, residual adds, the int8 layers' rounding).
 
 The states stay where they are: each full-attention layer of a session is a `GrowingLayer`,
 whose buffer (with room past the filled positions) goes in as it is; the step writes the new
