@@ -27,7 +27,7 @@ from benchmarks.agreement import demo_agreement
 from benchmarks.report import publish, target_table
 from benchmarks.step_anatomy import VOCAB, conversation
 from cache_sessions import resident
-from cache_sessions.compiled import CompiledDecode
+from cache_sessions.compiled import CompiledDecode, compiled_graphs
 from chat import ChatEngine
 from chat.models import build_model, parameter_count
 from chat.weights import apply_weight_format
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"args": vars(args), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "torch": torch.__version__, "parameters": parameter_count(model), "median_step_ms": median_ms,
               "eager_over_compiled": median_ms["eager"] / median_ms["compiled"],
-              "compile_s": sum(compiled.compile_s.values()), "graphs": compiled.graphs(),
+              "compile_s": sum(compiled.compile_s.values()), "graphs": compiled_graphs(),
               "greedy_agreement": greedy_agreement(model, compiled, args.agree)}
     if args.demo_replies:
         result["demo_agreement"] = {weights: demo_agreement(

@@ -107,6 +107,14 @@ def decode_rows(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.T
     return model.lm_head(core.norm(hidden))[:, -1]
 
 
+def compiled_graphs() -> int:
+    """Graphs compiled from `decode_rows` in this process (dynamo's cache entries for its code:
+    one a guard set, so one a bucket, and any more a recompile; engines in one process share them)."""
+    if not hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list"):
+        return -1  # this torch no longer says
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(decode_rows.__code__))
+
+
 ROW_BUCKETS = (1, 2, 4, 8)  # rows a graph decodes; a step of 3 takes the 4-row graph with one idle row
 _IDLE_LENGTH, _IDLE_CAPACITY = 5, 11  # an idle row's (sizes no model has: see `warm`)
 # Warm-up lengths of the real rows, and their capacities: distinct from each other, from the idle
@@ -213,7 +221,7 @@ class CompiledDecode:
     def stats(self) -> dict[str, Any]:
         """For `/status`: whether it is used, and what compiling cost."""
         return {"mode": self.mode, "enabled": self.enabled, "ready": self.ready,
-                "rows_compiled": sorted(self._ready_rows) if self.enabled else [], "graphs": self.graphs(),
+                "rows_compiled": sorted(self._ready_rows) if self.enabled else [], "graphs": compiled_graphs(),
                 "steps": self.steps, "compile_s": round(sum(self.compile_s.values()), 1) if self.compile_s else None,
                 "not_compiled_because": self.reason or self.error}
 
@@ -275,11 +283,3 @@ class CompiledDecode:
         shape = (1, config.num_key_value_heads, capacity, layers[0].self_attn.head_dim)
         make: Callable[[], torch.Tensor] = lambda: torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
         return [make() for _ in layers], [make() for _ in layers]
-
-    @staticmethod
-    def graphs() -> int:
-        """Graphs compiled for the step in this process (dynamo's cache entries for its code: one
-        a guard set, so one a bucket, and any more a recompile; engines in one process share them)."""
-        if not hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list"):
-            return -1  # this torch no longer says
-        return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(decode_rows.__code__))

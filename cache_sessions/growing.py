@@ -55,7 +55,7 @@ class GrowingLayer(DynamicLayer):
         assert self._key_buffer is not None and self._value_buffer is not None
         self._key_buffer[..., held:end, :].copy_(key_states)
         self._value_buffer[..., held:end, :].copy_(value_states)
-        self.keys, self.values = self._key_buffer[..., :end, :], self._value_buffer[..., :end, :]
+        self.filled(end)
 
     def room_for(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffers, grown if they hold fewer than `end` positions, for a writer that fills
@@ -78,7 +78,7 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_buffer, value_buffer)
         self._key_buffer, self._value_buffer = key_buffer, value_buffer
-        self.keys, self.values = key_buffer[..., :length, :], value_buffer[..., :length, :]
+        self.filled(length)
 
     def hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold exactly these tensors (moved to another device, say), dropping the old buffers now

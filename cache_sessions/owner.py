@@ -75,7 +75,7 @@ class CacheOwner:
         runs (ZeroGPU, where GPU memory does not survive between calls). `cold_store`: where idle
         sessions go instead of being released when the budget is reached. `kv_cache`: the kind of
         cache every session's states live in (cache_sessions/kv_cache.py). `compiled`: the
-        compiled step a conversation decoding alone takes once it is ready (cache_sessions/compiled.py)."""
+        compiled graphs a step of decode rows alone takes once they are ready (cache_sessions/compiled.py)."""
         self.model, self.loop, self.cold_store, self.kv_cache = model, loop, cold_store, kv_cache
         self.compiled = compiled
         self.in_use = in_use

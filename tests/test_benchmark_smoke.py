@@ -170,13 +170,18 @@ def test_outlier_channels_keep_the_fp32_function_and_the_exactness_run_holds(mon
     assert result["equal_to_scratch"] == 25  # greedy replies equal generate from scratch
 
 
+def run_to_json(main, tmp_path, *args: str) -> dict:
+    """A benchmark's `main` run with `args`, and the JSON it wrote."""
+    out = tmp_path / "result.json"
+    main([*args, "--json", str(out)])
+    return json.loads(out.read_text())
+
+
 def test_step_anatomy_benchmark_writes_the_documented_fields(tmp_path):
     from benchmarks.step_anatomy import KINDS, main as step_anatomy
 
-    out = tmp_path / "steps.json"
-    step_anatomy(["--history", "40", "--prompt-history", "60", "--chunk", "4", "--steps", "1", "--rounds", "2",
-                  "--json", str(out)])
-    result = json.loads(out.read_text())
+    result = run_to_json(step_anatomy, tmp_path, "--history", "40", "--prompt-history", "60", "--chunk", "4",
+                         "--steps", "1", "--rounds", "2")
     assert set(result["median_step_ms"]) == set(KINDS) and all(ms > 0 for ms in result["median_step_ms"].values())
     assert {"four_rows_over_one", "mixed_repeated_over_stacked", "targets"} <= set(result)
 
@@ -184,10 +189,8 @@ def test_step_anatomy_benchmark_writes_the_documented_fields(tmp_path):
 def test_compiled_step_benchmark_writes_the_documented_fields(tmp_path):
     from benchmarks.compiled_step import MODES, main as compiled_step
 
-    out = tmp_path / "compiled.json"
-    compiled_step(["--model", "tiny-full", "--history", "40", "--steps", "1", "--rounds", "2", "--agree", "4",
-                   "--json", str(out)])
-    result = json.loads(out.read_text())
+    result = run_to_json(compiled_step, tmp_path, "--model", "tiny-full", "--history", "40", "--steps", "1",
+                         "--rounds", "2", "--agree", "4")
     assert set(result["median_step_ms"]) == set(MODES) and all(ms > 0 for ms in result["median_step_ms"].values())
     assert result["graphs"] >= 1 and result["greedy_agreement"]["tokens"] == 4
     assert {"eager_over_compiled", "compile_s", "targets"} <= set(result)
