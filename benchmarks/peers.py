@@ -53,6 +53,11 @@ SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
 PEERS = ("engine", "engine-bf16", "engine-int8", "llama.cpp-f32", "llama.cpp-q8_0", "transformers-cb")
 # Equal precision: what the targets compare.
 PAIRS = (("engine", "llama.cpp-f32"), ("engine-int8", "llama.cpp-q8_0"))
+# Issue #31's targets, ours over theirs: decode at one user by pair, the largest user count's
+# aggregate, and time to first token per turn (their time over ours).
+DECODE_TARGETS = {"engine": 1.0, "engine-int8": 1.4}
+USERS_TARGET, TTFT_TARGET = 1.3, 1.15
+COMPILE_WAIT_S = 1800
 GGUF_TYPES = ("f32", "q8_0")
 # The converter knows tokenizers by a hash of how they split a test text; this one is built in
 # code, so it is named as Qwen2's (the same pre-tokenizer family). Prompts go as token ids, so
@@ -126,7 +131,13 @@ def open_peer(name: str, args: argparse.Namespace, folder: Path, engines: dict[s
         if name not in engines:
             engines[name] = ChatEngine.load(str(folder), dtype="bfloat16" if name == "engine-bf16" else "float32",
                                             weights="int8" if name == "engine-int8" else "full",
-                                            max_batch_size=max(args.users))
+                                            max_batch_size=max(args.users), compile=args.compile)
+            # Measured at the speed it serves at once its graphs are built (built beside the
+            # app, never waited for there): wait here, and say how long that took.
+            started = time.perf_counter()
+            engines[name].compiled.wait(COMPILE_WAIT_S)
+            print(f"{name}: compiled steps ready after {time.perf_counter() - started:.0f} s: "
+                  f"{engines[name].status()['compiled_step']}", file=sys.stderr)
         yield engines[name]
     elif name.startswith("llama.cpp"):
         gguf = args.workdir / f"model-{name.split('-')[-1]}.gguf"
@@ -218,6 +229,7 @@ def run(args: argparse.Namespace) -> dict:
                 runs[name].append(result)
                 print(f"repeat {repeat + 1}, {name}: {result['seconds']:.0f} s (load {load:.2f})", file=sys.stderr)
     return {"runs": runs, "summary": {name: summarize(values) for name, values in runs.items()},
+            "compiled_step": {name: engine.status()["compiled_step"] for name, engine in engines.items()},
             "parameters": parameters(),
             "config": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
@@ -292,9 +304,12 @@ def targets(result: dict) -> list[tuple[str, str, bool]]:
         decode = a["decode_median"] / b["decode_median"]
         most = max(a["users_tokens_per_s"])
         users = a["users_tokens_per_s"][most] / b["users_tokens_per_s"][most]
-        found += [(f"{ours} TTFT per turn at least {theirs}'s (their time / ours)", f"{ttft:.2f}x", ttft >= 1.0),
-                  (f"{ours} decode at one user at least 0.9x {theirs}'s", f"{decode:.2f}x", decode >= 0.9),
-                  (f"{ours} {most}-user aggregate tokens/s at least {theirs}'s", f"{users:.2f}x", users >= 1.0)]
+        found += [(f"{ours} TTFT per turn at least {TTFT_TARGET}x {theirs}'s (their time / ours)", f"{ttft:.2f}x",
+                   ttft >= TTFT_TARGET),
+                  (f"{ours} decode at one user at least {DECODE_TARGETS[ours]}x {theirs}'s", f"{decode:.2f}x",
+                   decode >= DECODE_TARGETS[ours]),
+                  (f"{ours} {most}-user aggregate tokens/s at least {USERS_TARGET}x {theirs}'s", f"{users:.2f}x",
+                   users >= USERS_TARGET)]
     return found
 
 
@@ -310,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--context", type=int, default=4096, help="llama-server's context a slot")
+    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                        help="the engine peers' compiled steps (waited for before they are measured)")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--report", type=Path, nargs="+", help="no run: one table of the runs these --json files hold")
     args = parser.parse_args(argv)

@@ -1,22 +1,28 @@
 """How the model's weights are held: "full" (as loaded, in its dtype) or "int8".
 
-int8: every linear layer of the decoder and the output head keeps its weight as int8 with one
-scale per output channel, and each call quantizes its input to int8 with one scale per token
-(symmetric, round to nearest), multiplies int8 by int8 into int32 with torch's own kernel
-(`torch._int_mm`, the one torchao's int8 path uses) and scales back. That is llama.cpp's `Q8_0`
-idea (it quantizes activations to 8 bits for its dot products too) with coarser scales. Norms,
-embeddings, attention and the KV cache stay in the model's dtype. On a CPU a decode step is bound
-by reading the weights, and int8 reads a quarter of fp32's bytes (`python -m benchmarks.weights`).
+int8 is weight-only: every linear layer of the decoder and the output head keeps its weight as
+int8 levels with one bf16 scale per output channel (weight ≈ level × scale). Inputs are not
+rounded to 8 bits: each product takes its input in bf16, sums in fp32 and gives bf16, which is
+what torch's weight-only int8 kernel on the CPU does (`aten._weight_int8pack_mm`, gpt-fast's and
+torchao's CPU path). On a CPU a decode step is bound by reading the weights, and that kernel reads
+the int8 bytes as they lie: a quarter of fp32's (`python -m benchmarks.weights`). It is a
+matrix-vector kernel (it re-reads the weight for every 4 rows), so a product of more than
+`KERNEL_ROWS` rows, a prompt's, multiplies by the weight turned into fp32 for the call instead,
+with the same operands and roundings: the two differ by the order of fp32 sums only.
 
-Rollback for the model as quantized: each token's input is quantized on its own and the int32
-products are exact, but attention, norms and the scale-back run in floats, whose sums depend on
-the batch or the chunk a token came in; a value a hair from a rounding boundary can then round
-the other way, which moved a logit by 0.05 with 7-token chunks on the mixed model, and by 0.24 on
-the demo model with outlier channels put in (`benchmarks/exactness.py`). So what the tests hold
-is: greedy replies equal plain `generate` on the same quantized model, and the cached states give
-a from-scratch forward's logits within 0.1 on their random models (not bit for bit). Greedy replies differ from
-the full model's where the rounding moves a near-tie: the benchmark reports how often, on the
-trained demo model.
+Norms, embeddings, attention and the KV cache stay in the model's dtype. Activations in bf16 keep
+8 significant bits per value whatever the others in the token are, so channels of outsized values
+(real checkpoints have them) cost no precision to the rest, as a per-token int8 scale did (this
+module's earlier design, `torch._int_mm`, which also ran as compute, not as a read, on CPUs
+without VNNI: 27x slower than fp32 for a 512-token prompt on such a host).
+
+Rollback for the model as quantized: the operands of each token's products are rounded on their
+own, but sums run in floats whose order depends on the batch, the chunk and the kernel, and each
+output is rounded to bf16: a value a hair from a rounding boundary can then round the other way.
+So what the tests hold is: greedy replies equal plain `generate` on the same quantized model, and
+the cached states give a from-scratch forward's logits within 0.1 on their random models (not bit
+for bit). Greedy replies differ from the full model's where the rounding moves a near-tie: the
+benchmark reports how often, on the trained demo model.
 """
 
 from __future__ import annotations
@@ -29,29 +35,38 @@ WEIGHT_FORMATS = ("full", "int8")
 
 
 class Int8Linear(nn.Module):
-    """`nn.Linear` in int8: weight per output channel, input per token, int32 products."""
+    """`nn.Linear` with int8 weights (a bf16 scale per output channel) and bf16 inputs."""
+
+    # Up to this many rows the weight-only kernel is the faster (measured at Qwen3-0.6B's shape on
+    # 2 AVX2 cores, the 28 layers' products: 1 row 48 ms against fp32's 126, 16 rows 311 against
+    # 349, 32 rows 585 against the fp32 path's 426); more rows are compute, where fp32's is best.
+    KERNEL_ROWS = 16
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
-        levels = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        scales = (weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.bfloat16).tiny) / 127.0).to(torch.bfloat16)
+        levels = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # Stored (in, out) in column-major order: what the int8 kernel reads fastest (2x measured).
-        self.register_buffer("weight_int8", levels.t())
+        self.register_buffer("weight_int8", levels.contiguous())  # (out, in), as the kernel reads it
         self.register_buffer("scales", scales)
         self.bias = linear.bias
+        # The kernel loads 8 (AVX2) or 16 (AVX-512) inputs at a time from aligned addresses and has
+        # no tail: other widths take the fp32 path whatever the rows.
+        self.kernel_fits = self.in_features % 16 == 0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        flat = hidden.reshape(-1, self.in_features).float()
-        token_scales = flat.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
-        products = torch._int_mm(torch.round(flat / token_scales).to(torch.int8), self.weight_int8)
-        out = (products.float() * token_scales * self.scales).to(hidden.dtype)
-        out = out.reshape(*hidden.shape[:-1], self.out_features)
+        # A fresh bf16 copy: contiguous and aligned, as the kernel's aligned loads need.
+        flat = hidden.reshape(-1, self.in_features).to(torch.bfloat16, copy=True)
+        if self.kernel_fits and flat.shape[0] <= self.KERNEL_ROWS:
+            out = torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        else:
+            out = (nn.functional.linear(flat.float(), self.weight_int8.float()) * self.scales.float()).to(torch.bfloat16)
+        out = out.to(hidden.dtype).reshape(*hidden.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and inputs"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, bf16 inputs"
 
 
 def check_weight_format(weights: str) -> None:

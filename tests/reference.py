@@ -17,10 +17,11 @@ LOGIT_TOLERANCE = 1e-4  # fp32
 # 2.8e-4; a step at 4 bits is 17x larger. A stale state puts many codes many steps off.
 QUANTIZED_LOGIT_TOLERANCE = {8: 1e-3, 4: 1e-2}
 MAX_FLIPPED_CODES = 1 / 200
-# int8 weights and inputs (chat/weights.py): float noise between the cached path and the scratch
-# forward (different shapes; linear attention's recurrence against its chunked prefill, ~1e-5)
-# can put an input on the other side of a rounding boundary, one level off. Seen: 4.2e-2 on the
-# hybrid model; 0 to 3e-6 elsewhere. States of other tokens (stale) differed by 5.2 or more.
+# int8 weights (chat/weights.py): float noise between the cached path and the scratch forward
+# (different shapes and kernels; linear attention's recurrence against its chunked prefill) can
+# put a product on the other side of a bf16 rounding boundary, one step off, and a top logit
+# within a hair of the next then loses its place. States of other tokens (stale) differed by 5.2
+# or more. On these random models ~1.3 tokens of 2,050 lie within 0.1 of the top on average.
 INT8_LOGIT_TOLERANCE = 0.1
 
 
@@ -93,11 +94,28 @@ def scratch_greedy_reply(model, prompt_ids: list[int], max_new_tokens: int, eos_
     return reply
 
 
+@torch.no_grad()
+def check_near_greedy(model, prompt_ids: list[int], reply: list[int], tolerance: float,
+                      end_id: int | None = None) -> None:
+    """Each token of `reply` is the top one of a from-scratch forward over all before it, or
+    within `tolerance` of it (a near-tie float noise may turn either way); with `end_id`, the
+    reply's end is too. What greedy means for a lossy model: a reply that went another way at a
+    near-tie cannot be compared with `generate`'s token for token after it, but each of its own
+    tokens can be checked, and a stale state makes far worse choices."""
+    ids = prompt_ids + reply + ([] if end_id is None else [end_id])
+    logits = model(input_ids=torch.tensor([ids])).logits[0, len(prompt_ids) - 1: len(ids) - 1].float()
+    chosen = logits.gather(1, torch.tensor(ids[len(prompt_ids):])[:, None]).squeeze(1)
+    shortfall = logits.max(dim=1).values - chosen
+    assert shortfall.numel() == 0 or shortfall.max() <= tolerance, f"a reply token {shortfall.max():.3f} below the top"
+
+
 def check_exact(conv, model, tokenizer, *, max_new_tokens: int | None, enable_thinking=None, stopped: bool = False,
                 generated: bool = True, continued_from: int = 0, kv_cache=None,
-                logit_tolerance: float = LOGIT_TOLERANCE) -> None:
+                logit_tolerance: float = LOGIT_TOLERANCE, near_greedy: bool = False) -> None:
     """The three checks of the issue after an operation: (a) states, (b) greedy reply, (c) stats.
     `kv_cache`: a lossy kind (quantized): the references start from an empty cache of that kind.
+    `near_greedy`: lossy weights: (b) holds each reply token within `logit_tolerance` of the
+    scratch forward's top (`check_near_greedy`) instead of equal to `generate`'s reply.
 
     `stopped`: the reply is a prefix of the greedy one (cut short, or continued: then
     `max_new_tokens=None` compares with as many greedy tokens as the reply has).
@@ -112,12 +130,17 @@ def check_exact(conv, model, tokenizer, *, max_new_tokens: int | None, enable_th
     # (b) the reply is what greedy generate gives from scratch on the re-rendered prompt
     prompt_ids = render_ids(tokenizer, messages[:-1], enable_thinking=enable_thinking)
     length = max_new_tokens if max_new_tokens is not None else len(conv.reply_ids)
-    expected = scratch_greedy_reply(model, prompt_ids, max(length, 1), {tokenizer.convert_tokens_to_ids("<|im_end|>")},
-                                    kv_cache=kv_cache)
-    if stopped:
-        assert conv.reply_ids == expected[: len(conv.reply_ids)]
+    if near_greedy:
+        ended = not stopped and max_new_tokens is not None and len(conv.reply_ids) < max_new_tokens
+        check_near_greedy(model, prompt_ids, conv.reply_ids, logit_tolerance,
+                          tokenizer.convert_tokens_to_ids("<|im_end|>") if ended else None)
     else:
-        assert conv.reply_ids == expected, (conv.reply_ids, expected, conv.stats, messages)
+        expected = scratch_greedy_reply(model, prompt_ids, max(length, 1), {tokenizer.convert_tokens_to_ids("<|im_end|>")},
+                                        kv_cache=kv_cache)
+        if stopped:
+            assert conv.reply_ids == expected[: len(conv.reply_ids)]
+        else:
+            assert conv.reply_ids == expected, (conv.reply_ids, expected, conv.stats, messages)
     if not generated:  # undo: the stats describe an earlier operation
         return
     # (c) nothing reused was prefilled again, nothing prefilled was counted as reused

@@ -1,12 +1,12 @@
 """The compiled decode step (cache_sessions/compiled.py, issue #31): each step against a
-from-scratch forward over the whole sequence, one graph for every length and buffer capacity,
-rollback into compiled steps, and every operation of an engine that uses it held to the same
-references as the eager engine (tests/reference.py)."""
+from-scratch forward over the whole sequence (fp32 and int8 weights), one graph for every length
+and buffer capacity, rollback into compiled steps, and every operation of an engine that uses it
+held to the same references as the eager engine (tests/reference.py)."""
 
 import pytest
 import torch
 from conftest import THINKING_TEMPLATE
-from reference import LOGIT_TOLERANCE, check_exact
+from reference import INT8_LOGIT_TOLERANCE, LOGIT_TOLERANCE, check_exact
 from test_exactness import MAX_NEW, every_operation
 from tiny_models import build_model
 
@@ -15,6 +15,7 @@ from cache_sessions import compiled as compiled_module
 from cache_sessions.compiled import CompiledDecode, compiled_graphs
 from chat import ChatEngine
 from chat.config import EngineConfig
+from chat.weights import apply_weight_format
 
 WAIT_S = 600  # compiling on a busy 2-core machine: minutes at worst
 
@@ -62,6 +63,25 @@ def test_each_compiled_step_gives_a_from_scratch_forwards_logits_with_one_graph_
     # anything else is the packed eager forward's: a prompt piece, more rows than a graph holds
     assert not compiled.takes([(session, [1, 2])], [0])
     assert not compiled.takes([(s, [1]) for s in sessions] + [(CacheSession(model), [2])] * 2, list(range(5)))
+
+
+def test_a_compiled_step_with_int8_weights_gives_a_from_scratch_forwards_logits(base_tokenizer):
+    """The weight-only int8 kernel inside the graph: each step within the int8 tolerance of a
+    from-scratch forward of the same quantized model."""
+    model = apply_weight_format(build_model("full", len(base_tokenizer), None), "int8")
+    compiled = CompiledDecode(model, "on", max_rows=1)
+    compiled.warm()
+    assert compiled.ready and compiled.error is None
+    session = CacheSession(model)
+    session.extend(list(range(30, 60)))
+    token = 7
+    for _ in range(12):
+        logits = compiled.step([(session, [token])])
+        session.note_extended([token])
+        expected = scratch_logits(model, session.token_ids)
+        torch.testing.assert_close(logits[0], expected, atol=INT8_LOGIT_TOLERANCE, rtol=0)
+        token = int(expected.argmax())
+    assert compiled.steps == 12
 
 
 def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(base_tokenizer):

@@ -6,7 +6,7 @@ layer mix, alone and batched."""
 import pytest
 import torch
 from conftest import THINKING_TEMPLATE
-from reference import INT8_LOGIT_TOLERANCE, check_exact, check_states, scratch_greedy_reply
+from reference import INT8_LOGIT_TOLERANCE, check_exact, check_near_greedy, check_states, scratch_greedy_reply
 from test_batch import decode
 from test_exactness import MAX_NEW, every_operation
 from tiny_models import ARCHS, build_model
@@ -18,33 +18,38 @@ from chat.config import EngineConfig
 from chat.weights import Int8Linear, apply_weight_format
 
 
+@pytest.mark.parametrize("in_features", [96, 36])  # 36: not a width the kernel takes (the fp32 path only)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_layer_is_the_product_of_each_side_rounded_to_its_step(dtype):
-    """Row r of the weight becomes the nearest multiples of max|w_r| / 127, each token's input
-    the nearest multiples of max|x_t| / 127; the product of those (plus the bias), computed here
-    in float64, is the layer's output."""
+@pytest.mark.parametrize("rows", [1, 3, Int8Linear.KERNEL_ROWS, Int8Linear.KERNEL_ROWS + 5])
+def test_the_layer_is_the_product_of_int8_weights_and_bf16_inputs(dtype, in_features, rows):
+    """Row r of the weight becomes the nearest multiples of a bf16 scale near max|w_r| / 127, the
+    input is rounded to bf16; their product (plus the bias), computed here in float64 and rounded
+    to bf16 as the layer's products are, is the layer's output, through the kernel (few rows) and
+    the fp32 path (more) alike."""
     generator = torch.Generator().manual_seed(0)
-    linear = nn.Linear(96, 40).to(dtype)
+    linear = nn.Linear(in_features, 40).to(dtype)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(40, 96, generator=generator) * 0.3)
+        linear.weight.copy_(torch.randn(40, in_features, generator=generator) * 0.3)
         linear.weight[3] = 0.0  # a row of zeros: no division by zero
     weight = linear.weight.detach().double()
-    weight_step = weight.abs().amax(dim=1, keepdim=True) / 127
     layer = Int8Linear(linear)
-    levels = layer.weight_int8.t().double()
-    assert layer.weight_int8.dtype == torch.int8 and levels.shape == (40, 96) and levels.abs().max() == 127
-    # each the nearest level (bf16 weights can sit on a tie: either neighbour then)
-    assert ((weight / weight_step.clamp(min=1e-30) - levels).abs() <= 0.5 + 1e-4).all() and (levels[3] == 0).all()
-    hidden = torch.randn(2, 3, 96, generator=generator).to(dtype)
-    hidden[1, 2] = 0.0  # a token of zeros
-    inputs = hidden.double().reshape(6, 96)
-    input_step = inputs.abs().amax(dim=1, keepdim=True) / 127
-    input_levels = torch.round(inputs / input_step.clamp(min=1e-30))
-    expected = (input_levels @ levels.T) * input_step * weight_step.T + linear.bias.double()
+    levels, scales = layer.weight_int8.double(), layer.scales.double()[:, None]
+    assert layer.weight_int8.dtype == torch.int8 and levels.shape == (40, in_features) and levels.abs().max() == 127
+    assert layer.scales.dtype == torch.bfloat16
+    assert torch.allclose(scales.squeeze(1), weight.abs().amax(dim=1) / 127, rtol=2**-8)  # a bf16 step
+    # each the nearest level of its scale (bf16 weights can sit on a tie: either neighbour then)
+    assert ((weight / scales.clamp(min=1e-30) - levels).abs() <= 0.5 + 1e-3).all() and (levels[3] == 0).all()
+    hidden = torch.randn(rows, in_features, generator=generator).to(dtype)
+    hidden[-1] = 0.0  # a token of zeros
+    expected = (hidden.bfloat16().double() @ (levels * scales).T).to(torch.bfloat16).double() + linear.bias.double()
     got = layer(hidden)
-    assert got.shape == (2, 3, 40) and got.dtype == dtype
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)  # bf16's output
-    torch.testing.assert_close(got.double().reshape(6, 40), expected, **tolerance)
+    assert got.shape == (rows, 40) and got.dtype == dtype
+    # one bf16 step of the products (their sums' order differs), and the bias's own rounding in bf16
+    torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert (got[-1] == linear.bias).all()
+    # the few-row path gives the same as the many-row one, row by row
+    alone = torch.cat([layer(hidden[row:row + 1]) for row in range(rows)])
+    torch.testing.assert_close(alone.double(), got.double(), rtol=2**-7, atol=1e-6)
 
 
 def quantized_model(arch, tokenizer):
@@ -64,7 +69,7 @@ def test_every_operation_is_exact_for_the_model_as_quantized(tokenizers, arch):
     assert isinstance(model.get_output_embeddings(), Int8Linear)
     conv = engine.conversation("You are terse.")
     every_operation(conv, lambda **kwargs: check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW,
-                                                       logit_tolerance=INT8_LOGIT_TOLERANCE, **kwargs))
+                                                       logit_tolerance=INT8_LOGIT_TOLERANCE, near_greedy=True, **kwargs))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -78,7 +83,7 @@ def test_batched_rows_decode_as_each_would_alone(tokenizers, arch):
         sessions[-1].prepare(prompt)
     replies = decode(model, sessions, [p[-1] for p in prompts], 8)
     for session, prompt, reply in zip(sessions, prompts, replies):
-        assert reply == scratch_greedy_reply(model, prompt, len(reply), set())
+        check_near_greedy(model, prompt, reply, INT8_LOGIT_TOLERANCE)
         assert session.token_ids == prompt + reply[:-1]
         check_states(model, session.cache, session.token_ids, logit_tolerance=INT8_LOGIT_TOLERANCE)
 
@@ -97,3 +102,15 @@ def test_unknown_formats_and_models_it_cannot_take_are_refused(tokenizers):
     with pytest.raises(ValueError, match="int8 weights take a float32 or bfloat16 model, not torch.float16"):
         apply_weight_format(model, "int8")
     assert not any(isinstance(module, Int8Linear) for module in model.modules())  # left as it was
+
+
+def test_the_near_greedy_reference_refuses_a_reply_to_another_prompt(tokenizers):
+    """The int8 tests' reply check has teeth: a reply greedy for one prompt is not near-greedy
+    for another (what a stale state would make)."""
+    model = quantized_model("full", tokenizers[THINKING_TEMPLATE])
+    model.generation_config.eos_token_id = None
+    prompt, other = list(range(30, 60)), list(range(31, 61))
+    reply = scratch_greedy_reply(model, prompt, 12, set())
+    check_near_greedy(model, prompt, reply, INT8_LOGIT_TOLERANCE)
+    with pytest.raises(AssertionError, match="below the top"):
+        check_near_greedy(model, other, reply, INT8_LOGIT_TOLERANCE)
