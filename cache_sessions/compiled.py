@@ -58,7 +58,8 @@ def check_compile_mode(mode: str) -> None:
 
 def compile_refusal(model: PreTrainedModel, auto: bool = False) -> str | None:
     """Why this model's decode steps are not compiled here (None: they are); `auto`: by `auto`'s rule."""
-    parameters = sum(parameter.numel() for parameter in model.parameters())
+    # int8 layers hold their weights as buffers (chat/weights.py): count those too
+    parameters = sum(tensor.numel() for tensor in (*model.parameters(), *model.buffers()))
     if auto and parameters < AUTO_MIN_PARAMETERS:
         return f"auto: {parameters / 1e6:.1f} M parameters, compiled from {AUTO_MIN_PARAMETERS / 1e6:.0f} M"
     if type(model).__name__ not in PLAIN_DECODERS:
@@ -140,6 +141,8 @@ class CompiledDecode:
         self.error, self.steps = None, 0
         self._ready_rows: set[int] = set()
         self._all_ready = threading.Event()
+        if not self.enabled:  # nothing will be compiled: `wait` returns at once
+            self._all_ready.set()
         self._idle: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._thread: threading.Thread | None = None
         self._compiled = torch.compile(decode_rows, dynamic=True, fullgraph=True)

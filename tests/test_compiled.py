@@ -3,6 +3,8 @@ from-scratch forward over the whole sequence (fp32 and int8 weights), one graph 
 and buffer capacity, rollback into compiled steps, and every operation of an engine that uses it
 held to the same references as the eager engine (tests/reference.py)."""
 
+import threading
+
 import pytest
 import torch
 from conftest import THINKING_TEMPLATE
@@ -123,3 +125,16 @@ def test_what_is_not_compiled_says_why(base_tokenizer):
     assert not off.enabled and not off.ready and off.stats()["not_compiled_because"] == "off"
     with pytest.raises(ValueError, match="compile is one of auto, on, off, not 'fast'"):
         EngineConfig(compile="fast")
+    waiting = threading.Thread(target=off.wait)  # nothing to wait for: returns at once
+    waiting.start()
+    waiting.join(60)
+    assert not waiting.is_alive() and not off.wait()
+
+
+def test_auto_counts_int8_weights_as_the_models_size(base_tokenizer, monkeypatch):
+    """int8 layers keep their weights as buffers: `auto` sizes the model by those too."""
+    model = build_model("full", len(base_tokenizer), None)
+    size = sum(parameter.numel() for parameter in model.parameters())
+    monkeypatch.setattr(compiled_module, "AUTO_MIN_PARAMETERS", size * 0.9)
+    assert CompiledDecode(model, "auto").enabled
+    assert CompiledDecode(apply_weight_format(model, "int8"), "auto").enabled
