@@ -327,6 +327,7 @@ def test_a_setting_changed_once_the_page_is_ready_is_kept(browser, demo_app):
     wait_loaded(page)
     page.get_by_text("Settings", exact=True).click()
     temperature = page.locator("#temperature input[type='number']")
+    expect(temperature).to_have_value("0.7")  # the panel is drawn with what the restore read
     temperature.fill("1.3")
     temperature.press("Enter")
     page.wait_for_function("() => window.settingsRestored === true")
