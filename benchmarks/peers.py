@@ -45,6 +45,7 @@ import torch
 
 from benchmarks.models import VOCAB, Words, build_bench_tokenizer
 from benchmarks.report import publish, target_table
+from cache_sessions.compiled import COMPILE_MODES
 from chat import ChatEngine
 from chat.models import build_model, parameter_count
 from chat.served import ServedEngine
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--context", type=int, default=4096, help="llama-server's context a slot")
-    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+    parser.add_argument("--compile", default="auto", choices=COMPILE_MODES,
                         help="the engine peers' compiled steps (waited for before they are measured)")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--report", type=Path, nargs="+", help="no run: one table of the runs these --json files hold")

@@ -19,9 +19,9 @@ without VNNI: 27x slower than fp32 for a 512-token prompt on such a host).
 Rollback for the model as quantized: the operands of each token's products are rounded on their
 own, but sums run in floats whose order depends on the batch, the chunk and the kernel, and each
 output is rounded to bf16: a value a hair from a rounding boundary can then round the other way.
-So what the tests hold is: greedy replies equal plain `generate` on the same quantized model, and
-the cached states give a from-scratch forward's logits within 0.1 on their random models (not bit
-for bit). Greedy replies differ from the full model's where the rounding moves a near-tie: the
+So what the tests hold is: each reply token is the top one of a from-scratch forward of the same
+quantized model, or within 0.1 of it (tests/reference.py, `check_near_greedy`), and the cached
+states give that forward's logits within 0.1 on their random models (not bit for bit). Greedy replies differ from the full model's where the rounding moves a near-tie: the
 benchmark reports how often, on the trained demo model.
 """
 
@@ -39,7 +39,7 @@ class Int8Linear(nn.Module):
 
     # Up to this many rows the weight-only kernel is the faster (measured at Qwen3-0.6B's shape on
     # 2 AVX2 cores, the 28 layers' products: 1 row 48 ms against fp32's 126, 16 rows 311 against
-    # 349, 32 rows 585 against the fp32 path's 426); more rows are compute, where fp32's is best.
+    # 349, 32 rows 585 against 426); more rows are compute, where fp32's is best.
     KERNEL_ROWS = 16
 
     def __init__(self, linear: nn.Linear):
