@@ -181,9 +181,11 @@ def load_engine(config: AppConfig) -> Any:
         remote.ENGINE = engine
         engine.run_replies_in(spaces.GPU(duration=120)(remote.run_in_worker))
     model = engine.model
-    held = str(model.dtype).replace("torch.", "") + (", int8 weights" if config.weights == "int8" else "")
+    held = str(model.dtype).replace("torch.", "") + ("" if config.weights == "full" else f", {config.weights} weights")
+    # packed and int8 layers hold their weights as buffers
+    weights = sum(tensor.numel() for tensor in (*model.parameters(), *model.buffers()))
     print(f"rewind-chat: model {config.model} ({type(model).__name__}, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) on {model.device}, {held}", flush=True)
+          f"{weights / 1e6:.1f} M parameters) on {model.device}, {held}", flush=True)
     return engine
 
 

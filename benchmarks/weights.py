@@ -1,5 +1,5 @@
-"""Weights in bf16 (`--dtype bfloat16`) and in int8 (`--weights int8`) against fp32 on the CPU, in
-one run (issue #23).
+"""Weights in bf16 (`--dtype bfloat16`), packed for oneDNN (`--weights packed`) and in int8
+(`--weights int8`) against fp32 on the CPU, in one run (issues #23, #31).
 
   decode     one conversation of `--tokens` decoding 64 tokens through the engine's scheduler, on
              `--model` (bench-full; real-qwen3-0.6b for a real model's shape), tokens/s, medians of
@@ -33,7 +33,8 @@ from chat.weights import apply_weight_format
 from chat.worker import ModelWorker
 
 # name: (dtype, weights) as `--dtype` and `--weights` take them; fp32 first (the reference).
-FORMATS = {"float32": ("float32", "full"), "bfloat16": ("bfloat16", "full"), "int8": ("float32", "int8")}
+FORMATS = {"float32": ("float32", "full"), "packed": ("float32", "packed"), "bfloat16": ("bfloat16", "full"),
+           "int8": ("float32", "int8")}
 
 
 def run(model_name: str, tokens: int, repeats: int, replies: int) -> dict:

@@ -7,7 +7,14 @@ free Space's 2 vCPUs), two spinning processes take turns badly. `python -m bench
 (bench-full, one conversation decoding, another torch process multiplying matrices on both cores):
 17.9 tokens/s by default, 39.1 with PASSIVE; 45.4 against 48.3 with nothing else running; one
 thread instead of two held 36.9. So the app asks for PASSIVE and keeps torch's 2 threads; an
-operator's own setting wins.
+operator's own setting wins (`OMP_WAIT_POLICY`, or `GOMP_SPINCOUNT`: how long GCC's OpenMP
+workers spin before they sleep, with no policy set).
+
+What PASSIVE costs on a quiet host, where nothing else wants the cores: every product of a step
+wakes a sleeping worker. At Qwen3-0.6B's shape with `--weights packed` (oneDNN's products, 197 a
+step), `python -m benchmarks.shared_host --model real-qwen3-0.6b --weights packed` measured 10.0
+tokens/s spinning by default, 9.3 with `GOMP_SPINCOUNT=100000`, 8.0 with PASSIVE; beside the busy
+process 2.3, 3.5 and 5.3. A dedicated host may set `GOMP_SPINCOUNT` (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -15,11 +22,14 @@ from __future__ import annotations
 import os
 
 WAIT_POLICY = "PASSIVE"
+OPERATOR_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either set: the operator chose
 
 
 def prefer_passive_openmp() -> None:
-    """Ask OpenMP's workers to sleep, not spin, between steps (unless already set, or too late)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+    """Ask OpenMP's workers to sleep, not spin, between steps (unless the operator set how they
+    wait, or too late)."""
+    if not any(name in os.environ for name in OPERATOR_SETTINGS):
+        os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY
 
 
 prefer_passive_openmp()

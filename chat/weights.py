@@ -1,4 +1,14 @@
-"""How the model's weights are held: "full" (as loaded, in its dtype) or "int8".
+"""How the model's weights are held: "full" (as loaded, in its dtype), "packed" or "int8".
+
+packed is the full fp32 weights in oneDNN's blocked layout, for the CPU's products. torch's
+`nn.Linear` multiplies through MKL, whose products of a few rows (decode steps) read the weight
+far below the memory's speed on this AVX2 host; oneDNN's kernel on a weight laid out for it ahead
+reads it at that speed. The 28 layers' products at Qwen3-0.6B's shape, 2 cores of an AMD EPYC
+(Zen 3, AVX2), distinct weights for each layer (`python -m benchmarks.weights` says how to run it
+again): 1 row 98 ms as `nn.Linear`, 70 ms packed; 2 rows 188 / 77; 4 rows 239 / 85; 8 rows
+217 / 119; 64 rows 518 / 434; 280 rows (a prompt) 1,670-1,930 / 1,718-2,003, a tie within this
+host's noise. The values are the same fp32 weights; the sums run in oneDNN's order, so outputs
+differ from `nn.Linear`'s by float noise (a few ulps), and from one row count to another.
 
 int8 is weight-only: every linear layer of the decoder and the output head keeps its weight as
 int8 levels with one bf16 scale per output channel (weight ≈ level × scale). Inputs are not
@@ -31,7 +41,43 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-WEIGHT_FORMATS = ("full", "int8")
+WEIGHT_FORMATS = ("full", "packed", "int8")
+
+
+@torch.library.custom_op("rewind_chat::packed_linear", mutates_args=())
+def packed_linear(hidden: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`hidden` times a weight packed by `mkldnn._reorder_linear_weight`. An op of its own for
+    `torch.compile`: inductor's own lowering of the oneDNN product expects the weights it packed
+    itself (its freezing pass), so the compiled step calls this as an opaque kernel."""
+    return torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), packed, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(hidden: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return hidden.new_empty((*hidden.shape[:-1], packed.shape[0]))
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` with its fp32 weight in oneDNN's blocked layout (same values, other sum order).
+    The packed tensor has no storage torch can save or share: it lives in this layer only (a
+    buffer outside the state dict)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_packed", torch.ops.mkldnn._reorder_linear_weight(
+            linear.weight.detach().float().contiguous()), persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            out = packed_linear(hidden, self.weight_packed)
+        else:  # the op itself: no custom-op dispatch on every eager product
+            out = torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), self.weight_packed, None, "none", [], "")
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp32 weights packed for oneDNN"
 
 
 class Int8Linear(nn.Module):
@@ -81,11 +127,19 @@ def apply_weight_format(model: PreTrainedModel, weights: str) -> PreTrainedModel
     if weights == "full":
         return model
     if model.device.type != "cpu":
-        raise ValueError("int8 weights are measured on the CPU only; on a GPU load bf16 (--dtype bfloat16)")
-    if model.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"int8 weights take a float32 or bfloat16 model, not {model.dtype}")
+        raise ValueError(f"{weights} weights are measured on the CPU only; on a GPU load bf16 (--dtype bfloat16)")
+    if weights == "packed":
+        if model.dtype != torch.float32:
+            raise ValueError(f"packed weights take a float32 model, not {model.dtype}")
+        if not torch.backends.mkldnn.is_available():
+            raise ValueError("packed weights need torch built with oneDNN (mkldnn), which this one is not")
+        layer: type[nn.Module] = PackedLinear
+    else:
+        if model.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"int8 weights take a float32 or bfloat16 model, not {model.dtype}")
+        layer = Int8Linear
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, Int8Linear(child))
+                setattr(parent, name, layer(child))
     return model

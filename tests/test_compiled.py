@@ -67,10 +67,12 @@ def test_each_compiled_step_gives_a_from_scratch_forwards_logits_with_one_graph_
     assert not compiled.takes([(s, [1]) for s in sessions] + [(CacheSession(model), [2])] * 2, list(range(5)))
 
 
-def test_a_compiled_step_with_int8_weights_gives_a_from_scratch_forwards_logits(base_tokenizer):
-    """The weight-only int8 kernel inside the graph: each step within the int8 tolerance of a
-    from-scratch forward of the same quantized model."""
-    model = apply_weight_format(build_model("full", len(base_tokenizer), None), "int8")
+@pytest.mark.parametrize("weights", ["int8", "packed"])
+def test_a_compiled_step_with_int8_or_packed_weights_gives_a_from_scratch_forwards_logits(base_tokenizer, weights):
+    """The weight-only int8 kernel (or oneDNN's product of packed weights) inside the graph: each
+    step within the int8 tolerance (fp32's, packed) of a from-scratch forward of the same model."""
+    tolerance = INT8_LOGIT_TOLERANCE if weights == "int8" else LOGIT_TOLERANCE
+    model = apply_weight_format(build_model("full", len(base_tokenizer), None), weights)
     compiled = CompiledDecode(model, "on", max_rows=1)
     compiled.warm()
     assert compiled.ready and compiled.error is None
@@ -81,7 +83,7 @@ def test_a_compiled_step_with_int8_weights_gives_a_from_scratch_forwards_logits(
         logits = compiled.step([(session, [token])])
         session.note_extended([token])
         expected = scratch_logits(model, session.token_ids)
-        torch.testing.assert_close(logits[0], expected, atol=INT8_LOGIT_TOLERANCE, rtol=0)
+        torch.testing.assert_close(logits[0], expected, atol=tolerance, rtol=0)
         token = int(expected.argmax())
     assert compiled.steps == 12
 

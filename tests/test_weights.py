@@ -1,7 +1,8 @@
 """`--weights int8` (chat/weights.py): linear weights in int8 with a scale per output channel.
 The layer is checked against a float64 product with the weight rounded by hand; exact rollback
 against plain `generate` on the same quantized model (tests/reference.py), every operation, every
-layer mix, alone and batched."""
+layer mix, alone and batched. `--weights packed` (the fp32 weights in oneDNN's layout): the layer
+against a float64 product, and every operation held to the fp32 references."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from cache_sessions import CacheSession
 from chat import ChatEngine
 from chat.config import EngineConfig
-from chat.weights import Int8Linear, apply_weight_format
+from chat.weights import Int8Linear, PackedLinear, apply_weight_format
 
 
 @pytest.mark.parametrize("in_features", [96, 36])  # 36: not a width the kernel takes (the fp32 path only)
@@ -96,7 +97,7 @@ def test_a_second_application_changes_nothing(tokenizers):
 
 
 def test_unknown_formats_and_models_it_cannot_take_are_refused(tokenizers):
-    with pytest.raises(ValueError, match="weights is one of full, int8, not 'int4'"):
+    with pytest.raises(ValueError, match="weights is one of full, packed, int8, not 'int4'"):
         EngineConfig(weights="int4")
     model = build_model("full", len(tokenizers[THINKING_TEMPLATE]), None).to(torch.float16)
     with pytest.raises(ValueError, match="int8 weights take a float32 or bfloat16 model, not torch.float16"):
@@ -114,3 +115,50 @@ def test_the_near_greedy_reference_refuses_a_reply_to_another_prompt(tokenizers)
     check_near_greedy(model, prompt, reply, INT8_LOGIT_TOLERANCE)
     with pytest.raises(AssertionError, match="below the top"):
         check_near_greedy(model, other, reply, INT8_LOGIT_TOLERANCE)
+
+
+@pytest.mark.parametrize("in_features", [96, 37])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_a_packed_layer_is_the_fp32_product_of_the_same_weights(in_features, bias, rows):
+    """The packed layer's output is the float64 product of the layer's own weights within fp32
+    noise, for any row count, a batch of sequences and a strided (transposed) input alike."""
+    generator = torch.Generator().manual_seed(1)
+    linear = nn.Linear(in_features, 24, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(24, in_features, generator=generator))
+    layer = PackedLinear(linear)
+    assert "weight_packed" not in layer.state_dict()  # it has no storage to save
+    hidden = torch.randn(rows, in_features, generator=generator)
+    expected = hidden.double() @ linear.weight.detach().double().T
+    if bias:
+        expected = expected + linear.bias.detach().double()
+    got = layer(hidden)
+    assert got.shape == (rows, 24) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(layer(hidden.view(1, rows, in_features))[0], got, rtol=1e-5, atol=1e-4)
+    strided = hidden.T.contiguous().T
+    assert not strided.is_contiguous() or rows == 1
+    torch.testing.assert_close(layer(strided), got, rtol=1e-5, atol=1e-4)
+    # another input gives another output: the product is of this input, not a cached one
+    assert not torch.allclose(layer(hidden + 1), got)
+
+
+@pytest.mark.parametrize("arch", ["full", "hybrid"])
+def test_every_operation_with_packed_weights_is_exact(tokenizers, arch):
+    """Packed weights are the fp32 weights: held to the fp32 references (states within 1e-4 of a
+    from-scratch forward, replies equal to greedy `generate`'s), on the model as packed."""
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    model = build_model(arch, len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    engine = ChatEngine(model, tokenizer, weights="packed")  # packs `model` in place
+    assert isinstance(model.get_output_embeddings(), PackedLinear)
+    assert not any(type(module) is nn.Linear for module in model.modules())
+    conv = engine.conversation("You are terse.")
+    every_operation(conv, lambda **kwargs: check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, **kwargs))
+
+
+def test_packed_weights_refuse_a_model_they_do_not_take(tokenizers):
+    model = build_model("full", len(tokenizers[THINKING_TEMPLATE]), None).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="packed weights take a float32 model, not torch.bfloat16"):
+        apply_weight_format(model, "packed")
+    assert not any(isinstance(module, PackedLinear) for module in model.modules())  # left as it was
