@@ -1,5 +1,6 @@
 """A real browser (Chromium + Playwright) drives the UI like a person; saves a screenshot."""
 
+import json
 import os
 import re
 import shutil
@@ -18,7 +19,7 @@ if not Path(CHROMIUM).exists():
 
 from playwright.sync_api import Page, expect, sync_playwright  # noqa: E402
 
-from ui import views  # noqa: E402
+from ui import page_assets, views  # noqa: E402
 
 # Every `expect` waits for its condition up to 30 s, not Playwright's 5: on a busy machine a reload
 # and its first view took longer than 5 s (issue #33, 7). A condition that holds returns at once.
@@ -285,9 +286,14 @@ def test_the_settings_and_the_theme_survive_a_reload(browser, demo_app):
     page = open_chat(browser, demo_app.url)
     page.get_by_text("Settings", exact=True).click()
     temperature = page.locator("#temperature input[type='number']")
+    expect(temperature).to_have_value("0.7")  # the panel is drawn before anything is typed into it
     temperature.fill("1.3")
     temperature.press("Enter")
+    expect(temperature).to_have_value("1.3")
     page.get_by_label("Thinking", exact=False).uncheck()
+    page.wait_for_function(  # both changes are kept in the browser before the reload
+        "() => { const kept = JSON.parse(localStorage.getItem(%s) || '{}');"
+        " return kept.temperature === 1.3 && kept.thinking === false; }" % json.dumps(page_assets.SETTINGS_KEY))
     dark = page.evaluate("document.body.classList.contains('dark')")
     page.click("#dark-mode")
     page.wait_for_function("(was) => document.body.classList.contains('dark') !== was", arg=dark)
