@@ -4,7 +4,8 @@ Histories of `--history` tokens are prefilled once (untimed); then rounds altern
 the two modes' order, each round timing `--steps` decode steps of each and rolling them back
 (`crop`) so every step sees the same lengths. Eager is the engine's packed forward of the rows
 (cache_sessions/resident.py), compiled the graph of the rows' bucket (1, 2, 4 or 8 rows). The
-compile time is every bucket's up to that one (from the on-disk cache, if one is warm).
+compile time is every bucket's up to that one; with `--store DIR` the graphs are saved there,
+and a second run with the same folder (a restart) loads them instead (`rows_loaded`).
 Greedy agreement: `--agree` greedy tokens decoded by each from the same history, and with
 `--demo-replies N` the trained demo model's replies to N questions of its evaluation split through
 an engine with the step compiled against one without (benchmarks/agreement.py), fp32 and int8.
@@ -12,6 +13,7 @@ an engine with the step compiled against one without (benchmarks/agreement.py), 
     python -m benchmarks.compiled_step                                          # bench-full, fp32
     python -m benchmarks.compiled_step --model real-qwen3-0.6b --weights int8 --history 300
     python -m benchmarks.compiled_step --demo-replies 100
+    python -m benchmarks.compiled_step --model real-qwen3-0.6b --store /tmp/steps   # twice: compile, then load
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,10 +30,10 @@ from benchmarks.agreement import demo_agreement
 from benchmarks.report import publish, target_table
 from benchmarks.step_anatomy import VOCAB, conversation
 from cache_sessions import resident
-from cache_sessions.compiled import CompiledDecode, compiled_graphs
+from cache_sessions.compiled import CompiledDecode
 from chat import ChatEngine
 from chat.models import build_model, parameter_count
-from chat.weights import apply_weight_format
+from chat.weights import WEIGHT_FORMATS, apply_weight_format
 
 MODES = ("eager", "compiled")
 
@@ -38,18 +41,20 @@ MODES = ("eager", "compiled")
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bench-full", help="a row of chat/models.py")
-    parser.add_argument("--weights", default="full", choices=("full", "int8"))
+    parser.add_argument("--weights", default="full", choices=WEIGHT_FORMATS)
     parser.add_argument("--history", type=int, default=300, help="tokens held before each step")
     parser.add_argument("--rows", type=int, default=1, help="conversations decoding together")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--agree", type=int, default=32, help="greedy tokens compared between the two")
     parser.add_argument("--demo-replies", type=int, default=0, help="demo replies compared, compiled against eager")
+    parser.add_argument("--store", help="a folder the graphs are saved to, or loaded from if there")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     model = apply_weight_format(build_model(args.model, VOCAB, None), args.weights)
-    compiled = CompiledDecode(model, "on", max_rows=args.rows)
+    compiled = CompiledDecode(model, "on", max_rows=args.rows,
+                              store=Path(args.store) if args.store else None)
     if not compiled.enabled:
         raise SystemExit(f"not compiled: {compiled.reason}")
     compiled.warm()
@@ -70,7 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"args": vars(args), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "torch": torch.__version__, "parameters": parameter_count(model), "median_step_ms": median_ms,
               "eager_over_compiled": median_ms["eager"] / median_ms["compiled"],
-              "compile_s": sum(compiled.compile_s.values()), "graphs": compiled_graphs(),
+              "compile_s": sum(compiled.compile_s.values()), "graphs": compiled.graphs,
+              "rows_loaded": sorted(compiled.loaded),
               "greedy_agreement": greedy_agreement(model, compiled, args.agree)}
     if args.demo_replies:
         result["demo_agreement"] = {weights: demo_agreement(
@@ -117,8 +123,9 @@ def markdown(result: dict) -> str:
     agreement = result["greedy_agreement"]
     lines = ["| step | median |", "|---|---:|"]
     lines += [f"| {mode} | {ms:.1f} ms |" for mode, ms in result["median_step_ms"].items()]
-    lines += ["", f"eager / compiled: {result['eager_over_compiled']:.2f}x; compiled in {result['compile_s']:.1f} s "
-              f"({result['graphs']} graphs in this process); greedy tokens equal: {agreement['equal_before_first_difference']} of "
+    lines += ["", f"eager / compiled: {result['eager_over_compiled']:.2f}x; "
+              f"{'loaded from disk' if result.get('rows_loaded') else 'compiled'} in {result['compile_s']:.1f} s "
+              f"({result['graphs']} graphs); greedy tokens equal: {agreement['equal_before_first_difference']} of "
               f"{agreement['tokens']}", ""]
     for weights, demo in result.get("demo_agreement", {}).items():
         lines += [f"demo model, {weights} weights, {result['args']['demo_replies']} replies: "

@@ -15,6 +15,13 @@ every buffer capacity. The row count is not: a graph decodes 1, 2, 4 or 8 rows (
 takes the 4-row graph with an idle row on scratch buffers), so compiles stay at one a bucket
 (counted in `/status`), built one row first.
 
+Each graph is compiled ahead of time (dynamo's `aot_compile`) and saved in the app's cache folder
+under a key of everything it was traced from (torch, the model's config and dtype, the source of
+every module class it calls, this file): a restart loads it in seconds instead of tracing 28
+layers again (most of a minute at Qwen3-0.6B's shape even with inductor's on-disk cache). A
+loaded graph checks its guards at every call as a compiled one does; a graph that will not load
+is compiled again.
+
 Steps with prompt pieces, or more rows than the largest bucket, go through the packed eager
 forward (cache_sessions/resident.py).
 
@@ -26,14 +33,19 @@ tokens' logits are that close. docs/performance.md states what exact means per m
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import logging
 import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+import transformers
 from transformers import PreTrainedModel
 
 from cache_sessions.growing import GrowingLayer
@@ -46,8 +58,9 @@ AUTO_MIN_PARAMETERS = 200_000_000
 
 log = logging.getLogger(__name__)
 
-# Held while a graph is built and while a step runs a built one, in this process: a step refuses
-# to compile by setting dynamo's stance, which is global, so it must never overlap a build.
+# Held while a graph is built or loaded and while a step runs a built one, in this process: a
+# step never runs beside dynamo tracing another graph (its configuration is global; the step runs
+# eager instead).
 _GRAPHS = threading.Lock()
 
 
@@ -108,12 +121,43 @@ def decode_rows(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.T
     return model.lm_head(core.norm(hidden))[:, -1]
 
 
-def compiled_graphs() -> int:
-    """Graphs compiled from `decode_rows` in this process (dynamo's cache entries for its code:
-    one a guard set, so one a bucket, and any more a recompile; engines in one process share them)."""
-    if not hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list"):
-        return -1  # this torch no longer says
-    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(decode_rows.__code__))
+def _saved_guards(guards: Sequence[Any]) -> list[bool]:
+    """The guards a saved graph keeps: dynamo's own choice for a saved graph (none on globals or
+    on object identity), less those on oneDNN-packed weights (chat/weights.py), which it cannot
+    write down; their shapes are in the graph's key (the model's config and weights format)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaved = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [not (guard.is_global or guard.guard_type in unsaved
+                 or (isinstance(guard.value, torch.Tensor) and guard.value.is_mkldnn)) for guard in guards]
+
+
+def default_store() -> Path:
+    """Where compiled graphs are kept between runs: the app's cache folder."""
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache_home) / "rewind-chat" / "compiled-steps"
+
+
+def graph_key(model: PreTrainedModel, rows: int) -> str:
+    """What a saved graph was traced from, hashed: a graph is loaded only by a process that would
+    trace the same one (same torch, transformers and CPU kind; same config, dtype and weights
+    format; the same source of `decode_rows` and of every module class the model is made of)."""
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    for unread in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        config.pop(unread, None)
+    sources = []
+    for kind in sorted({type(module) for module in model.modules()} | {type(model)}, key=lambda k: k.__qualname__):
+        try:
+            sources.append((kind.__qualname__, Path(inspect.getfile(kind)).read_bytes()))
+        except (OSError, TypeError):  # a class with no file: its name only
+            sources.append((kind.__qualname__, b""))
+    digest = hashlib.sha256()
+    for part in (torch.__version__, transformers.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
+                 str(model.dtype), json.dumps(config, sort_keys=True), str(rows), Path(__file__).read_bytes(),
+                 *(name.encode() + source for name, source in sources)):
+        digest.update(part if isinstance(part, bytes) else str(part).encode())
+        digest.update(b"\0")
+    return f"{type(model).__name__}-{rows}-rows-{digest.hexdigest()[:24]}"
 
 
 ROW_BUCKETS = (1, 2, 4, 8)  # rows a graph decodes; a step of 3 takes the 4-row graph with one idle row
@@ -129,7 +173,9 @@ class CompiledDecode:
     """The compiled steps of one model (a graph per row bucket), compiled on a thread of their own
     (`start`) while the loop serves eager steps; the loop uses each (`takes`, `step`) once ready."""
 
-    def __init__(self, model: PreTrainedModel, mode: str = "auto", max_rows: int = 1):
+    def __init__(self, model: PreTrainedModel, mode: str = "auto", max_rows: int = 1, store: Path | None = None):
+        """`store`: the folder graphs are saved to and loaded from (None: neither, unless `start`
+        chooses the app's cache folder)."""
         check_compile_mode(mode)
         self.model, self.mode = model, mode
         self.reason = "off" if mode == "off" else compile_refusal(model, auto=mode == "auto")
@@ -137,7 +183,10 @@ class CompiledDecode:
         # the buckets up to the first that holds `max_rows` (more rows than the largest: eager)
         self.buckets = (tuple(b for b in ROW_BUCKETS if b < max_rows)
                         + tuple(b for b in ROW_BUCKETS if b >= max_rows)[:1])
+        self.store = store
         self.compile_s: dict[int, float] = {}
+        self.loaded: set[int] = set()  # the buckets whose graph came from `store`
+        self._graphs: dict[int, Callable[..., torch.Tensor]] = {}
         self.error, self.steps = None, 0
         self._ready_rows: set[int] = set()
         self._all_ready = threading.Event()
@@ -145,7 +194,8 @@ class CompiledDecode:
             self._all_ready.set()
         self._idle: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._thread: threading.Thread | None = None
-        self._compiled = torch.compile(decode_rows, dynamic=True, fullgraph=True)
+        self._compiler = torch.compile(decode_rows, dynamic=True, fullgraph=True,
+                                       options={"guard_filter_fn": _saved_guards})
 
     # ---- what the loop reads ---------------------------------------------------------------------
     @property
@@ -157,6 +207,12 @@ class CompiledDecode:
         """The graph a step of `rows` decode rows takes, if it is ready."""
         bucket = next((b for b in self.buckets if b >= rows), None)
         return bucket if self.enabled and bucket in self._ready_rows else None
+
+    @property
+    def graphs(self) -> int:
+        """Graphs this model's steps hold: one a bucket, never more (a graph is never compiled
+        again for a length or a capacity: its guards refuse the step instead)."""
+        return len(self._graphs)
 
     def takes(self, rows: Sequence[tuple[Any, Sequence[int]]], logits_of: Sequence[int]) -> bool:
         """Whether this step is decode rows only, as many as a ready graph holds, each on states
@@ -175,9 +231,9 @@ class CompiledDecode:
     def step(self, rows: Sequence[tuple[Any, Sequence[int]]]) -> torch.Tensor | None:
         """Feed each session its one token (rows `takes` accepted); the logits after each, shaped
         (rows, vocab). The ledgers are the caller's (as with `forward_rows`). None, with nothing
-        fed, while another graph is being built (this step runs eager), or where the graph would
-        have to be compiled again: that would stall every user for a minute on the loop, so the
-        steps stay eager from then on (and `/status` says why)."""
+        fed, while another graph is being built (this step runs eager), or where the graph's guards
+        refuse these states (another dtype, say): a new graph would stall every user for a minute
+        on the loop, so the steps stay eager from then on (and `/status` says why)."""
         bucket = self.bucket(len(rows))
         assert bucket is not None
         if not _GRAPHS.acquire(blocking=False):
@@ -206,13 +262,13 @@ class CompiledDecode:
             values.extend(idle_values)
         device = self.model.device
         try:
-            with torch.compiler.set_stance("fail_on_recompile"):  # refused before anything runs
-                logits = self._compiled(self.model, torch.tensor(tokens, device=device).view(-1, 1),
-                                        torch.tensor(positions, device=device), lengths, keys, values)
+            logits = self._graphs[bucket](self.model, torch.tensor(tokens, device=device).view(-1, 1),
+                                          torch.tensor(positions, device=device), lengths, keys, values)
         except RuntimeError as error:
-            if "recompile" not in str(error):
+            if "GuardManager check failed" not in str(error):  # checked before anything runs
                 raise
-            self.error, self.enabled = f"a step would have compiled again: {error}"[:500], False
+            self.error = f"a step would have compiled again (its guards failed): {error}"[:500]
+            self.enabled = False
             log.warning("decode steps back to eager: %s", self.error)
             return None
         for session, _ in rows:
@@ -224,19 +280,21 @@ class CompiledDecode:
     def stats(self) -> dict[str, Any]:
         """For `/status`: whether it is used, and what compiling cost."""
         return {"mode": self.mode, "enabled": self.enabled, "ready": self.ready,
-                "rows_compiled": sorted(self._ready_rows) if self.enabled else [], "graphs": compiled_graphs(),
+                "rows_compiled": sorted(self._ready_rows) if self.enabled else [], "graphs": self.graphs,
+                "rows_loaded": sorted(self.loaded),
                 "steps": self.steps, "compile_s": round(sum(self.compile_s.values()), 1) if self.compile_s else None,
                 "not_compiled_because": self.reason or self.error}
 
     # ---- compiling beside the loop ---------------------------------------------------------------
     def start(self) -> None:
-        """Compile on a thread of its own (the loop serves eager steps meanwhile), one row first,
-        with inductor's on-disk cache in the app's cache folder unless one was chosen
-        (TORCHINDUCTOR_CACHE_DIR), so a restart builds the graphs from it in seconds."""
+        """Compile on a thread of its own (the loop serves eager steps meanwhile), one row first.
+        Graphs are kept in the app's cache folder unless a `store` was given, and inductor's own
+        on-disk cache beside them unless one was chosen (TORCHINDUCTOR_CACHE_DIR)."""
         if not self.enabled or self._thread is not None:
             return
-        cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_home, "rewind-chat", "inductor"))
+        if self.store is None:
+            self.store = default_store()
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.store.parent / "inductor"))
         self._thread = threading.Thread(target=self.warm, name="compile-decode-step", daemon=True)
         self._thread.start()
 
@@ -247,18 +305,19 @@ class CompiledDecode:
 
     @torch.no_grad()
     def warm(self) -> None:
-        """Compile each bucket by running it on scratch buffers twice (the second, at other lengths
-        and capacities, checks they reuse the graph)."""
+        """Load or compile each bucket's graph, then run it on scratch buffers at other lengths
+        and capacities than it was traced at: its guards must take them."""
         try:
             self._idle = [self._scratch(_IDLE_CAPACITY) for _ in range(max(self.buckets) - 1)]
             for bucket in self.buckets:
                 started = time.perf_counter()
                 with _GRAPHS:
-                    self._build(bucket)
+                    self._graphs[bucket] = self._load(bucket) or self._build(bucket)
                 self.compile_s[bucket] = time.perf_counter() - started
                 self._ready_rows.add(bucket)
-                log.info("decode step of %d row(s) compiled in %.1f s", bucket, self.compile_s[bucket])
-                print(f"rewind-chat: decode step of {bucket} row{'s' if bucket > 1 else ''} compiled in "
+                how = "loaded from disk" if bucket in self.loaded else "compiled"
+                log.info("decode step of %d row(s) %s in %.1f s", bucket, how, self.compile_s[bucket])
+                print(f"rewind-chat: decode step of {bucket} row{'s' if bucket > 1 else ''} {how} in "
                       f"{self.compile_s[bucket]:.1f} s", flush=True)
         except Exception as error:  # an eager engine is still a working one: say why, go on eager
             self.error = f"compiling failed: {type(error).__name__}: {error}"[:500]
@@ -267,19 +326,60 @@ class CompiledDecode:
         finally:
             self._all_ready.set()
 
-    def _build(self, bucket: int) -> None:
-        """Run the `bucket`-row graph on scratch buffers twice: the first call builds it, the
-        second (other lengths and capacities) checks it is reused."""
+    def _path(self, bucket: int) -> Path | None:
+        return None if self.store is None else self.store / f"{graph_key(self.model, bucket)}.graph"
+
+    def _load(self, bucket: int) -> Callable[..., torch.Tensor] | None:
+        """The saved graph of `bucket`, checked on scratch buffers; None where there is none or it
+        will not load (a torch that reads it otherwise, a damaged file): it is compiled again."""
+        path = self._path(bucket)
+        if path is None or not path.is_file():
+            return None
+        try:
+            with open(path, "rb") as file:
+                graph = torch.compiler.load_compiled_function(file)
+            self._run_scratch(graph, bucket, 1)
+        except Exception as error:
+            log.warning("the saved decode step %s was not used (%s: %s); compiling it again",
+                        path, type(error).__name__, str(error)[:300])
+            return None
+        self.loaded.add(bucket)
+        return graph
+
+    def _build(self, bucket: int) -> Callable[..., torch.Tensor]:
+        """Compile the `bucket`-row graph ahead of time on scratch buffers, check that it takes
+        other lengths and capacities, and save it if there is a store (a failed save costs the
+        next start a compile, nothing more)."""
+        # floats read from the model (its norms' epsilon, attention's scale) are constants of the
+        # graph, not inputs: an ahead-of-time trace cannot start again to specialize them
+        with torch._dynamo.config.patch(specialize_float=True):
+            graph = self._compiler.aot_compile((self._scratch_inputs(bucket, 0), {}))
+        self._run_scratch(graph, bucket, 1)
+        path = self._path(bucket)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                graph.save_compiled_function(str(path))
+            except Exception as error:
+                log.warning("the decode step was not saved to %s (%s: %s)", path, type(error).__name__, error)
+        return graph
+
+    def _scratch_inputs(self, bucket: int, which: int) -> tuple:
+        """`decode_rows`'s arguments for `bucket` rows on zeroed buffers: lengths `_WARM_LENGTHS[which]`."""
         device = self.model.device
-        for lengths, spare in zip(_WARM_LENGTHS, _WARM_SPARE):
-            lengths = list(lengths[:bucket])
-            keys, values = [], []
-            for length in lengths:
-                row_keys, row_values = self._scratch(length + spare)
-                keys.extend(row_keys)
-                values.extend(row_values)
-            self._compiled(self.model, torch.zeros(bucket, 1, dtype=torch.long, device=device),
-                           torch.tensor([length - 1 for length in lengths], device=device), lengths, keys, values)
+        lengths, spare = list(_WARM_LENGTHS[which][:bucket]), _WARM_SPARE[which]
+        keys, values = [], []
+        for length in lengths:
+            row_keys, row_values = self._scratch(length + spare)
+            keys.extend(row_keys)
+            values.extend(row_values)
+        return (self.model, torch.zeros(bucket, 1, dtype=torch.long, device=device),
+                torch.tensor([length - 1 for length in lengths], device=device), lengths, keys, values)
+
+    def _run_scratch(self, graph: Callable[..., torch.Tensor], bucket: int, which: int) -> None:
+        logits = graph(*self._scratch_inputs(bucket, which))
+        if logits.shape != (bucket, self.model.config.vocab_size) or not torch.isfinite(logits).all():
+            raise RuntimeError(f"the {bucket}-row graph gave logits of shape {tuple(logits.shape)}")
 
     def _scratch(self, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         config, layers = self.model.config, self.model.model.layers

@@ -196,3 +196,26 @@ def test_compiled_step_benchmark_writes_the_documented_fields(tmp_path):
     assert set(result["median_step_ms"]) == set(MODES) and all(ms > 0 for ms in result["median_step_ms"].values())
     assert result["graphs"] >= 1 and result["greedy_agreement"]["tokens"] == 4
     assert {"eager_over_compiled", "compile_s", "targets"} <= set(result)
+
+
+def test_compiled_step_benchmark_saves_its_graph_and_a_second_run_loads_it(tmp_path):
+    from benchmarks.compiled_step import main as compiled_step
+
+    arguments = ("--model", "tiny-full", "--history", "40", "--steps", "1", "--rounds", "2", "--agree", "4",
+                 "--store", str(tmp_path / "steps"))
+    first = run_to_json(compiled_step, tmp_path, *arguments)
+    restarted = run_to_json(compiled_step, tmp_path, *arguments)
+    assert first["rows_loaded"] == [] and restarted["rows_loaded"] == [1] and restarted["graphs"] == 1
+    assert restarted["greedy_agreement"]["equal_before_first_difference"] == 4  # same tokens as eager
+
+
+def test_restart_benchmark_times_a_first_start_and_a_restart_in_processes_of_their_own(tmp_path):
+    from benchmarks.restart import STARTS, main as restart
+
+    result = run_to_json(restart, tmp_path, "--model", "tiny-full", "--cache", str(tmp_path / "cache"))
+    assert list(result["starts"]) == list(STARTS)
+    first, again = result["starts"]["first"], result["starts"]["restart"]
+    assert first["compiled_step"]["rows_loaded"] == [] and again["compiled_step"]["rows_loaded"] == [1]
+    for row in (first, again):
+        assert row["compiled_step"]["ready"] and 0 < row["engine_s"] <= row["one_row_s"] <= row["all_rows_s"]
+    assert len(result["targets"]) == 2

@@ -179,7 +179,8 @@ def test_a_streaming_reply_is_drafted_so_a_reload_keeps_the_message_and_the_text
         [final["messages"][i]["content"] for i in final["path"][:4]]  # the message, before the reply streamed
     reply = final["messages"][final["path"][-1]]["content"]
     texts = [patch["reply"]["content"] for patch in patches]
-    assert len(patches) > 2 and all(p["draft"] and p["rev"] == 2 for p in patches)
+    # how many updates there are is the machine's pace (a busy one hands several tokens at once)
+    assert patches and all(p["draft"] and p["rev"] == 2 for p in patches)
     assert all(reply.startswith(text) for text in texts) and texts[-1]  # the reply so far, growing
     assert on_screen and all(kept == shown for shown, kept in on_screen)  # what was on screen
     assert handlers.directory.find(key).conversation.to_dict() == final  # drafting changed nothing

@@ -14,7 +14,7 @@ from tiny_models import build_model
 
 from cache_sessions import CacheSession
 from cache_sessions import compiled as compiled_module
-from cache_sessions.compiled import CompiledDecode, compiled_graphs
+from cache_sessions.compiled import CompiledDecode, graph_key
 from chat import ChatEngine
 from chat.config import EngineConfig
 from chat.weights import apply_weight_format
@@ -34,8 +34,7 @@ def test_each_compiled_step_gives_a_from_scratch_forwards_logits_with_one_graph_
     compiled = CompiledDecode(model, "on", max_rows=3)
     assert compiled.buckets == (1, 2, 4)
     compiled.warm()
-    assert compiled.wait(0) and compiled.ready and compiled.error is None
-    graphs = compiled_graphs()
+    assert compiled.wait(0) and compiled.ready and compiled.error is None and compiled.graphs == 3
     sessions = []
     for start in (30, 60, 90):
         sessions.append(CacheSession(model))
@@ -53,8 +52,7 @@ def test_each_compiled_step_gives_a_from_scratch_forwards_logits_with_one_graph_
             tokens[row] = int(expected.argmax())
         capacities.add(sessions[0].cache.layers[0]._key_buffer.shape[-2])
     assert len(capacities) > 1  # the buffers grew on the way, and the graphs read them in place
-    assert compiled_graphs() == graphs  # no length or capacity compiled again
-    assert compiled.steps == 40
+    assert compiled.steps == 40 and compiled.error is None  # every length and capacity passed the guards
     # rolled back into what compiled steps wrote, the next step reads the kept part only
     session = sessions[0]
     session.prepare(session.token_ids[:-25] + [11])  # the kept part; 11 is the next token fed
@@ -86,6 +84,43 @@ def test_a_compiled_step_with_int8_or_packed_weights_gives_a_from_scratch_forwar
         torch.testing.assert_close(logits[0], expected, atol=tolerance, rtol=0)
         token = int(expected.argmax())
     assert compiled.steps == 12
+
+
+def test_a_restart_loads_the_saved_graphs_and_they_give_a_from_scratch_forwards_logits(base_tokenizer, tmp_path):
+    """Graphs saved by one start are loaded by the next (no trace), only by a model they were
+    traced from, and a damaged file is compiled again rather than trusted."""
+    model = build_model("full", len(base_tokenizer), None)
+    first = CompiledDecode(model, "on", max_rows=2, store=tmp_path)
+    first.warm()
+    assert first.ready and first.error is None and first.loaded == set()
+    saved = sorted(path.name for path in tmp_path.iterdir())
+    assert saved == sorted(f"{graph_key(model, rows)}.graph" for rows in (1, 2))
+    restarted = CompiledDecode(model, "on", max_rows=2, store=tmp_path)
+    restarted.warm()
+    assert restarted.ready and restarted.error is None and restarted.loaded == {1, 2} and restarted.graphs == 2
+    sessions = [CacheSession(model), CacheSession(model)]
+    sessions[0].extend(list(range(30, 61)))
+    sessions[1].extend(list(range(40, 52)))
+    tokens = [7, 8]
+    for _ in range(6):
+        rows = [(session, [token]) for session, token in zip(sessions, tokens)]
+        logits = restarted.step(rows)
+        for row, (session, fed) in enumerate(rows):
+            session.note_extended(fed)
+            expected = scratch_logits(model, session.token_ids)
+            torch.testing.assert_close(logits[row], expected, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
+            tokens[row] = int(expected.argmax())
+    # another model (more layers): another key, so compiled, not loaded
+    deeper = build_model("full", len(base_tokenizer), None)
+    deeper.config.num_hidden_layers += 1
+    assert graph_key(deeper, 1) != graph_key(model, 1)
+    # a damaged file: compiled again, and saved over
+    damaged = tmp_path / f"{graph_key(model, 1)}.graph"
+    damaged.write_bytes(b"not a graph")
+    again = CompiledDecode(model, "on", max_rows=1, store=tmp_path)
+    again.warm()
+    assert again.ready and again.error is None and again.loaded == set()
+    assert damaged.stat().st_size > 1000
 
 
 def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(base_tokenizer):
