@@ -58,10 +58,10 @@ AUTO_MIN_PARAMETERS = 200_000_000
 
 log = logging.getLogger(__name__)
 
-# Held while a graph is built or loaded and while a step runs a built one, in this process: a
-# step never runs beside dynamo tracing another graph (its configuration is global; the step runs
-# eager instead).
-_GRAPHS = threading.Lock()
+# Held while a graph is built or loaded: one at a time in this process (dynamo's configuration is
+# global). Steps do not take it: a graph compiled ahead of time runs without dynamo, so the
+# one-row graph serves while the larger ones are still being built.
+_BUILDING = threading.Lock()
 
 
 def check_compile_mode(mode: str) -> None:
@@ -231,19 +231,11 @@ class CompiledDecode:
     def step(self, rows: Sequence[tuple[Any, Sequence[int]]]) -> torch.Tensor | None:
         """Feed each session its one token (rows `takes` accepted); the logits after each, shaped
         (rows, vocab). The ledgers are the caller's (as with `forward_rows`). None, with nothing
-        fed, while another graph is being built (this step runs eager), or where the graph's guards
-        refuse these states (another dtype, say): a new graph would stall every user for a minute
-        on the loop, so the steps stay eager from then on (and `/status` says why)."""
+        fed, where the graph's guards refuse these states (another dtype, say): a new graph would
+        stall every user for a minute on the loop, so the steps stay eager from then on (and
+        `/status` says why)."""
         bucket = self.bucket(len(rows))
         assert bucket is not None
-        if not _GRAPHS.acquire(blocking=False):
-            return None
-        try:
-            return self._step(rows, bucket)
-        finally:
-            _GRAPHS.release()
-
-    def _step(self, rows: Sequence[tuple[Any, Sequence[int]]], bucket: int) -> torch.Tensor | None:
         tokens, positions, lengths, keys, values = [], [], [], [], []
         for session, fed in rows:
             held = len(session.token_ids)
@@ -311,7 +303,7 @@ class CompiledDecode:
             self._idle = [self._scratch(_IDLE_CAPACITY) for _ in range(max(self.buckets) - 1)]
             for bucket in self.buckets:
                 started = time.perf_counter()
-                with _GRAPHS:
+                with _BUILDING:
                     self._graphs[bucket] = self._load(bucket) or self._build(bucket)
                 self.compile_s[bucket] = time.perf_counter() - started
                 self._ready_rows.add(bucket)

@@ -4,6 +4,7 @@ and buffer capacity, rollback into compiled steps, and every operation of an eng
 held to the same references as the eager engine (tests/reference.py)."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -132,13 +133,41 @@ def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(bas
     session.extend(list(range(30, 50)))
     for layer in session.cache.layers:  # states of another dtype: a guard of the graph fails
         layer.keys, layer.values = layer.keys.double(), layer.values.double()
-    with compiled_module._GRAPHS:  # another graph being built: this step is eager's, nothing lost
-        assert compiled.step([(session, [7])]) is None
     assert compiled.ready and compiled.error is None
     assert compiled.step([(session, [7])]) is None
     assert not compiled.ready and "compiled again" in compiled.stats()["not_compiled_because"]
     assert len(session.token_ids) == 20 and session.cache.get_seq_length() == 20
     assert not compiled.takes([(session, [7])], [0])
+
+
+def test_a_ready_graph_serves_while_another_is_being_built(base_tokenizer):
+    """A graph compiled ahead of time runs without dynamo: the one-row steps go on, compiled and
+    exact, while another graph of this process is traced and compiled on its thread."""
+    model = build_model("full", len(base_tokenizer), None)
+    ready = CompiledDecode(model, "on", max_rows=1)
+    ready.warm()
+    other = CompiledDecode(build_model("full", len(base_tokenizer), None, seed=1), "on", max_rows=2)
+    building = threading.Thread(target=other.warm)
+    building.start()
+    deadline = time.monotonic() + WAIT_S
+    while not compiled_module._BUILDING.locked() and building.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the other build holds the lock
+    session = CacheSession(model)
+    session.extend(list(range(30, 60)))
+    token, during = 7, 0
+    while True:
+        was_building = compiled_module._BUILDING.locked()
+        logits = ready.step([(session, [token])])
+        during += was_building and compiled_module._BUILDING.locked()
+        session.note_extended([token])
+        expected = scratch_logits(model, session.token_ids)
+        torch.testing.assert_close(logits[0], expected, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
+        token = int(expected.argmax())
+        if not building.is_alive():
+            break
+    building.join(WAIT_S)
+    assert during >= 1, "no step ran while the other graph was being built"
+    assert other.wait(0) and other.error is None and ready.error is None
 
 
 def test_every_operation_of_a_compiled_engine_is_exact(tokenizers):
