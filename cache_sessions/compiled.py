@@ -303,8 +303,9 @@ class CompiledDecode:
             self._idle = [self._scratch(_IDLE_CAPACITY) for _ in range(max(self.buckets) - 1)]
             for bucket in self.buckets:
                 started = time.perf_counter()
+                path = None if self.store is None else self.store / f"{graph_key(self.model, bucket)}.graph"
                 with _BUILDING:
-                    self._graphs[bucket] = self._load(bucket) or self._build(bucket)
+                    self._graphs[bucket] = self._load(bucket, path) or self._build(bucket, path)
                 self.compile_s[bucket] = time.perf_counter() - started
                 self._ready_rows.add(bucket)
                 how = "loaded from disk" if bucket in self.loaded else "compiled"
@@ -318,13 +319,10 @@ class CompiledDecode:
         finally:
             self._all_ready.set()
 
-    def _path(self, bucket: int) -> Path | None:
-        return None if self.store is None else self.store / f"{graph_key(self.model, bucket)}.graph"
-
-    def _load(self, bucket: int) -> Callable[..., torch.Tensor] | None:
-        """The saved graph of `bucket`, checked on scratch buffers; None where there is none or it
-        will not load (a torch that reads it otherwise, a damaged file): it is compiled again."""
-        path = self._path(bucket)
+    def _load(self, bucket: int, path: Path | None) -> Callable[..., torch.Tensor] | None:
+        """The graph of `bucket` saved at `path`, checked on scratch buffers; None where there is
+        none or it will not load (a torch that reads it otherwise, a damaged file): it is
+        compiled again."""
         if path is None or not path.is_file():
             return None
         try:
@@ -338,16 +336,15 @@ class CompiledDecode:
         self.loaded.add(bucket)
         return graph
 
-    def _build(self, bucket: int) -> Callable[..., torch.Tensor]:
+    def _build(self, bucket: int, path: Path | None) -> Callable[..., torch.Tensor]:
         """Compile the `bucket`-row graph ahead of time on scratch buffers, check that it takes
-        other lengths and capacities, and save it if there is a store (a failed save costs the
-        next start a compile, nothing more)."""
+        other lengths and capacities, and save it at `path` if there is one (a failed save costs
+        the next start a compile, nothing more)."""
         # floats read from the model (its norms' epsilon, attention's scale) are constants of the
         # graph, not inputs: an ahead-of-time trace cannot start again to specialize them
         with torch._dynamo.config.patch(specialize_float=True):
             graph = self._compiler.aot_compile((self._scratch_inputs(bucket, 0), {}))
         self._run_scratch(graph, bucket, 1)
-        path = self._path(bucket)
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
