@@ -69,20 +69,24 @@ def send(page: Page, text: str) -> str:
 
 
 def set_max_new_tokens(page: Page, tokens: int) -> None:
-    """Type it in the slider's box until the slider shows it: under a loaded machine a value typed
-    as the panel first opens was seen put back to the default (a re-render of the component in
-    Gradio, not this app's settings restore, which now ends before the page says it is ready)."""
+    """Type it in the slider's box until the page has taken it: its input event kept it in the
+    browser and the slider shows it. Under a loaded machine a value typed as the panel first opens
+    was seen put back to the default (a re-render of the component in Gradio, not this app's
+    settings restore, which ends before the page says it is ready)."""
     box = page.locator("#max-new-tokens input[type='number']")
     slider = page.locator("#max-new-tokens input[type='range']")
     for _ in range(3):
         box.fill(str(tokens))
         box.press("Enter")
         try:
+            page.wait_for_function("([key, value]) => JSON.parse(localStorage.getItem(key) || '{}')"
+                                   ".max_new_tokens === value", arg=[page_assets.SETTINGS_KEY, tokens],
+                                   timeout=10_000)
             expect(slider).to_have_value(str(tokens), timeout=5_000)
             return
-        except AssertionError:
+        except (AssertionError, PlaywrightTimeout):
             continue
-    expect(slider).to_have_value(str(tokens))
+    raise AssertionError(f"max new tokens {tokens} was never taken; kept: {kept_settings(page)}")
 
 
 REPLY_ENDED = """(previous) => {
@@ -169,8 +173,7 @@ def endless_app(tmp_path_factory, base_tokenizer):
 def test_stop_and_escape_end_a_long_reply(browser, endless_app):
     page = open_chat(browser, endless_app.url)
     page.get_by_text("Settings", exact=True).click()  # open the accordion
-    page.locator("#max-new-tokens input[type='number']").fill("2000")
-    page.locator("#max-new-tokens input[type='number']").press("Enter")
+    set_max_new_tokens(page, 2000)
     expect(page.locator("#send")).to_be_visible()
     expect(page.locator("#stop")).to_be_hidden()
     before = send(page, "Now a long answer, which I will stop.")
@@ -510,8 +513,7 @@ def test_on_a_phone_the_input_and_its_button_stay_in_view(browser, endless_app):
     page.goto(endless_app.url)
     wait_loaded(page)
     page.get_by_text("Settings", exact=True).click()
-    page.locator("#max-new-tokens input[type='number']").fill("2000")
-    page.locator("#max-new-tokens input[type='number']").press("Enter")
+    set_max_new_tokens(page, 2000)
     page.evaluate("window.scrollTo(0, 0)")
 
     def in_view(selector: str) -> bool:
@@ -599,8 +601,7 @@ def test_branches_the_list_and_a_reload_lose_nothing(browser, demo_app, tmp_path
 def test_new_chat_during_a_reply_keeps_it_in_the_list(browser, endless_app):
     page = open_chat(browser, endless_app.url)
     page.get_by_text("Settings", exact=True).click()
-    page.locator("#max-new-tokens input[type='number']").fill("2000")
-    page.locator("#max-new-tokens input[type='number']").press("Enter")
+    set_max_new_tokens(page, 2000)
     send(page, "A long reply I leave for a new chat.")
     expect(page.locator("#stats")).to_contain_text("generating")
     page.click("#new-chat")
@@ -780,8 +781,7 @@ def test_enter_during_a_reply_keeps_it_and_sends_the_message_when_it_ends(browse
     and is sent as the reply ends, here by Stop."""
     page = open_chat(browser, endless_app.url)
     page.get_by_text("Settings", exact=True).click()
-    page.locator("#max-new-tokens input[type='number']").fill("1000")
-    page.locator("#max-new-tokens input[type='number']").press("Enter")
+    set_max_new_tokens(page, 1000)
     send(page, "A long reply to type ahead during.")
     written = page.wait_for_function(DRAFTED_REPLY, arg="A long reply to type ahead during.",
                                      timeout=60_000).json_value()
@@ -821,8 +821,7 @@ def test_a_reload_as_a_reply_begins_keeps_what_was_on_screen(browser, endless_ap
     the chat: a reload just after the first words keeps them."""
     page = open_chat(browser, endless_app.url)
     page.get_by_text("Settings", exact=True).click()
-    page.locator("#max-new-tokens input[type='number']").fill("1000")
-    page.locator("#max-new-tokens input[type='number']").press("Enter")
+    set_max_new_tokens(page, 1000)
     send(page, "Reload me as I begin.")
     shown = page.wait_for_function(SHOWN_REPLY, arg="Reload me as I begin.", timeout=60_000).json_value()
     page.reload()
