@@ -281,7 +281,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, 
                                                                    monkeypatch):
     """Each step is one forward: the running reply's next token and at most one chunk."""
     model = models["full"]
-    engine = make_engine("full", prefill_chunk=16)
+    engine = make_engine("full", prefill_chunk=16, step_gap_factor=None)  # chunks of 16 however busy the machine
     runner, newcomer = engine.conversation("You are terse."), engine.conversation("You are terse.")
     forwards: list[tuple[int, list[int]]] = []  # (decode rows, tokens of each prefill piece) per forward
     packed = cache_sessions.owner.forward_rows
