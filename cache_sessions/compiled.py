@@ -169,6 +169,79 @@ _WARM_LENGTHS = ((37, 41, 43, 47, 53, 59, 61, 67), (71, 73, 79, 83, 89, 97, 101,
 _WARM_SPARE = (54, 56)
 
 
+class GraphMaker:
+    """Makes one model's graph for a bucket of rows: loaded from `store` where a process that
+    traced the same one saved it, else compiled ahead of time and saved there; either way run on
+    scratch buffers at other lengths and capacities than it was traced at, since its guards must
+    take them. Not thread-safe: callers hold `_BUILDING`."""
+
+    def __init__(self, model: PreTrainedModel, store: Path | None):
+        self.model, self.store = model, store
+        self._compiler = torch.compile(decode_rows, dynamic=True, fullgraph=True,
+                                       options={"guard_filter_fn": _saved_guards})
+
+    def path(self, bucket: int) -> Path | None:
+        """Where the `bucket`-row graph is saved (None: no store). Hashes the model's sources: once a bucket."""
+        return None if self.store is None else self.store / f"{graph_key(self.model, bucket)}.graph"
+
+    def load(self, bucket: int, path: Path | None) -> Callable[..., torch.Tensor] | None:
+        """The graph of `bucket` saved at `path`, checked on scratch buffers; None where there is
+        none or it will not load (a torch that reads it otherwise, a damaged file): it is
+        compiled again."""
+        if path is None or not path.is_file():
+            return None
+        try:
+            with open(path, "rb") as file:
+                graph = torch.compiler.load_compiled_function(file)
+            self._run_scratch(graph, bucket, 1)
+        except Exception as error:
+            log.warning("the saved decode step %s was not used (%s: %s); compiling it again",
+                        path, type(error).__name__, str(error)[:300])
+            return None
+        return graph
+
+    def build(self, bucket: int, path: Path | None) -> Callable[..., torch.Tensor]:
+        """Compile the `bucket`-row graph ahead of time on scratch buffers, check that it takes
+        other lengths and capacities, and save it at `path` if there is one (a failed save costs
+        the next start a compile, nothing more)."""
+        # floats read from the model (its norms' epsilon, attention's scale) are constants of the
+        # graph, not inputs: an ahead-of-time trace cannot start again to specialize them
+        with torch._dynamo.config.patch(specialize_float=True):
+            graph = self._compiler.aot_compile((self._scratch_inputs(bucket, 0), {}))
+        self._run_scratch(graph, bucket, 1)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                graph.save_compiled_function(str(path))
+            except Exception as error:
+                log.warning("the decode step was not saved to %s (%s: %s)", path, type(error).__name__, error)
+        return graph
+
+    def scratch(self, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed key and value buffers of every layer for one row of `capacity` positions."""
+        config, layers = self.model.config, self.model.model.layers
+        shape = (1, config.num_key_value_heads, capacity, layers[0].self_attn.head_dim)
+        make: Callable[[], torch.Tensor] = lambda: torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
+        return [make() for _ in layers], [make() for _ in layers]
+
+    def _scratch_inputs(self, bucket: int, which: int) -> tuple:
+        """`decode_rows`'s arguments for `bucket` rows on zeroed buffers: lengths `_WARM_LENGTHS[which]`."""
+        device = self.model.device
+        lengths, spare = list(_WARM_LENGTHS[which][:bucket]), _WARM_SPARE[which]
+        keys, values = [], []
+        for length in lengths:
+            row_keys, row_values = self.scratch(length + spare)
+            keys.extend(row_keys)
+            values.extend(row_values)
+        return (self.model, torch.zeros(bucket, 1, dtype=torch.long, device=device),
+                torch.tensor([length - 1 for length in lengths], device=device), lengths, keys, values)
+
+    def _run_scratch(self, graph: Callable[..., torch.Tensor], bucket: int, which: int) -> None:
+        logits = graph(*self._scratch_inputs(bucket, which))
+        if logits.shape != (bucket, self.model.config.vocab_size) or not torch.isfinite(logits).all():
+            raise RuntimeError(f"the {bucket}-row graph gave logits of shape {tuple(logits.shape)}")
+
+
 class CompiledDecode:
     """The compiled steps of one model (a graph per row bucket), compiled on a thread of their own
     (`start`) while the loop serves eager steps; the loop uses each (`takes`, `step`) once ready."""
@@ -194,8 +267,6 @@ class CompiledDecode:
             self._all_ready.set()
         self._idle: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._thread: threading.Thread | None = None
-        self._compiler = torch.compile(decode_rows, dynamic=True, fullgraph=True,
-                                       options={"guard_filter_fn": _saved_guards})
 
     # ---- what the loop reads ---------------------------------------------------------------------
     @property
@@ -297,15 +368,18 @@ class CompiledDecode:
 
     @torch.no_grad()
     def warm(self) -> None:
-        """Load or compile each bucket's graph, then run it on scratch buffers at other lengths
-        and capacities than it was traced at: its guards must take them."""
+        """Load or compile each bucket's graph (`GraphMaker`), one row first."""
         try:
-            self._idle = [self._scratch(_IDLE_CAPACITY) for _ in range(max(self.buckets) - 1)]
+            maker = GraphMaker(self.model, self.store)
+            self._idle = [maker.scratch(_IDLE_CAPACITY) for _ in range(max(self.buckets) - 1)]
             for bucket in self.buckets:
                 started = time.perf_counter()
-                path = None if self.store is None else self.store / f"{graph_key(self.model, bucket)}.graph"
+                path = maker.path(bucket)
                 with _BUILDING:
-                    self._graphs[bucket] = self._load(bucket, path) or self._build(bucket, path)
+                    graph = maker.load(bucket, path)
+                    if graph is not None:
+                        self.loaded.add(bucket)
+                    self._graphs[bucket] = graph or maker.build(bucket, path)
                 self.compile_s[bucket] = time.perf_counter() - started
                 self._ready_rows.add(bucket)
                 how = "loaded from disk" if bucket in self.loaded else "compiled"
@@ -318,60 +392,3 @@ class CompiledDecode:
             log.warning("decode step not compiled: %s", self.error)
         finally:
             self._all_ready.set()
-
-    def _load(self, bucket: int, path: Path | None) -> Callable[..., torch.Tensor] | None:
-        """The graph of `bucket` saved at `path`, checked on scratch buffers; None where there is
-        none or it will not load (a torch that reads it otherwise, a damaged file): it is
-        compiled again."""
-        if path is None or not path.is_file():
-            return None
-        try:
-            with open(path, "rb") as file:
-                graph = torch.compiler.load_compiled_function(file)
-            self._run_scratch(graph, bucket, 1)
-        except Exception as error:
-            log.warning("the saved decode step %s was not used (%s: %s); compiling it again",
-                        path, type(error).__name__, str(error)[:300])
-            return None
-        self.loaded.add(bucket)
-        return graph
-
-    def _build(self, bucket: int, path: Path | None) -> Callable[..., torch.Tensor]:
-        """Compile the `bucket`-row graph ahead of time on scratch buffers, check that it takes
-        other lengths and capacities, and save it at `path` if there is one (a failed save costs
-        the next start a compile, nothing more)."""
-        # floats read from the model (its norms' epsilon, attention's scale) are constants of the
-        # graph, not inputs: an ahead-of-time trace cannot start again to specialize them
-        with torch._dynamo.config.patch(specialize_float=True):
-            graph = self._compiler.aot_compile((self._scratch_inputs(bucket, 0), {}))
-        self._run_scratch(graph, bucket, 1)
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                graph.save_compiled_function(str(path))
-            except Exception as error:
-                log.warning("the decode step was not saved to %s (%s: %s)", path, type(error).__name__, error)
-        return graph
-
-    def _scratch_inputs(self, bucket: int, which: int) -> tuple:
-        """`decode_rows`'s arguments for `bucket` rows on zeroed buffers: lengths `_WARM_LENGTHS[which]`."""
-        device = self.model.device
-        lengths, spare = list(_WARM_LENGTHS[which][:bucket]), _WARM_SPARE[which]
-        keys, values = [], []
-        for length in lengths:
-            row_keys, row_values = self._scratch(length + spare)
-            keys.extend(row_keys)
-            values.extend(row_values)
-        return (self.model, torch.zeros(bucket, 1, dtype=torch.long, device=device),
-                torch.tensor([length - 1 for length in lengths], device=device), lengths, keys, values)
-
-    def _run_scratch(self, graph: Callable[..., torch.Tensor], bucket: int, which: int) -> None:
-        logits = graph(*self._scratch_inputs(bucket, which))
-        if logits.shape != (bucket, self.model.config.vocab_size) or not torch.isfinite(logits).all():
-            raise RuntimeError(f"the {bucket}-row graph gave logits of shape {tuple(logits.shape)}")
-
-    def _scratch(self, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        config, layers = self.model.config, self.model.model.layers
-        shape = (1, config.num_key_value_heads, capacity, layers[0].self_attn.head_dim)
-        make: Callable[[], torch.Tensor] = lambda: torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
-        return [make() for _ in layers], [make() for _ in layers]
