@@ -55,7 +55,10 @@ def test_ctrl_c_stops_the_reply_and_a_second_one_exits(tmp_path, base_tokenizer)
     folder = saved_model(tmp_path, base_tokenizer, eos=False)
     process = subprocess.Popen([sys.executable, "-m", "chat", "--model", str(folder), "--temperature", "0",
                                 "--max-new-tokens", "1900"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                               # Ctrl+C as a terminal gives it, even where pytest was started in the background
+                               # (a shell's `&` ignores SIGINT, the child inherits that and Python then keeps it)
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out: list[str] = []
     threading.Thread(target=lambda: out.extend(iter(lambda: process.stdout.read(1), "")), daemon=True).start()
 
