@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import json
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -49,6 +51,7 @@ import transformers
 from transformers import PreTrainedModel
 
 from cache_sessions.growing import GrowingLayer
+from cache_sessions.sealed import Sealer, UntrustedFolder, private_folder
 
 COMPILE_MODES = ("auto", "on", "off")
 PLAIN_DECODERS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -133,9 +136,25 @@ def _saved_guards(guards: Sequence[Any]) -> list[bool]:
 
 
 def default_store() -> Path:
-    """Where compiled graphs are kept between runs: the app's cache folder."""
+    """Where compiled graphs are kept between runs: the app's cache folder (chat/host.py puts
+    inductor's cache beside it, before torch loads)."""
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache_home) / "rewind-chat" / "compiled-steps"
+
+
+def trusted_inductor_cache() -> str | None:
+    """Keep inductor's cache (kernels it loads and runs) out of reach of other users: its folder
+    made or checked private, else a fresh private one for this process. Why it moved, if it did."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None:
+        return None
+    try:
+        private_folder(Path(chosen))
+        return None
+    except (UntrustedFolder, OSError) as error:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="rewind-chat-inductor-")  # 0700
+        log.warning("inductor's cache moved to %s for this process: %s", os.environ["TORCHINDUCTOR_CACHE_DIR"], error)
+        return f"{type(error).__name__}: {error}"
 
 
 def graph_key(model: PreTrainedModel, rows: int) -> str:
@@ -175,46 +194,49 @@ class GraphMaker:
     scratch buffers at other lengths and capacities than it was traced at, since its guards must
     take them. Not thread-safe: callers hold `_BUILDING`."""
 
-    def __init__(self, model: PreTrainedModel, store: Path | None):
+    def __init__(self, model: PreTrainedModel, store: Sealer | None):
+        """`store`: the private folder graphs are sealed into and read back from (None: neither)."""
         self.model, self.store = model, store
         self._compiler = torch.compile(decode_rows, dynamic=True, fullgraph=True,
                                        options={"guard_filter_fn": _saved_guards})
 
-    def path(self, bucket: int) -> Path | None:
-        """Where the `bucket`-row graph is saved (None: no store). Hashes the model's sources: once a bucket."""
-        return None if self.store is None else self.store / f"{graph_key(self.model, bucket)}.graph"
+    def name(self, bucket: int) -> str | None:
+        """The `bucket`-row graph's file name (None: no store). Hashes the model's sources: once a bucket."""
+        return None if self.store is None else f"{graph_key(self.model, bucket)}.graph"
 
-    def load(self, bucket: int, path: Path | None) -> Callable[..., torch.Tensor] | None:
-        """The graph of `bucket` saved at `path`, checked on scratch buffers; None where there is
-        none or it will not load (a torch that reads it otherwise, a damaged file): it is
-        compiled again."""
-        if path is None or not path.is_file():
+    def load(self, bucket: int, name: str | None) -> Callable[..., torch.Tensor] | None:
+        """The graph of `bucket` saved as `name`, checked on scratch buffers; None where there is
+        none, its seal does not verify (never unpickled: a file this app did not write for this
+        name could run anything), or it will not load (a torch that reads it otherwise): it is
+        compiled again, and the new one sealed over it."""
+        if self.store is None or name is None:
             return None
         try:
-            with open(path, "rb") as file:
-                graph = torch.compiler.load_compiled_function(file)
+            payload = self.store.read(name)
+            if payload is None:
+                return None
+            graph = torch.compiler.load_compiled_function(io.BytesIO(payload))
             self._run_scratch(graph, bucket, 1)
         except Exception as error:
             log.warning("the saved decode step %s was not used (%s: %s); compiling it again",
-                        path, type(error).__name__, str(error)[:300])
+                        self.store.folder / name, type(error).__name__, str(error)[:300])
             return None
         return graph
 
-    def build(self, bucket: int, path: Path | None) -> Callable[..., torch.Tensor]:
+    def build(self, bucket: int, name: str | None) -> Callable[..., torch.Tensor]:
         """Compile the `bucket`-row graph ahead of time on scratch buffers, check that it takes
-        other lengths and capacities, and save it at `path` if there is one (a failed save costs
-        the next start a compile, nothing more)."""
+        other lengths and capacities, and seal it into the store as `name` if there is one (a
+        failed save costs the next start a compile, nothing more)."""
         # floats read from the model (its norms' epsilon, attention's scale) are constants of the
         # graph, not inputs: an ahead-of-time trace cannot start again to specialize them
         with torch._dynamo.config.patch(specialize_float=True):
             graph = self._compiler.aot_compile((self._scratch_inputs(bucket, 0), {}))
         self._run_scratch(graph, bucket, 1)
-        if path is not None:
+        if self.store is not None and name is not None:
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                graph.save_compiled_function(str(path))
+                self.store.write(name, type(graph).serialize(graph).serialized_data)
             except Exception as error:
-                log.warning("the decode step was not saved to %s (%s: %s)", path, type(error).__name__, error)
+                log.warning("the decode step was not saved as %s (%s: %s)", name, type(error).__name__, error)
         return graph
 
     def scratch(self, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -257,6 +279,7 @@ class CompiledDecode:
         self.buckets = (tuple(b for b in ROW_BUCKETS if b < max_rows)
                         + tuple(b for b in ROW_BUCKETS if b >= max_rows)[:1])
         self.store = store
+        self.store_refused: str | None = None  # why `store` was not used (another user can write it)
         self.compile_s: dict[int, float] = {}
         self.loaded: set[int] = set()  # the buckets whose graph came from `store`
         self._graphs: dict[int, Callable[..., torch.Tensor]] = {}
@@ -344,7 +367,7 @@ class CompiledDecode:
         """For `/status`: whether it is used, and what compiling cost."""
         return {"mode": self.mode, "enabled": self.enabled, "ready": self.ready,
                 "rows_compiled": sorted(self._ready_rows) if self.enabled else [], "graphs": self.graphs,
-                "rows_loaded": sorted(self.loaded),
+                "rows_loaded": sorted(self.loaded), "store_refused": self.store_refused,
                 "steps": self.steps, "compile_s": round(sum(self.compile_s.values()), 1) if self.compile_s else None,
                 "not_compiled_because": self.reason or self.error}
 
@@ -357,9 +380,21 @@ class CompiledDecode:
             return
         if self.store is None:
             self.store = default_store()
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.store.parent / "inductor"))
+        self.store_refused = trusted_inductor_cache()
         self._thread = threading.Thread(target=self.warm, name="compile-decode-step", daemon=True)
         self._thread.start()
+
+    def _sealer(self) -> Sealer | None:
+        """The store as a private, sealed folder; None (compiled, neither loaded nor saved) where
+        there is no store or it cannot be trusted, with one log line saying why."""
+        if self.store is None:
+            return None
+        try:
+            return Sealer(self.store)
+        except (UntrustedFolder, OSError) as error:
+            self.store_refused = f"{type(error).__name__}: {error}"[:300]
+            log.warning("compiled decode steps are neither loaded nor saved: %s", self.store_refused)
+            return None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until every bucket is compiled (or compiling failed); whether they all were."""
@@ -370,16 +405,16 @@ class CompiledDecode:
     def warm(self) -> None:
         """Load or compile each bucket's graph (`GraphMaker`), one row first."""
         try:
-            maker = GraphMaker(self.model, self.store)
+            maker = GraphMaker(self.model, self._sealer())
             self._idle = [maker.scratch(_IDLE_CAPACITY) for _ in range(max(self.buckets) - 1)]
             for bucket in self.buckets:
                 started = time.perf_counter()
-                path = maker.path(bucket)
+                name = maker.name(bucket)
                 with _BUILDING:
-                    graph = maker.load(bucket, path)
+                    graph = maker.load(bucket, name)
                     if graph is not None:
                         self.loaded.add(bucket)
-                    self._graphs[bucket] = graph or maker.build(bucket, path)
+                    self._graphs[bucket] = graph or maker.build(bucket, name)
                 self.compile_s[bucket] = time.perf_counter() - started
                 self._ready_rows.add(bucket)
                 how = "loaded from disk" if bucket in self.loaded else "compiled"

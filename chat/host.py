@@ -15,6 +15,12 @@ wakes a sleeping worker. At Qwen3-0.6B's shape with `--weights packed` (oneDNN's
 step), `python -m benchmarks.shared_host --model real-qwen3-0.6b --weights packed` measured 10.0
 tokens/s spinning by default, 9.3 with `GOMP_SPINCOUNT=100000`, 8.0 with PASSIVE; beside the busy
 process 2.3, 3.5 and 5.3. A dedicated host may set `GOMP_SPINCOUNT` (docs/deploy.md).
+
+Inductor's on-disk cache (compiled kernels the app loads and runs) goes in the app's own cache
+folder, beside the saved decode steps (cache_sessions/compiled.py), not in torch's default
+`/tmp/torchinductor_<user>`: that one is lost when a Space restarts, and on a shared host another
+user may create it first and fill it. torch fixes the folder as a side effect of its own imports,
+so it is chosen here, before torch loads; an operator's `TORCHINDUCTOR_CACHE_DIR` wins.
 """
 
 from __future__ import annotations
@@ -32,4 +38,16 @@ def prefer_passive_openmp() -> None:
         os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY
 
 
+def app_cache_folder() -> str:
+    """The app's cache folder: saved decode steps and inductor's kernels (`XDG_CACHE_HOME` moves it)."""
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "rewind-chat")
+
+
+def prefer_app_inductor_cache() -> None:
+    """Inductor's cache in the app's cache folder, unless the operator chose one."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(app_cache_folder(), "inductor"))
+
+
 prefer_passive_openmp()
+prefer_app_inductor_cache()

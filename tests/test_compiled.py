@@ -3,6 +3,9 @@ from-scratch forward over the whole sequence (fp32 and int8 weights), one graph 
 and buffer capacity, rollback into compiled steps, and every operation of an engine that uses it
 held to the same references as the eager engine (tests/reference.py)."""
 
+import os
+import pickle
+import stat
 import threading
 import time
 
@@ -16,6 +19,7 @@ from tiny_models import build_model
 from cache_sessions import CacheSession
 from cache_sessions import compiled as compiled_module
 from cache_sessions.compiled import CompiledDecode, graph_key
+from cache_sessions.sealed import Sealer
 from chat import ChatEngine
 from chat.config import EngineConfig
 from chat.weights import apply_weight_format
@@ -94,8 +98,9 @@ def test_a_restart_loads_the_saved_graphs_and_they_give_a_from_scratch_forwards_
     first = CompiledDecode(model, "on", max_rows=2, store=tmp_path)
     first.warm()
     assert first.ready and first.error is None and first.loaded == set()
-    saved = sorted(path.name for path in tmp_path.iterdir())
+    saved = sorted(path.name for path in tmp_path.iterdir() if path.suffix == ".graph")
     assert saved == sorted(f"{graph_key(model, rows)}.graph" for rows in (1, 2))
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700 and stat.S_IMODE((tmp_path / "seal.key").stat().st_mode) == 0o600
     restarted = CompiledDecode(model, "on", max_rows=2, store=tmp_path)
     restarted.warm()
     assert restarted.ready and restarted.error is None and restarted.loaded == {1, 2} and restarted.graphs == 2
@@ -115,13 +120,40 @@ def test_a_restart_loads_the_saved_graphs_and_they_give_a_from_scratch_forwards_
     deeper = build_model("full", len(base_tokenizer), None)
     deeper.config.num_hidden_layers += 1
     assert graph_key(deeper, 1) != graph_key(model, 1)
-    # a damaged file: compiled again, and saved over
-    damaged = tmp_path / f"{graph_key(model, 1)}.graph"
-    damaged.write_bytes(b"not a graph")
+    # issue #44 (1): a file put in a graph's place that runs code when unpickled is never
+    # unpickled (its seal does not verify): compiled again, and sealed over
+    planted = tmp_path / f"{graph_key(model, 1)}.graph"
+    ran = tmp_path / "the planted file ran"
+    planted.write_bytes(pickle.dumps(RunsCode(f"touch '{ran}'")))
     again = CompiledDecode(model, "on", max_rows=1, store=tmp_path)
     again.warm()
+    assert not ran.exists()
     assert again.ready and again.error is None and again.loaded == set()
-    assert damaged.stat().st_size > 1000
+    assert planted.stat().st_size > 1000 and Sealer(tmp_path).read(planted.name) is not None
+
+
+class RunsCode:
+    """A pickle that runs a shell command when it is loaded (what issue #44's attack planted)."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_a_store_another_user_can_write_is_neither_read_nor_written(base_tokenizer, tmp_path):
+    """A graph folder others can write (mode 0777): nothing is loaded from it (not even a
+    correctly sealed file: the key beside it is exposed too) and nothing saved; the steps are
+    compiled in memory and /status says why."""
+    model = build_model("full", len(base_tokenizer), None)
+    store = tmp_path / "steps"
+    store.mkdir()
+    store.chmod(0o777)
+    compiled = CompiledDecode(model, "on", max_rows=1, store=store)
+    compiled.warm()
+    assert compiled.ready and compiled.error is None and compiled.loaded == set()
+    assert list(store.iterdir()) == [] and "can be written by other users" in compiled.stats()["store_refused"]
 
 
 def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(base_tokenizer):
