@@ -32,7 +32,9 @@ def stats_line(stats: TurnStats | None) -> str:
     line = (f"prompt: {stats.reused_tokens} of {stats.prompt_tokens} tokens from the cache, "
             f"{stats.prefilled_tokens} computed · first token after {stats.ttft_s * 1000:.0f} ms · "
             f"{stats.decode_tokens_per_s:.0f} tokens/s")
-    return line + (" · stopped" if stats.stopped else "") + (" · rebuilt" if stats.rebuilt else "")
+    return line + (" · stopped" if stats.stopped else "") + (" · rebuilt" if stats.rebuilt else "") + (
+        f" · the model did not see the {stats.dropped_turns} oldest turn(s): past its context" if stats.dropped_turns
+        else "")
 
 
 def show(deltas: Iterator[Delta], write: Callable[[str], None]) -> None:
@@ -88,7 +90,7 @@ class TerminalChat:
             active, count = self.conv.versions
             self.write(f"(version {active + 1} of {count}): {self.conv.messages[-1]['content']}\n")
         elif command == "/regen":
-            self.reply(lambda: self.conv.regenerate(**self._options()))
+            self.reply(lambda: self.conv.regenerate(fit_context=True, **self._options()))
         elif command == "/continue":
             self.reply(lambda: self.conv.continue_reply(**self._options()))
         elif command == "/edit":
@@ -96,11 +98,11 @@ class TerminalChat:
             if not number.isdigit() or not text.strip():
                 raise ValueError("/edit takes the number /history shows for one of your messages, then the new "
                                  "text: /edit 0 What is 2 + 2?")
-            self.reply(lambda: self.conv.edit(int(number), text, **self._options()))
+            self.reply(lambda: self.conv.edit(int(number), text, fit_context=True, **self._options()))
         elif command.startswith("/"):
             self.write(f"(!) unknown command {command}; /help lists them\n")
         else:
-            self.reply(lambda: self.conv.send(line, **self._options()))
+            self.reply(lambda: self.conv.send(line, fit_context=True, **self._options()))
         return True
 
     def _options(self) -> dict:

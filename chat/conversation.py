@@ -119,13 +119,13 @@ class Conversation:
         """Add a user message and stream the reply (see `operations.Send` for `fit_context`)."""
         return self.start(Send(text, fit_context), GenerationOptions.from_kwargs(**options))
 
-    def regenerate(self, index: int | None = None, **options: Any) -> ReplyStream:
+    def regenerate(self, index: int | None = None, *, fit_context: bool = False, **options: Any) -> ReplyStream:
         """A new sibling of the reply at `index` (default: the last); the others stay switchable."""
-        return self.start(Regenerate(index), GenerationOptions.from_kwargs(**options))
+        return self.start(Regenerate(index, fit_context), GenerationOptions.from_kwargs(**options))
 
-    def edit(self, index: int, text: str, **options: Any) -> ReplyStream:
+    def edit(self, index: int, text: str, *, fit_context: bool = False, **options: Any) -> ReplyStream:
         """A new branch at the user message `index`, answered; the old one is kept."""
-        return self.start(Edit(index, text), GenerationOptions.from_kwargs(**options))
+        return self.start(Edit(index, text, fit_context), GenerationOptions.from_kwargs(**options))
 
     def continue_reply(self, **options: Any) -> ReplyStream:
         """Extend the last reply in the same turn: the cache goes on from where it stopped."""
@@ -139,7 +139,7 @@ class Conversation:
         plan = self.plan(operation, options or GenerationOptions(), cancelled)
         self._stop.clear()
         self._running = RunningReply(plan)
-        stream = ReplyStream(self.run(plan), plan.dropped_turns)
+        stream = ReplyStream(self.run(plan), plan.dropped_turns, plan.dropped_turns > plan.dropped_before)
         weakref.finalize(stream, self._end_running, plan)  # a stream dropped unread frees the conversation
         return stream
 
@@ -169,10 +169,13 @@ class Conversation:
                     reply = run.result()
                     with self._recording:  # a snapshot sees the reply running or recorded, never both
                         if reply is not None:  # recorded, stopped or not
-                            if plan.reply is None:
-                                self.history.record_continuation(plan.history, running.recorded(reply.version))
+                            if plan.reply is None:  # the reply's prompt, and its cut, as they were
+                                version = replace(running.recorded(reply.version),
+                                                  dropped_turns=plan.history[-1].reply.dropped_turns)
+                                self.history.record_continuation(plan.history, version)
                             else:
-                                self.history.record_reply(plan.history, plan.reply, running.recorded(reply.version))
+                                version = replace(running.recorded(reply.version), dropped_turns=plan.dropped_turns)
+                                self.history.record_reply(plan.history, plan.reply, version)
                             self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
                             self._revision += 1
                         self._end_running(plan)

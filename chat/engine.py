@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -79,17 +79,19 @@ class ChatEngine:
         (`spaces.GPU(chat.remote.run_in_worker)`), in its worker process (chat/remote.py)."""
         self._remote_runner = runner
 
-    def conversation(self, system_prompt: str | None = None) -> Conversation:
-        return Conversation(self.planner, self._source(), system_prompt=system_prompt)
+    def conversation(self, system_prompt: str | None = None, client: Hashable | None = None) -> Conversation:
+        """A new conversation. `client`: who holds it (an address, a person: a key the caller
+        chose), so one client's replies share one client's part of the prompt budget."""
+        return Conversation(self.planner, self._source(client=client), system_prompt=system_prompt)
 
-    def restore(self, data: Any) -> Conversation:
+    def restore(self, data: Any, client: Hashable | None = None) -> Conversation:
         """A conversation from `Conversation.to_dict()` output, which may come from anywhere (a
         browser, a file): checked whole first; a `ConversationError` names what is wrong."""
         history = saved.from_dict(data)
-        return Conversation(self.planner, self._source(rebuilt=bool(history.entries)), history)
+        return Conversation(self.planner, self._source(rebuilt=bool(history.entries), client=client), history)
 
-    def _source(self, rebuilt: bool = False) -> ReplySource:
-        local = LocalSource(self.runtime, rebuilt=rebuilt)
+    def _source(self, rebuilt: bool = False, client: Hashable | None = None) -> ReplySource:
+        local = LocalSource(self.runtime, rebuilt=rebuilt, client=client)
         if self._remote_runner is None:
             return local
         from chat.remote import RemoteSource

@@ -34,56 +34,101 @@ class Fitted:
 
 
 def fit_to_context(template: ChatTemplate, messages: list[Message], *, context_limit: int | None,
-                   max_new_tokens: int, enable_thinking: bool | None, may_drop: bool,
+                   max_new_tokens: int, enable_thinking: bool | None, may_drop: bool, dropped_before: int = 0,
                    cancelled: Callable[[], bool] = lambda: False) -> Fitted:
     """The prompt for a reply to `messages`, leaving `max_new_tokens` of the context for the reply
     (no limit: all of them). With `may_drop`, the oldest user turns (a user message and what
-    answered it) are left out until it fits; the messages before the first user message (a system
-    prompt) and the last user message always stay. Raises `ContextOverflowError` when it cannot."""
+    answered it) are left out; the messages before the first user message (a system prompt) and
+    the last user message always stay. Raises `ContextOverflowError` when it cannot.
+
+    Which turns go, in blocks so that most turns reuse the cache: the prompt keeps the cut of the
+    reply before it (`dropped_before` turns) while that fits, so it starts as that reply's did
+    and only the new turn is prefilled. When it no longer fits (or nothing was dropped before and
+    everything no longer fits), the fewest oldest turns go that bring the prompt within
+    `REFIT_SHARE` of the room (within the room, where the newest turn alone is longer): the
+    prompt's start moves, costing one prefill of what is kept, and the turns after it have room
+    to grow into. Dropping only what is needed each turn would move the start every turn."""
     room = None if context_limit is None else context_limit - max_new_tokens
     users = [i for i, message in enumerate(messages) if message["role"] == "user"]
     droppable = max(0, len(users) - 1) if may_drop else 0
+    fewest = _Fewest(template, messages, users, enable_thinking, max_new_tokens, context_limit, cancelled)
+    if room is None or not droppable:
+        return fewest.fit(room, droppable)
+    if dropped_before:
+        turns = min(dropped_before, droppable)
+        prompt = fewest.render(turns)
+        if len(prompt.ids) <= room:
+            return Fitted(fewest.kept(turns), prompt, turns)
+    else:
+        fitted = fewest.fit(room, droppable)
+        if not fitted.dropped_turns:
+            return fitted
+    try:
+        return fewest.fit(int(room * REFIT_SHARE), droppable)
+    except ContextOverflowError:  # the newest turn alone takes more than that share
+        return fewest.fit(room, droppable)
 
-    def kept(turns: int) -> list[int]:
-        return list(range(len(messages))) if not turns else \
-            list(range(users[0])) + list(range(users[turns], len(messages)))
 
-    def render(turns: int) -> RenderedPrompt:
-        if cancelled():
+REFIT_SHARE = 0.5  # once turns must go: the kept ones fill at most this share of the room
+
+
+@dataclass
+class _Fewest:
+    """The fewest oldest turns to leave out for a prompt within a room, found in time bounded by
+    the room (see the module's docstring)."""
+
+    template: ChatTemplate
+    messages: list[Message]
+    users: list[int]
+    enable_thinking: bool | None
+    max_new_tokens: int
+    context_limit: int | None
+    cancelled: Callable[[], bool]
+
+    def kept(self, turns: int) -> list[int]:
+        return list(range(len(self.messages))) if not turns else \
+            list(range(self.users[0])) + list(range(self.users[turns], len(self.messages)))
+
+    def render(self, turns: int) -> RenderedPrompt:
+        if self.cancelled():
             raise PlanningCancelled("planning was stopped")
-        return template.render([messages[i] for i in kept(turns)], enable_thinking=enable_thinking)
+        return self.template.render([self.messages[i] for i in self.kept(turns)], enable_thinking=self.enable_thinking)
 
-    def overflow(tokens: int, exact: bool) -> ContextOverflowError:
-        assert context_limit is not None
+    def overflow(self, tokens: int, exact: bool) -> ContextOverflowError:
+        assert self.context_limit is not None
         return ContextOverflowError(
             f"the prompt ({tokens if exact else f'about {tokens} or more'} tokens) plus max_new_tokens "
-            f"({max_new_tokens}) exceeds the model's context of {context_limit} tokens",
-            prompt_tokens=tokens, max_new_tokens=max_new_tokens, context_limit=context_limit)
+            f"({self.max_new_tokens}) exceeds the model's context of {self.context_limit} tokens",
+            prompt_tokens=tokens, max_new_tokens=self.max_new_tokens, context_limit=self.context_limit)
 
-    turns, estimated = 0, False
-    if room is not None and _chars(messages) > room * QUICK_CHARS_PER_TOKEN:
-        estimate = _estimate(template, messages, users, room, enable_thinking, cancelled)
-        if droppable and estimate.fewest > CLEAR_MARGIN * room:
-            raise overflow(estimate.fewest, exact=False)
-        if not droppable and estimate.clearly_over is not None:
-            raise overflow(estimate.clearly_over, exact=False)
-        turns, estimated = min(estimate.turns, droppable), True
-    prompt, grew = render(turns), False
-    if room is not None and len(prompt.ids) > room and droppable and not estimated:
-        # few characters, many turns: the cut from the sizes too, not one render per dropped turn
-        turns = min(_estimate(template, messages, users, room, enable_thinking, cancelled).turns, droppable)
-        prompt = render(turns)
-    while room is not None and len(prompt.ids) > room and turns < droppable:  # measured short: one more goes
-        turns, grew = turns + 1, True
-        prompt = render(turns)
-    if room is not None and len(prompt.ids) > room:
-        raise overflow(len(prompt.ids), exact=True)
-    while turns > 0 and not grew:  # measured generously: turns come back while they fit
-        wider = render(turns - 1)
-        if room is not None and len(wider.ids) > room:
-            break
-        turns, prompt = turns - 1, wider
-    return Fitted(kept(turns), prompt, turns)
+    def fit(self, room: int | None, droppable: int) -> Fitted:
+        """The fewest of the oldest `droppable` turns left out for a prompt within `room` tokens."""
+        messages, users, render = self.messages, self.users, self.render
+        turns, estimated = 0, False
+        if room is not None and _chars(messages) > room * QUICK_CHARS_PER_TOKEN:
+            estimate = _estimate(self.template, messages, users, room, self.enable_thinking, self.cancelled)
+            if droppable and estimate.fewest > CLEAR_MARGIN * room:
+                raise self.overflow(estimate.fewest, exact=False)
+            if not droppable and estimate.clearly_over is not None:
+                raise self.overflow(estimate.clearly_over, exact=False)
+            turns, estimated = min(estimate.turns, droppable), True
+        prompt, grew = render(turns), False
+        if room is not None and len(prompt.ids) > room and droppable and not estimated:
+            # few characters, many turns: the cut from the sizes too, not one render per dropped turn
+            turns = min(_estimate(self.template, messages, users, room, self.enable_thinking,
+                                  self.cancelled).turns, droppable)
+            prompt = render(turns)
+        while room is not None and len(prompt.ids) > room and turns < droppable:  # measured short: one more goes
+            turns, grew = turns + 1, True
+            prompt = render(turns)
+        if room is not None and len(prompt.ids) > room:
+            raise self.overflow(len(prompt.ids), exact=True)
+        while turns > 0 and not grew:  # measured generously: turns come back while they fit
+            wider = render(turns - 1)
+            if room is not None and len(wider.ids) > room:
+                break
+            turns, prompt = turns - 1, wider
+        return Fitted(self.kept(turns), prompt, turns)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,9 @@ class ReplyVersion:
     edited: bool = False
     ended: bool = False  # the model ended it (an end-of-turn token): a Continue would add nothing
     thought_s: float | None = None  # how long it thought before answering (shown on its Thinking bubble)
+    # the oldest user turns its prompt left out to fit the context (they stay in the tree); the
+    # next turn keeps that cut while it fits (chat/fitting.py). Not saved: a restored one refits.
+    dropped_turns: int = 0
 
 
 @dataclass(eq=False)

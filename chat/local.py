@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from typing import Hashable, Iterator
 
 from cache_sessions.branches import BranchMove
 from cache_sessions.session import CacheSession, PrefillResult
@@ -25,10 +25,11 @@ from chat.sources import Reply, ReplyRequest, TurnStats
 class LocalSource:
     """A `ReplySource` on this process's engine."""
 
-    def __init__(self, runtime: Runtime, session: CacheSession | None = None, *, rebuilt: bool = False):
+    def __init__(self, runtime: Runtime, session: CacheSession | None = None, *, rebuilt: bool = False,
+                 client: Hashable | None = None):
         """`rebuilt`: its conversation was restored from saved text, so the states its first turn
-        computes were once held (its stats say so)."""
-        self.runtime = runtime
+        computes were once held (its stats say so). `client`: who holds it (the scheduler's flow)."""
+        self.runtime, self.client = runtime, client
         self.session: CacheSession = session or runtime.caches.new_session()
         if rebuilt:
             self.session.mark_rebuilt()  # a new session, not yet known to the loop
@@ -37,7 +38,7 @@ class LocalSource:
         """The engine makes any reply it was asked for."""
 
     def reply(self, request: ReplyRequest, stop: threading.Event) -> "LocalReply":
-        return LocalReply(self.runtime, self.session, request, stop)
+        return LocalReply(self.runtime, self.session, request, stop, self.client)
 
     def move(self, move: BranchMove) -> bool:
         return self.runtime.scheduler.call(self.runtime.caches.move, self.session, move)
@@ -47,8 +48,9 @@ class LocalSource:
 
 
 class LocalReply:
-    def __init__(self, runtime: Runtime, session: CacheSession, request: ReplyRequest, stop: threading.Event):
-        self.runtime, self.session, self.request, self.stop = runtime, session, request, stop
+    def __init__(self, runtime: Runtime, session: CacheSession, request: ReplyRequest, stop: threading.Event,
+                 client: Hashable | None = None):
+        self.runtime, self.session, self.request, self.stop, self.client = runtime, session, request, stop, client
         self.generation: GenerationRequest | None = None
         self._finished_stream = False
         self._started = 0.0
@@ -57,7 +59,8 @@ class LocalReply:
         runtime, request = self.runtime, self.request
         self._started = time.perf_counter()
         work = CacheWork(runtime.prefix_store, self._shared_prefix_length(), request.keep, request.labels)
-        self.generation = runtime.scheduler.submit(self.session, request.prompt_ids, request.options, self.stop, work)
+        self.generation = runtime.scheduler.submit(self.session, request.prompt_ids, request.options, self.stop, work,
+                                                   self.client)
         decoder = IncrementalDecoder(runtime.tokenizer, runtime.eos_token_ids, context_ids=request.earlier_ids)
         splitter = ReasoningSplitter(starts_in_reasoning=request.opens_reasoning)
         splitter.feed(decoder.context_text)

@@ -35,6 +35,7 @@ class Regenerate:
     missing reply to a trailing user message); what followed it stays on the old branch."""
 
     index: int | None = None
+    fit_context: bool = False  # as `Send`'s (a reply whose prompt left turns out keeps its cut anyway)
 
     def __post_init__(self) -> None:
         if self.index is not None and (isinstance(self.index, bool) or not isinstance(self.index, int)):
@@ -48,6 +49,7 @@ class Edit:
 
     index: int
     text: str
+    fit_context: bool = False  # as `Send`'s
 
     def __post_init__(self) -> None:
         if isinstance(self.index, bool) or not isinstance(self.index, int):
@@ -58,6 +60,8 @@ class Edit:
 @dataclass(frozen=True)
 class Continue:
     """Extend the last reply in the same turn: the cache goes on from where it stopped."""
+
+    fit_context = False  # it continues the prompt its reply answered, turns left out as they were
 
 
 Operation = Union[Send, Regenerate, Edit, Continue]

@@ -33,6 +33,7 @@ class Plan:
     revision: int  # the conversation's revision when planned; a changed one refuses the plan
     fork: int | None = None  # the shown message the new path replaces (its branch is kept)
     dropped_turns: int = 0  # oldest turns left out to fit the context
+    dropped_before: int = 0  # what the reply before it left out (the cut it keeps while it fits)
 
     @property
     def kind(self) -> ReplyKind:
@@ -57,26 +58,30 @@ class Planner:
         with self._planning.held():
             if isinstance(operation, Continue):
                 return self._continue(history, options, revision, cancelled)
-            fit = isinstance(operation, Send) and operation.fit_context
-            return self._reply(answered_path(operation, history), history, options, revision, fit, cancelled)
+            dropped_before = dropped_before_operation(operation, history)
+            fit = operation.fit_context or dropped_before > 0
+            return self._reply(answered_path(operation, history), history, options, revision, fit,
+                               dropped_before, cancelled)
 
     def _reply(self, path: list[Node], history: History, options: GenerationOptions, revision: int,
-               fit_context: bool, cancelled: Callable[[], bool]) -> Plan:
+               fit_context: bool, dropped_before: int, cancelled: Callable[[], bool]) -> Plan:
+        """The reply to `path`. Turns left out to fit the context stay where they are in the tree
+        (the person still sees and can branch from them); only the prompt leaves them out, and
+        the reply records how many (`ReplyVersion.dropped_turns`) so the next turn keeps the same
+        cut while it fits (chat/fitting.py). Before, the kept turns were copied under the system
+        prompt as a new branch at every trimmed turn, and the 32nd such turn was refused
+        ("already has 32 versions"): a long chat could never go on (issue #44, item 11)."""
         fitted = fit_to_context(self.template, [node.message() for node in path], context_limit=self.context_limit,
                                 max_new_tokens=options.max_new_tokens, enable_thinking=options.enable_thinking,
-                                may_drop=fit_context, cancelled=cancelled)
-        if fitted.dropped_turns:  # the kept turns move under the system prompt: copies, the originals stay
-            cut = next(i for i, index in enumerate(fitted.kept) if index != i)
-            path = [path[i] for i in fitted.kept[:cut]] + [
-                history.node(node.role, node.content, node.reply) if node.parent is not None else node
-                for node in (path[i] for i in fitted.kept[cut:])]
+                                may_drop=fit_context, dropped_before=dropped_before, cancelled=cancelled)
         history.check_room(path)
         reply, fork = history.node("assistant"), fork_of(history, path)
         keep = BranchKeep([node.uid for node in history.entries], fork) if fork is not None else None
-        request = ReplyRequest("reply", [node.message() for node in path], fitted.prompt.ids,
-                               fitted.prompt.opens_reasoning, options, (*(node.uid for node in path), reply.uid),
+        seen = [path[i] for i in fitted.kept]
+        request = ReplyRequest("reply", [node.message() for node in seen], fitted.prompt.ids,
+                               fitted.prompt.opens_reasoning, options, (*(node.uid for node in seen), reply.uid),
                                keep=keep)
-        return Plan(request, path, reply, revision, fork, fitted.dropped_turns)
+        return Plan(request, path, reply, revision, fork, fitted.dropped_turns, dropped_before)
 
     def _continue(self, history: History, options: GenerationOptions, revision: int,
                   cancelled: Callable[[], bool]) -> Plan:
@@ -141,6 +146,22 @@ def answered_path(operation: Operation, history: History) -> list[Node]:
             history.message_at(index, "assistant", NothingToRegenerateError)
             return path[:index]
     raise TypeError(f"not an operation: {operation!r}")
+
+
+def dropped_before_operation(operation: Send | Edit | Regenerate, history: History) -> int:
+    """How many oldest turns the reply nearest before the new one left out: the reply a Send
+    follows, the one a Retry replaces, the one that answered the message an Edit replaces (or
+    the last before it). The new prompt keeps that cut while it fits, so its cache is reused."""
+    path = history.entries
+    match operation:
+        case Send():
+            upto = len(path)
+        case Regenerate(index=index):
+            upto = len(path) if index is None else index + 1
+        case Edit(index=index):
+            upto = index + 2
+    reply = next((node for node in reversed(path[:upto]) if node.role == "assistant"), None)
+    return reply.reply.dropped_turns if reply is not None and reply.reply is not None else 0
 
 
 def fork_of(history: History, path: list[Node]) -> int | None:

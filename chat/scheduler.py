@@ -17,8 +17,9 @@ replies by, per step); while none decodes, `prefill_chunk_alone` (larger: a chun
 weights and the whole history again, so small ones would slow a lone long prompt down, while a
 newcomer still waits at most one such chunk). The budget goes to the request with the shortest
 remaining prefill first, so a one-line message sent just after a 4,000-token one is answered
-after a chunk, not after the long prompt; each step a request is passed over counts as one
-budget of progress in its favour, so a stream of short messages cannot starve a long one. The
+after a chunk, not after the long prompt; a request owed a whole budget (its fair share of past
+steps, less what it got: chat/prompt_shares.py) goes before them, so a stream of short messages
+cannot starve a long one. The
 scheduler decides; the cache owner (cache_sessions/owner.py) applies every change to the
 sessions. A request joins the decode rows once only its last prompt token is left to feed, and
 leaves at an end token, its token limit, a stop, or an error: its own (a raising logits
@@ -47,6 +48,7 @@ from cache_sessions.session import CacheSession, PrefillResult, common_prefix_le
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ALONE
 from chat.loop import Loop
 from chat.options import GenerationOptions
+from chat.prompt_shares import PromptShares
 from chat.request_table import RequestTable
 from chat.sampling import TokenChooser
 from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR, StepBudget
@@ -73,8 +75,11 @@ class GenerationRequest:
     then call `finish()`, which stops it first if it still runs."""
 
     def __init__(self, session: CacheSession, prompt_ids: Sequence[int], options: GenerationOptions,
-                 stop: threading.Event, work: CacheWork):
+                 stop: threading.Event, work: CacheWork, client: Hashable | None = None):
+        """`client`: who asked (the app's key for an address or a person; None: unknown), so one
+        client's requests share one client's part of the prompt budget (chat/prompt_shares.py)."""
         self.session, self.options, self.stop, self.work = session, options, stop, work
+        self.flow: Hashable = client if client is not None else self  # unknown: a flow of its own
         self.prompt_ids = list(prompt_ids)
         self.sequence = list(prompt_ids)  # prompt, then each token as it is chosen
         self.prefill: PrefillResult | None = None  # set once it was admitted and rolled back
@@ -86,7 +91,6 @@ class GenerationRequest:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.token_count = 0
-        self.passed_over = 0  # steps it waited to prefill while others were given the budget
         self.cache_tokens = self.cache_bytes = 0  # the session when it ended (read on the loop)
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
@@ -194,6 +198,7 @@ class DecodeScheduler:
 
     def _reset(self) -> None:
         self._requests = RequestTable()
+        self._shares = PromptShares()  # prompt tokens owed to each request waiting to prefill
         self._on_disk: set[GenerationRequest] = set()  # admitted, their states still being read
         self._counters = _Counters()
         self.loop.reset()
@@ -201,13 +206,15 @@ class DecodeScheduler:
 
     # ---- any thread -----------------------------------------------------------------------------
     def submit(self, session: CacheSession, prompt_ids: Sequence[int], options: GenerationOptions,
-               stop: threading.Event, work: CacheWork = CacheWork()) -> GenerationRequest:
-        """Queue a reply; the cache is rolled back and prefilled on the compute thread, in turn."""
+               stop: threading.Event, work: CacheWork = CacheWork(), client: Hashable | None = None
+               ) -> GenerationRequest:
+        """Queue a reply; the cache is rolled back and prefilled on the compute thread, in turn
+        (`client`: who asked, see `GenerationRequest`)."""
         if self.loop.on_loop():  # it would wait for tokens from a job queued behind itself
             raise RuntimeError("stream a reply from outside the engine's compute thread")
         if not prompt_ids:
             raise ValueError("cannot generate from an empty prompt")
-        request = GenerationRequest(session, prompt_ids, options, stop, work)
+        request = GenerationRequest(session, prompt_ids, options, stop, work, client)
         with self._requests.lock:
             self._requests.waiting.append(request)
         self.loop.wake()
@@ -283,50 +290,59 @@ class DecodeScheduler:
                 self._finish(request, error)
 
     def _plan_pieces(self) -> list[tuple[GenerationRequest, list[int]]]:
-        """This step's prefill pieces within its budget, shortest remaining prefill first (see the
-        module's docstring); newcomers are rolled back first, and one with only its last token
-        left starts decoding now."""
+        """This step's prefill pieces within its budget, in the order `PromptShares` gives (fair
+        by tokens owed, see chat/prompt_shares.py); newcomers are rolled back first, and one with
+        only its last token left starts decoding now. A stopped request leaves here, whether or
+        not the budget would have reached it (it used to wait for its turn at the budget, which
+        could be after another user's whole prompt: its Stop did nothing meanwhile)."""
         if not self.packed:
             budget = self.prefill_chunk if self._requests.decoding else self.prefill_chunk_alone
         elif self._requests.decoding:
             budget = self.step_budget.tokens(self.prefill_chunk)
         else:
             budget = self.step_budget.alone_tokens(self.prefill_chunk_alone)
-        pieces: list[tuple[GenerationRequest, list[int]]] = []
+        full_budget, pieces = budget, []
+        wanting: list[Hashable] = []  # the flows (clients) with prompt left that could go on
+        given: dict[Hashable, int] = {}
         self._on_disk = set()
+        self._shares.retain([request.flow for request in self._requests.prefilling])
         for request in self._prefill_order(budget):
             if request.prefill is None and not self.caches.ready(request.session):
                 # its states are being read beside the loop: the others go on (a stopped one too:
                 # ending it now would wait for that read on the loop; it ends once the read is in)
                 self._on_disk.add(request)
                 continue
-            if budget == 0:
-                request.passed_over += 1
+            if request.stop.is_set():
+                self._leave_prefill(request)
                 continue
-            request.passed_over = 0
+            wanting.append(request.flow)
+            if budget == 0:
+                continue
             work = request.work
             try:
                 self._begin(request)
-                piece = [] if request.stop.is_set() else self.caches.prefill_piece(
-                    request.session, request.prompt_ids, budget, work.prefix_store, work.shared_prefix_length)
+                piece = self.caches.prefill_piece(request.session, request.prompt_ids, budget, work.prefix_store,
+                                                  work.shared_prefix_length)
             except BaseException as error:
                 self._leave_prefill(request, error)
                 continue
-            if request.stop.is_set():
-                self._leave_prefill(request)
-            elif piece:
+            if piece:
                 pieces.append((request, piece))
                 budget -= len(piece)
+                given[request.flow] = given.get(request.flow, 0) + len(piece)
             else:
                 self._requests.start_decoding(request)
+        self._shares.settle(wanting, given, full_budget)
         return pieces
 
     def _prefill_order(self, budget: int) -> list[GenerationRequest]:
-        """Shortest remaining prefill first, each step passed over counting one budget in its
-        favour (so short messages cannot starve a long one); or in arrival order."""
+        """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_shares.py);
+        or in arrival order."""
         if self.prefill_order != "shortest":
             return list(self._requests.prefilling)
-        return sorted(self._requests.prefilling, key=lambda r: _remaining_prefill(r) - budget * r.passed_over)
+        prefilling = self._requests.prefilling
+        return self._shares.order({request: _remaining_prefill(request) for request in prefilling},
+                                  {request: request.flow for request in prefilling}, budget)
 
     def _begin(self, request: GenerationRequest) -> None:
         """Its first turn: its sampler, and its cache rolled back to where the prompt parts from it."""

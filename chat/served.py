@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Hashable, Iterator
 
 import openai
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -285,10 +285,11 @@ class ServedEngine:
     def context_limit(self) -> int | None:
         return self.planner.context_limit
 
-    def conversation(self, system_prompt: str | None = None) -> Conversation:
+    def conversation(self, system_prompt: str | None = None, client: Hashable | None = None) -> Conversation:
+        """(`client` is the server's to schedule by: not sent.)"""
         return Conversation(self.planner, ServedSource(self.runtime), system_prompt=system_prompt)
 
-    def restore(self, data: Any) -> Conversation:
+    def restore(self, data: Any, client: Hashable | None = None) -> Conversation:
         return Conversation(self.planner, ServedSource(self.runtime), saved.from_dict(data))
 
     def status(self) -> dict[str, Any]:

@@ -91,11 +91,14 @@ class ReplySource(Protocol):
 
 
 class ReplyStream:
-    """The deltas of one reply; iterate it. `dropped_turns` is known before the first delta."""
+    """The deltas of one reply; iterate it. `dropped_turns` (the oldest turns its prompt leaves
+    out) is known before the first delta; `newly_dropped`: more than the reply before it left out
+    (what is worth telling the person once, not at every turn past the context)."""
 
-    def __init__(self, deltas: Iterator[Delta], dropped_turns: int):
+    def __init__(self, deltas: Iterator[Delta], dropped_turns: int, newly_dropped: bool = False):
         self._deltas = deltas
         self.dropped_turns = dropped_turns
+        self.newly_dropped = newly_dropped
 
     def __iter__(self) -> "ReplyStream":
         return self

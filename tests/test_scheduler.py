@@ -515,3 +515,44 @@ def test_a_step_budget_stays_between_one_token_and_its_cap():
     assert alone.alone_tokens(512) == 32
     with pytest.raises(ValueError):
         StepBudget(3.0, 0.0)
+
+
+def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next_forward(make_engine, models,
+                                                                                        monkeypatch):
+    """Issue #43 (1): a request given no prompt budget was passed over before its Stop was read:
+    it stayed (its conversation busy, its Stop doing nothing) until the budget reached it, after
+    another user's prompt. Two prompts start at one step; the shorter takes the whole budget of
+    each step; the longer is stopped during the first forward and has left before the second."""
+    engine = make_engine("full", prefill_chunk_alone=8, alone_step_s=None)
+    first, second = engine.conversation(), engine.conversation()  # no shared system prompt: one piece each
+    forwards, reached, release, ended_after = [0], threading.Event(), threading.Event(), []
+    packed = cache_sessions.owner.forward_rows
+
+    def held(model, rows, logits_of):
+        forwards[0] += 1
+        if forwards[0] == 1:
+            reached.set()
+            release.wait(60)
+        return packed(model, rows, logits_of)
+
+    end = chat.scheduler.GenerationRequest._end
+
+    def noted(request, error=None):
+        if request.session is second.session:
+            ended_after.append(forwards[0])
+        end(request, error)
+
+    monkeypatch.setattr(cache_sessions.owner, "forward_rows", held)
+    monkeypatch.setattr(chat.scheduler.GenerationRequest, "_end", noted)
+    with HeldScheduler(engine):
+        shorter = Consumer(first, first.send(" ".join(f"word{i}" for i in range(60)), **GREEDY))
+        wait_until(lambda: engine.batch_stats().waiting == 1)
+        longer = Consumer(second, second.send(" ".join(f"word{i}" for i in range(90)), **GREEDY))
+        wait_until(lambda: engine.batch_stats().waiting == 2)
+    assert reached.wait(60)  # the first step's forward: the shorter prompt's piece alone
+    second.stop()
+    release.set()
+    longer.join(60), shorter.join(60)
+    assert longer.error is None and shorter.error is None
+    assert ended_after == [1], ended_after  # no forward ran between its Stop and its end
+    assert not second.is_busy

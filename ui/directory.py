@@ -94,13 +94,13 @@ class ChatDirectory:
                               "earlier one is kept (‹ › at the top of the chat).")
             return key, chat, notice
         notice = "Your session had expired: a new conversation was started." if isinstance(key, str) else None
-        new_key, chat = self._open(BrowserChat(self.engine.conversation(system or None), client=client), page)
+        new_key, chat = self._open(BrowserChat(self.engine.conversation(system or None, client=client), client=client), page)
         return new_key, chat, notice
 
     def restore(self, data: Any, *, page: str | None = None, client: str | None = None) -> tuple[str, BrowserChat]:
         """A conversation the browser kept (or a file), checked whole by `engine.restore`; its cache
         is computed at its next turn."""
-        return self._open(BrowserChat(self.engine.restore(data), client=client), page)
+        return self._open(BrowserChat(self.engine.restore(data, client=client), client=client), page)
 
     def close(self, key: Any) -> None:
         """Free a conversation (New chat, a closed tab); a reply still running is stopped first."""

@@ -68,15 +68,16 @@ class ChatHandlers(ReplyEvents):
         yield from self.act(request, key, values, made(Send, text, fit_context=True))
 
     def regenerate(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
-        yield from self.act(request, key, values, Regenerate())
+        yield from self.act(request, key, values, Regenerate(fit_context=True))
 
     def regenerate_at(self, request: gr.Request, index: Any, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         """A new sibling of the reply at `index`; what followed the old one stays on its branch."""
-        yield from self.act(request, key, values, made(Regenerate, inputs.whole_number(index, "index", 0, 1_000_000)))
+        yield from self.act(request, key, values, made(Regenerate, inputs.whole_number(index, "index", 0, 1_000_000),
+                                                            fit_context=True))
 
     def retry_at(self, request: gr.Request, target: Any, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         """↻ under an earlier reply: `target` is its message index, as the page's script sends it."""
-        yield from self.act(request, key, values, made(Regenerate, inputs.message_index(target)))
+        yield from self.act(request, key, values, made(Regenerate, inputs.message_index(target), fit_context=True))
 
     def continue_reply(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         yield from self.act(request, key, values, Continue())
@@ -84,7 +85,7 @@ class ChatHandlers(ReplyEvents):
     def edit(self, request: gr.Request, index: Any, text: str, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         whole = inputs.whole_number(index, "index", 0, 1_000_000)
         text = inputs.text(text, "message", self.limits.max_message_chars)
-        yield from self.act(request, key, values, made(Edit, whole, text))
+        yield from self.act(request, key, values, made(Edit, whole, text, fit_context=True))
 
     def undo(self, key: Any, *values: Any) -> ChatOutputs:
         return self._one(key, values, Undo())

@@ -41,9 +41,9 @@ class ReplyEvents(HandlersBase):
             stream = chat.conversation.start(operation, settings.options(), cancelled=gone)
         except ChatError as error:
             raise inputs.refused(error) from None  # the message stays in the box
-        if stream.dropped_turns:
-            gr.Warning(f"The conversation was too long for the model's context: the {stream.dropped_turns} "
-                       "oldest turn(s) were dropped (the system prompt is kept).")
+        if stream.newly_dropped:
+            gr.Warning(f"The conversation is longer than the model's context: from now on it does not see the "
+                       f"{stream.dropped_turns} oldest turn(s). They stay here; the system prompt is kept.")
         base, reasoning, answer = self._before_reply(chat, operation)
         if isinstance(operation, (Send, Edit)):  # show the user's message at once
             yield self.view(key, chat, chat=base, stats=views.GENERATING, **_BUSY,

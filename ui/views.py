@@ -154,7 +154,7 @@ def stats_line(stats: TurnStats | None) -> str:
     if stats.shared_prefix_tokens:
         details.append(f"{stats.shared_prefix_tokens} tokens copied from the shared system prompt")
     if stats.dropped_turns:
-        details.append(f"{stats.dropped_turns} oldest turn(s) dropped to fit the context")
+        details.append(f"the {stats.dropped_turns} oldest turn(s) left out of the prompt to fit the context")
     return " · ".join(parts) + f"<details><summary>details</summary>{'; '.join(details)}.</details>"
 
 

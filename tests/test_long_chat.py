@@ -1,0 +1,66 @@
+"""A conversation that outgrows the model's context goes on for ever (issue #44, item 11), and
+its turns past the context mostly reuse the cache (chat/fitting.py: the cut is kept while it fits).
+
+Before, each trimmed turn copied the kept turns under the system prompt as a new branch, and the
+32nd was refused ("this message already has 32 versions"). Every reply here is checked against
+an independent reference: the template's rendering, from scratch, of the system prompt and the
+turns after the cut, and greedy decoding of that prompt from scratch."""
+
+import random
+
+import pytest
+from reference import check_states, render_ids, scratch_greedy_reply
+
+from chat import Regenerate
+from chat.options import GenerationOptions
+
+CONTEXT, MAX_NEW = 1024, 24
+WORDS = "the cache rolls back to where the prompt parts from it and prefills only the rest".split()
+
+
+def message(rng: random.Random, tokenizer, tokens: int) -> str:
+    text = ""
+    while len(tokenizer(text)["input_ids"]) < tokens:
+        text += rng.choice(WORDS) + " "
+    return text.strip() + "?"
+
+
+def seen_by_the_model(messages: list[dict], dropped: int) -> list[dict]:
+    """The system prompt, then the turns from user turn `dropped` on (the reply left off)."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return messages[:users[0]] + messages[users[dropped]:]
+
+
+@pytest.mark.parametrize("arch", ["full", "sliding"])
+def test_a_chat_far_past_the_context_answers_every_turn_exactly_and_mostly_from_the_cache(
+        make_engine, models, tokenizers, arch):
+    tokenizer = tokenizers["qwen3"]
+    engine = make_engine(arch, context_limit=CONTEXT)
+    conv = engine.conversation("You are terse.")
+    rng, eos = random.Random(arch), {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    past, prefilled, turns = 0, [], 45
+    for turn in range(turns):
+        list(conv.send(message(rng, tokenizer, 150), fit_context=True, max_new_tokens=MAX_NEW, do_sample=False))
+        stats = conv.stats
+        assert conv.messages[-1]["role"] == "assistant" and len(conv.messages) == 1 + 2 * (turn + 1)
+        if stats.dropped_turns:
+            past += 1
+            prefilled.append(stats.prefilled_tokens)
+        if turn % 7 == 6 or turn == turns - 1:  # the reference is slow: every 7th turn and the last
+            prompt = render_ids(tokenizer, seen_by_the_model(conv.messages[:-1], stats.dropped_turns))
+            assert stats.prompt_tokens == len(prompt) and len(prompt) + MAX_NEW <= CONTEXT
+            assert conv.reply_ids == scratch_greedy_reply(models[arch], prompt, MAX_NEW, eos)
+            check_states(models[arch], conv.session.cache, conv.session.token_ids)
+    assert past >= 30  # the 32nd trimmed turn is where it used to stop
+    # one branch all along: the whole conversation stays shown, nothing copied
+    assert all(count == 1 for count in (len(node.children) for node in conv.history.nodes()[:-1]))
+    # most turns past the context reuse the cache: the cut moves in blocks, not every turn
+    mean = sum(prefilled) / len(prefilled)
+    print(f"{arch}: {past} of {turns} turns past the context; prefilled per turn there: mean {mean:.0f} "
+          f"({mean / CONTEXT:.2f}x the context), each: {prefilled}")
+    assert mean <= 0.3 * CONTEXT, (mean, prefilled)  # issue #45 asks 0.3x; before, ~0.85-0.96x
+    # a Retry past the context keeps its reply's cut: its prompt is the cache's, nothing prefilled
+    dropped = conv.stats.dropped_turns
+    list(conv.start(Regenerate(), GenerationOptions(max_new_tokens=MAX_NEW, do_sample=False)))
+    assert conv.stats.dropped_turns == dropped and conv.stats.prefilled_tokens <= 1
+    assert conv.versions == (1, 2)
