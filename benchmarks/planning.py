@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from chat import ChatEngine, GenerationOptions, Send
+from chat.fitting import REFIT_SHARE
 from chat.history import History, ReplyVersion
 from chat.plans import Planner
 
@@ -41,14 +42,17 @@ def history_of(turns: int, chars: int) -> History:
 
 
 def old_way(planner: Planner, history: History, question: str, options: GenerationOptions) -> int:
-    """Drop the oldest turn and render everything again until it fits (what planning did before)."""
+    """Drop the oldest turn and render everything again until it fits (what planning did before),
+    once any must go down to `REFIT_SHARE` of the room, as the app now cuts (chat/fitting.py)."""
     template, limit = planner.template, planner.context_limit
     messages = history.messages + [{"role": "user", "content": question}]
+    room = limit - options.max_new_tokens
     dropped = 0
-    while len(template.render(messages, enable_thinking=options.enable_thinking).ids) + options.max_new_tokens > limit:
+    while len(template.render(messages, enable_thinking=options.enable_thinking).ids) > room:
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         del messages[users[0]:users[1]]
         dropped += 1
+        room = int((limit - options.max_new_tokens) * REFIT_SHARE)  # the newest turn alone fits it here
     return dropped
 
 

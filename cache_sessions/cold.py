@@ -15,7 +15,9 @@ whose lock nobody holds (a process that died) are removed; at close, the store's
 Disk work runs beside the engine's loop, never in it (issue #30: a 51 MiB spill stalled every
 decoding user by 223 ms). A spill only moves the session's states out of it, to a pending write
 (no copy), and a writer thread writes them one tensor at a time; the memory goes when the file
-is written. A session needed again before that takes its states straight back. A read can be
+is written. A session needed again before that takes its states straight back; one needed
+while its write is running waits beside the loop like a read (`ready`), then takes them from
+memory, and the file just written is dropped. A read can be
 started ahead (`ready`: the scheduler does so for a request whose session is on disk, and lets it
 wait while the others decode); a `resume` with no read started reads on the spot.
 
@@ -124,6 +126,7 @@ class _Write:
     states: CacheStates
     nbytes: int
     future: Future | None = None
+    wanted: bool = False  # its session asked for them back while they were being written: kept here
 
 
 class _Unpickler(pickle.Unpickler):
@@ -208,11 +211,21 @@ class ColdStore:
         with self._lock:
             if session in self._reads:
                 return self._reads[session].done()
-            entry = self._files.pop(session, None)
-            if entry is None:
-                return True  # in memory, or in a pending write (taken back at once)
-            future = self._reader.submit(self._read_and_remove, entry[0])
-            self._reads[session] = future
+            write = self._writes.get(session)
+            if write is not None:
+                assert write.future is not None
+                if write.future.cancel() or write.future.done():
+                    return True  # not begun (now never will be), or ended: its states are here
+                # being written now: taking them back would wait for the disk on the loop (0.70 s
+                # for every decoding user, issue #44 item 9); the writer keeps them once it is done
+                write.wanted = True
+                future = write.future
+            else:
+                entry = self._files.pop(session, None)
+                if entry is None:
+                    return True  # in memory
+                future = self._reader.submit(self._read_and_remove, entry[0])
+                self._reads[session] = future
         future.add_done_callback(lambda _: when_ready())
         return False
 
@@ -276,12 +289,12 @@ class ColdStore:
             if path is not None:
                 path.unlink(missing_ok=True)
             with self._lock:
-                if self._writes.get(session) is write:
+                if self._writes.get(session) is write and not write.wanted:  # wanted: still in memory
                     del self._writes[session]
                     self.failed += 1
             return
         with self._lock:  # older files make room only once this one is safely written
-            if self._writes.get(session) is not write:  # taken back, discarded or closed meanwhile
+            if self._writes.get(session) is not write or write.wanted:  # taken back, wanted, discarded, closed
                 path.unlink(missing_ok=True)
                 return
             del self._writes[session]

@@ -197,6 +197,7 @@ class GraphMaker:
     def __init__(self, model: PreTrainedModel, store: Sealer | None):
         """`store`: the private folder graphs are sealed into and read back from (None: neither)."""
         self.model, self.store = model, store
+        self.keep_saved: set[str] = set()  # files that loaded and refused this model: never saved over
         self._compiler = torch.compile(decode_rows, dynamic=True, fullgraph=True,
                                        options={"guard_filter_fn": _saved_guards})
 
@@ -216,10 +217,19 @@ class GraphMaker:
             if payload is None:
                 return None
             graph = torch.compiler.load_compiled_function(io.BytesIO(payload))
-            self._run_scratch(graph, bucket, 1)
         except Exception as error:
             log.warning("the saved decode step %s was not used (%s: %s); compiling it again",
                         self.store.folder / name, type(error).__name__, str(error)[:300])
+            return None
+        try:
+            self._run_scratch(graph, bucket, 1)
+        except Exception as error:
+            # it is this app's own graph for this key, and it refuses this model: the key misses
+            # something the graph depends on. Compiled again in memory, not sealed over it, or two
+            # such models in turn would each compile again at every start (issue #44, item 10)
+            self.keep_saved.add(name)
+            log.warning("the saved decode step %s does not take this model (%s: %s); compiling it again, "
+                        "not saved over", self.store.folder / name, type(error).__name__, str(error)[:300])
             return None
         return graph
 
@@ -232,7 +242,7 @@ class GraphMaker:
         with torch._dynamo.config.patch(specialize_float=True):
             graph = self._compiler.aot_compile((self._scratch_inputs(bucket, 0), {}))
         self._run_scratch(graph, bucket, 1)
-        if self.store is not None and name is not None:
+        if self.store is not None and name is not None and name not in self.keep_saved:
             try:
                 self.store.write(name, type(graph).serialize(graph).serialized_data)
             except Exception as error:
@@ -350,10 +360,14 @@ class CompiledDecode:
         try:
             logits = self._graphs[bucket](self.model, torch.tensor(tokens, device=device).view(-1, 1),
                                           torch.tensor(positions, device=device), lengths, keys, values)
-        except RuntimeError as error:
-            if "GuardManager check failed" not in str(error):  # checked before anything runs
-                raise
-            self.error = f"a step would have compiled again (its guards failed): {error}"[:500]
+        except Exception as error:
+            # a failed guard is checked before anything runs; any other failure may have written
+            # this step's keys and values past the filled part of a buffer, which nothing reads:
+            # either way nothing was fed, and the eager forward takes this step and every later
+            # one (raising again at every step ended every row each time: issue #44, item 10)
+            why = ("a step would have compiled again (its guards failed)" if "GuardManager check failed" in str(error)
+                   else f"the compiled step failed ({type(error).__name__})")
+            self.error = f"{why}: {error}"[:500]
             self.enabled = False
             log.warning("decode steps back to eager: %s", self.error)
             return None

@@ -388,3 +388,37 @@ def test_a_reply_stopped_while_its_states_are_read_never_holds_up_the_others(mak
         decode_steps_go_on(engine, waiting, deadline)
     assert not waiting.is_alive() and cold.stats.stopped
     assert [m["content"] for m in cold.messages if m["role"] == "user"] == ["Hello there?", "And then?"]
+
+
+def test_a_session_needed_while_its_spill_is_being_written_waits_beside_the_loop(make_engine, tmp_path, monkeypatch):
+    """Issue #44 (9): `ready` said yes for a session whose write was running, and `resume` then
+    waited for the disk on the loop (0.70 s for every decoding user on a slow disk). Now `ready`
+    says no until the write has ended, and the states come back from memory, its file dropped."""
+    folder = tmp_path / "cold"
+    engine = make_engine("full", cache_dir=str(folder))
+    conv = engine.conversation("Be brief.")
+    list(conv.send("Hello there?", **OPTIONS))
+    before = held(engine, conv)
+    store, writing, gate = engine.caches.cold_store, threading.Event(), threading.Event()
+    write_file = ColdStore._write_file
+
+    def slow_disk(self, states):
+        writing.set()
+        assert gate.wait(60)
+        return write_file(self, states)
+
+    monkeypatch.setattr(ColdStore, "_write_file", slow_disk)
+    engine.caches.budget_bytes = 0
+    engine.caches.enforce_budget()
+    engine.caches.budget_bytes = None
+    assert writing.wait(60)  # the writer is inside the write now: it cannot be called off
+    told = threading.Event()
+    assert not engine.scheduler.call(store.ready, conv.session, told.set)
+    gate.set()
+    assert told.wait(60)
+    assert engine.scheduler.call(store.ready, conv.session, told.set)
+    engine.scheduler.call(engine.caches.bring_back, conv.session)
+    assert same_states(before, held(engine, conv))
+    written(engine)
+    cold = engine.caches.stats().cold
+    assert not cold_files(folder) and cold.spilled == 0 and cold.resumed == 1 and cold.writing_bytes == 0

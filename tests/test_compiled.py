@@ -172,6 +172,46 @@ def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(bas
     assert not compiled.takes([(session, [7])], [0])
 
 
+def test_a_graph_that_fails_at_run_time_is_retired_for_eager_and_a_refused_file_is_kept(base_tokenizer, tmp_path,
+                                                                                     monkeypatch):
+    """Issue #44 (10): a compiled step that raised anything but a failed guard was raised again at
+    every step (every row ended, each time). Now it is retired at once, with nothing fed, and
+    the steps go eager. And a saved graph that loads but refuses this model is not sealed over
+    (two such models would each compile again at every start)."""
+    model = build_model("full", len(base_tokenizer), None)
+    compiled = CompiledDecode(model, "on", max_rows=1, store=tmp_path)
+    compiled.warm()
+    assert compiled.ready
+    session = CacheSession(model)
+    session.extend(list(range(30, 50)))
+
+    def fails(*args):
+        raise RuntimeError("a kernel failed")
+
+    compiled._graphs[1] = fails
+    assert compiled.step([(session, [7])]) is None
+    assert not compiled.ready and not compiled.takes([(session, [7])], [0])
+    assert "the compiled step failed (RuntimeError): a kernel failed" in compiled.stats()["not_compiled_because"]
+    assert len(session.token_ids) == 20 and session.cache.get_seq_length() == 20
+    # a loaded graph whose check on scratch buffers fails: compiled again in memory, the file kept
+    saved = tmp_path / f"{graph_key(model, 1)}.graph"
+    before = saved.read_bytes()
+    checks = []
+    run_scratch = compiled_module.GraphMaker._run_scratch
+
+    def refuses_the_loaded_one(self, graph, bucket, which):
+        checks.append(graph)
+        if len(checks) == 1:
+            raise RuntimeError("GuardManager check failed")
+        return run_scratch(self, graph, bucket, which)
+
+    monkeypatch.setattr(compiled_module.GraphMaker, "_run_scratch", refuses_the_loaded_one)
+    again = CompiledDecode(model, "on", max_rows=1, store=tmp_path)
+    again.warm()
+    assert again.ready and again.loaded == set() and len(checks) == 2  # the loaded one, then the new one
+    assert saved.read_bytes() == before
+
+
 def test_a_ready_graph_serves_while_another_is_being_built(base_tokenizer):
     """A graph compiled ahead of time runs without dynamo: the one-row steps go on, compiled and
     exact, while another graph of this process is traced and compiled on its thread."""

@@ -84,3 +84,44 @@ def test_a_process_that_exits_while_a_reply_streams_ends_cleanly():
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert done.stdout.strip() == "streaming" and done.returncode == 0, (done.returncode, done.stderr[-2000:])
         assert "terminate called" not in done.stderr
+
+
+def test_sends_at_once_from_one_address_keep_exactly_its_limit(make_engine, monkeypatch):
+    """Issue #44 (5): 16 sends at once from one address kept 6 conversations under a limit of 4:
+    each read the client's count before any had recorded its own. Here every open is held at a
+    barrier until all 16 reach it (the interleaving the attack hit) or it times out (opens taken
+    one at a time: only one ever gets there)."""
+    import threading
+
+    engine = make_engine("full")
+    directory = ChatDirectory(engine, max_per_client=4)
+    barrier, opened = threading.Barrier(16, timeout=2.0), []
+    open_session = directory.manager.open
+
+    def held_open(owner):
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            pass
+        key = open_session(owner)
+        opened.append(key)
+        return key
+
+    monkeypatch.setattr(directory.manager, "open", held_open)
+    errors = []
+
+    def send() -> None:
+        try:
+            directory.chat(None, "", client="203.0.113.7")
+        except Exception as error:  # noqa: BLE001 (a refusal is allowed; a crash is counted)
+            errors.append(error)
+
+    threads = [threading.Thread(target=send) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and len(opened) == 16
+    kept = [key for key in opened if directory.find(key) is not None]
+    assert len(kept) == 4 and len(directory.manager) == 4
+    assert sorted(directory._keys_of_client["203.0.113.7"]) == sorted(kept)
