@@ -119,6 +119,18 @@ def _read_exact(file: BinaryIO, count: int) -> bytes:
     return data
 
 
+@dataclass(frozen=True)
+class _File:
+    """A session's file, as this store wrote it. `tag`: 16 random bytes of this write, the first
+    thing its digest covers and never written to disk, so the file reads back only as this
+    write: another session's file of this store, swapped into its place (session x came back with
+    y's states and ledger: issue #44, item 7), or an older file of the same session is refused."""
+
+    path: Path
+    nbytes: int
+    tag: bytes
+
+
 @dataclass(eq=False)
 class _Write:
     """States handed to the writer: held here, in memory, until their file is written."""
@@ -155,17 +167,31 @@ class ColdStore:
             raise ValueError(f"--cache-dir {self.folder} is not a folder")
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         _remove_stale(self.folder)
+        self._begin()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _begin(self) -> None:
+        """A store of its own: its folder (locked while it lives), key, tables and disk threads."""
         self.own = Path(tempfile.mkdtemp(prefix=f"process-{os.getpid()}-", dir=self.folder))  # mode 0700
         self._held = open(self.own / "lock", "w")  # noqa: SIM115 (held open: the lock lasts as long as the store)
         fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._key = os.urandom(32)  # only this store can write a file it will accept
         # Keyed by the session object itself, never by a reusable id. Files: oldest first.
-        self._files: OrderedDict[CacheStates, tuple[Path, int]] = OrderedDict()
+        self._files: OrderedDict[CacheStates, _File] = OrderedDict()
         self._writes: dict[CacheStates, _Write] = {}  # handed to the writer, not yet in a file
         self._reads: dict[CacheStates, Future] = {}  # files being read ahead
         self.spilled = self.resumed = self.dropped = self.failed = 0
         self._start_threads()
-        os.register_at_fork(after_in_child=self._start_threads)  # a forked worker inherits no thread
+
+    def _forked(self) -> None:
+        """In a forked worker (ZeroGPU): a store of its own, in a folder of its own beside the
+        parent's. It inherited the parent's folder, file list and key: a spill there could push
+        out the parent's oldest file and leave files the parent does not track, and its exit
+        removed the parent's whole folder (the parent's sessions then rebuilt from scratch:
+        issue #44, item 8). The inherited lock is the parent's: closing the child's copy of it
+        leaves the parent's lock held."""
+        self._held.close()
+        self._begin()
 
     def _start_threads(self) -> None:
         """The disk threads (started on first use). Each is an executor's, not a daemon: at exit the
@@ -181,7 +207,7 @@ class ColdStore:
                              writing_bytes=sum(write.nbytes for write in self._writes.values()), failed=self.failed)
 
     def _bytes(self) -> int:
-        return sum(n for _, n in self._files.values())
+        return sum(file.nbytes for file in self._files.values())
 
     def flush(self) -> None:
         """Wait until every write handed over so far has ended (tests, benchmarks)."""
@@ -224,7 +250,7 @@ class ColdStore:
                 entry = self._files.pop(session, None)
                 if entry is None:
                     return True  # in memory
-                future = self._reader.submit(self._read_and_remove, entry[0])
+                future = self._reader.submit(self._read_and_remove, entry)
                 self._reads[session] = future
         future.add_done_callback(lambda _: when_ready())
         return False
@@ -246,7 +272,7 @@ class ColdStore:
             elif read is not None:
                 restored = read.result()
             elif entry is not None:
-                restored = self._read_and_remove(entry[0])
+                restored = self._read_and_remove(entry)
             else:
                 return False
         except Exception:  # noqa: BLE001 (a damaged, foreign or vanished file: the states are lost, not the turn)
@@ -267,7 +293,7 @@ class ColdStore:
         if read is not None:
             read.cancel()
         if entry is not None:
-            entry[0].unlink(missing_ok=True)
+            entry.path.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Its files and folder go (at the engine's end, or at exit); writes not begun are dropped."""
@@ -284,7 +310,7 @@ class ColdStore:
     def _write(self, session: CacheStates, write: _Write) -> None:
         path: Path | None = None
         try:
-            path, size = self._write_file(write.states)
+            path, size, tag = self._write_file(write.states)
         except Exception:  # noqa: BLE001 (a full disk, no memory: the states are lost, no other file is)
             if path is not None:
                 path.unlink(missing_ok=True)
@@ -300,10 +326,12 @@ class ColdStore:
             del self._writes[session]
             while self._files and self._bytes() + size > self.max_bytes:
                 self._drop_oldest()
-            self._files[session] = (path, size)
+            self._files[session] = _File(path, size, tag)
             self.spilled += 1
 
-    def _write_file(self, states: CacheStates) -> tuple[Path, int]:
+    def _write_file(self, states: CacheStates) -> tuple[Path, int, bytes]:
+        """Write `states` to a new file of this store's folder; its path, size and the tag its
+        digest is bound to (kept in memory with it: see `_File`)."""
         buffer = io.BytesIO()
         pickler = _Pickler(buffer)
         pickler.dump(states)
@@ -315,6 +343,8 @@ class ColdStore:
         if size > self.max_bytes:
             raise ValueError("larger than the whole folder may hold")
         digest = hashlib.blake2b(key=self._key, digest_size=_DIGEST_BYTES)
+        tag = os.urandom(16)
+        digest.update(tag)
         handle, name = tempfile.mkstemp(prefix="session-", suffix=".cold", dir=self.own)
         path = Path(name)
         try:
@@ -326,18 +356,19 @@ class ColdStore:
         except BaseException:
             path.unlink(missing_ok=True)
             raise
-        return path, size
+        return path, size, tag
 
-    def _read_and_remove(self, path: Path) -> CacheStates:
+    def _read_and_remove(self, entry: _File) -> CacheStates:
         try:
-            return self._read(path)
+            return self._read(entry.path, entry.tag)
         finally:
-            path.unlink(missing_ok=True)
+            entry.path.unlink(missing_ok=True)
 
-    def _read(self, path: Path) -> CacheStates:
+    def _read(self, path: Path, tag: bytes) -> CacheStates:
         """The session a file holds, each tensor read into its own buffer; parsed only once the
-        digest proves this store wrote it as it is."""
+        digest proves this store wrote it as it is, for the write `tag` names."""
         digest = hashlib.blake2b(key=self._key, digest_size=_DIGEST_BYTES)
+        digest.update(tag)
         with open(path, "rb") as file:
             fixed = _read_exact(file, len(_MAGIC) + _HEADER.size)
             if not fixed.startswith(_MAGIC):
@@ -367,8 +398,8 @@ class ColdStore:
         return _Unpickler(io.BytesIO(structure), tensors).load()
 
     def _drop_oldest(self) -> None:
-        _, (path, _) = self._files.popitem(last=False)
-        path.unlink(missing_ok=True)
+        _, file = self._files.popitem(last=False)
+        file.path.unlink(missing_ok=True)
         self.dropped += 1
 
 

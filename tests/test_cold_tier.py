@@ -3,6 +3,7 @@ being dropped, and its next operation reads it back exact. Checked against from-
 and greedy replies (tests/reference.py) on every layer mix: full attention, a sliding window, the
 two mixed, and linear attention (whose rollbacks need the checkpoints that travel with it)."""
 
+from pathlib import Path
 import pickle
 import threading
 import time
@@ -422,3 +423,69 @@ def test_a_session_needed_while_its_spill_is_being_written_waits_beside_the_loop
     written(engine)
     cold = engine.caches.stats().cold
     assert not cold_files(folder) and cold.spilled == 0 and cold.resumed == 1 and cold.writing_bytes == 0
+
+
+def test_a_file_swapped_between_two_sessions_or_an_older_one_of_the_same_is_refused(make_engine, tokenizers,
+                                                                                   tmp_path):
+    """Issue #44 (7): two sessions of one store spilled, their files swapped: session x came back
+    with y's states and ledger (both files carry this store's key). Each file is now bound to its
+    write; x rebuilds instead, exact, and so does a session handed its own older file."""
+    folder = tmp_path / "cold"
+    engine = make_engine("full", cache_dir=str(folder))
+    x, y = engine.conversation("Be brief."), engine.conversation("Be brief.")
+    list(x.send("Hello there?", **OPTIONS))
+    list(y.send("Something else entirely, and longer than the other one?", **OPTIONS))
+    store = engine.caches.cold_store
+
+    def spill_all() -> dict:
+        engine.caches.budget_bytes = 0
+        engine.caches.enforce_budget()
+        written(engine)
+        engine.caches.budget_bytes = None
+        return {conv: store._files[conv.session].path for conv in (x, y)}
+
+    paths = spill_all()
+    x_bytes, y_bytes = paths[x].read_bytes(), paths[y].read_bytes()
+    paths[x].write_bytes(y_bytes)
+    paths[y].write_bytes(x_bytes)
+    for conv in (x, y):
+        list(conv.send("And then?", **OPTIONS))
+        assert conv.stats.rebuilt
+        check_exact(conv, engine.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)
+    older = spill_all()[x].read_bytes()  # x's file now; spilled again below, and put back over the newer
+    list(x.send("Once more?", **OPTIONS))
+    assert not x.stats.rebuilt  # read back as written
+    newer = spill_all()[x]
+    newer.write_bytes(older)
+    list(x.send("And again?", **OPTIONS))
+    assert x.stats.rebuilt
+    check_exact(x, engine.model, tokenizers[THINKING_TEMPLATE], max_new_tokens=6)
+
+
+def test_a_forked_worker_has_a_cold_tier_of_its_own_and_leaves_the_parents_alone(make_engine, tmp_path):
+    """Issue #44 (8): a forked worker (ZeroGPU) inherited its parent's cold tier (folder, file
+    list, key), and its exit removed the parent's folder: the parent's session then came back with
+    none of its tokens. The worker now has a folder, key and list of its own."""
+    import multiprocessing
+
+    folder = tmp_path / "cold"
+    engine, conv, path = spilled(make_engine, folder)
+    store = engine.caches.cold_store
+    context = multiprocessing.get_context("fork")
+    results = context.SimpleQueue()
+
+    def worker() -> None:
+        torch.set_num_threads(1)  # OpenMP's pool does not survive a fork
+        results.put((str(store.own), len(store._files), store._key))
+        store.close()  # what its exit does (the engine's finalizer)
+
+    process = context.Process(target=worker, daemon=True)
+    process.start()
+    own, files, key = results.get()
+    process.join(60)
+    assert process.exitcode == 0
+    assert own != str(store.own) and files == 0 and key != store._key
+    assert path.exists() and store.own.exists() and not Path(own).exists()
+    held_tokens = engine.caches.stats().cold.sessions
+    list(conv.send("And then?", **OPTIONS))
+    assert held_tokens == 1 and not conv.stats.rebuilt and conv.stats.reused_tokens > 0
