@@ -253,4 +253,6 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from chat.host import end_process
+
+    end_process(main())

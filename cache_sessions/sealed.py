@@ -18,17 +18,25 @@ same folder: both are guarded by the same owner check.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import hmac
 import os
 import stat
 import tempfile
+import threading
 from pathlib import Path
 
 _MAGIC = b"rewind-chat sealed 1\n"
 _SEAL_BYTES = 32
 _KEY_NAME = "seal.key"
 _KEY_BYTES = 32
+
+
+# Held while a sealed file is written; at exit, taken for good (a process that ends without its
+# interpreter's teardown, chat/host.py's `end_process`, ends between two writes, never in one).
+_WRITING = threading.Lock()
+atexit.register(lambda: _WRITING.acquire(timeout=30))
 
 
 class UntrustedFolder(RuntimeError):
@@ -101,14 +109,15 @@ class Sealer:
         """`payload` sealed for `name`, written as `name` in the folder (whole or not at all, 0600)."""
         if "/" in name or name in ("", ".", "..", _KEY_NAME):
             raise ValueError(f"not a file name here: {name!r}")
-        descriptor, temporary = tempfile.mkstemp(dir=self.folder, prefix=".sealing-")  # mode 0600
-        try:
-            with os.fdopen(descriptor, "wb") as file:
-                file.write(_MAGIC + self._seal(name, payload) + payload)
-            os.replace(temporary, self.folder / name)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        with _WRITING:
+            descriptor, temporary = tempfile.mkstemp(dir=self.folder, prefix=".sealing-")  # mode 0600
+            try:
+                with os.fdopen(descriptor, "wb") as file:
+                    file.write(_MAGIC + self._seal(name, payload) + payload)
+                os.replace(temporary, self.folder / name)
+            except BaseException:
+                Path(temporary).unlink(missing_ok=True)
+                raise
         return self.folder / name
 
     def read(self, name: str) -> bytes | None:

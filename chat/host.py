@@ -25,7 +25,10 @@ so it is chosen here, before torch loads; an operator's `TORCHINDUCTOR_CACHE_DIR
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+from typing import NoReturn
 
 WAIT_POLICY = "PASSIVE"
 OPERATOR_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either set: the operator chose
@@ -51,3 +54,19 @@ def prefer_app_inductor_cache() -> None:
 
 prefer_passive_openmp()
 prefer_app_inductor_cache()
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit with `code` once the exit handlers have run (the cold tier's files, the exports, the
+    replies in flight), without the interpreter's own teardown. A compile on its thread (torch's
+    and inductor's native threads) cannot be stopped; tearing the interpreter down under it
+    aborted the process ("terminate called without an active exception", exit 134) when a Space
+    stopped during a start with `--compile on` (issue #44, item 3). What the compile had not
+    finished is simply not saved (a sealed file is written whole or not at all)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

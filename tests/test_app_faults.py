@@ -314,3 +314,25 @@ def test_a_stopped_server_leaves_no_conversation_data_on_disk(endless_model, tmp
         server.close()
     assert server.process.returncode == 0
     assert not list(cache_dir.glob("**/*.cold")) and not list(temp.glob("rewind-chat-exports-*"))
+
+
+def test_a_stop_during_a_compile_exits_cleanly(tmp_path):
+    """Issue #44 (3): SIGTERM while the decode steps were being compiled (a thread nothing can stop)
+    aborted the process ("terminate called without an active exception", exit 134, 2 of 2). Now
+    the exit handlers run and the process ends without the interpreter's teardown: exit 0, and no
+    half-written file, stopped as soon as it serves (the first graph being built) and once the
+    first graph is saved (the next being built)."""
+    steps = tmp_path / "cache" / "rewind-chat" / "compiled-steps"
+    for moment in ("serving", "first graph saved"):
+        server = AppServer("--compile", "on", log_path=tmp_path / f"{moment}.log",
+                           env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+        try:
+            status = json.loads(urllib.request.urlopen(server.url + "status", timeout=30).read())
+            compiling = status["engine"]["compiled_step"] if "engine" in status else status["compiled_step"]
+            assert compiling["enabled"] and len(compiling["rows_compiled"]) < 4
+            if moment == "first graph saved":
+                wait_for(lambda: list(steps.glob("*-1-rows-*.graph")), 300)
+        finally:
+            server.close()
+        assert server.process.returncode == 0, (tmp_path / f"{moment}.log").read_text()[-2000:]
+        assert not list(steps.glob(".sealing-*"))
