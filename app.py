@@ -95,7 +95,10 @@ def sidebar() -> dict[str, Any]:
             parts |= dict(export_json=gr.Button("Export JSON", size="sm", elem_id="export-json"),
                           export_markdown=gr.Button("Export Markdown", size="sm", elem_id="export-markdown"))
         parts |= dict(download=gr.File(label="Download", visible=False, interactive=False, elem_id="download"),
-                      import_file=gr.UploadButton("Import JSON", file_types=[".json"], size="sm", elem_id="import"),
+                      # the page reads the chosen file and sends its text: nothing is uploaded, so no path
+                      # a client names is ever opened here (issue #44, item 6)
+                      import_file=gr.Button("Import JSON", size="sm", elem_id="import"),
+                      import_text=gr.JSON(visible=False),
                       delete=gr.Button("Delete this conversation", size="sm", variant="stop", elem_id="delete"),
                       confirm_delete=gr.Button("Yes, delete it for good", size="sm", variant="stop", visible=False,
                                                elem_id="confirm-delete"),

@@ -10,6 +10,7 @@ import gradio as gr
 import threading
 import time
 
+from chat import saved
 from ui import browser_copy
 from ui.browser_copy import MAX_TITLE_CHARS, Book, checked_index, checked_probe, checked_record
 from ui.chat_list import ChatList
@@ -260,9 +261,8 @@ def test_export_then_import_gives_the_same_conversation_and_its_name(make_engine
     markdown = open(chat_list.files.export("markdown", key, book)["value"], encoding="utf-8").read()
     assert markdown.startswith("# My renamed chat") and "## User" in markdown and "First question?" in markdown
 
-    result = chat_list.import_file(None, exported, key, book)
+    result = chat_list.import_text(None, Path(exported).read_text(), key, book)  # what the page read of the file
     browser.apply(result[OUTBOX])
-    assert not Path(exported).exists()  # the uploaded file is deleted once read
     new_key = result[KEY]
     assert new_key != key and len(browser.records) == 2
     assert browser.records[browser.current]["title"] == "My renamed chat"  # the name came with the file
@@ -272,8 +272,16 @@ def test_export_then_import_gives_the_same_conversation_and_its_name(make_engine
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "rewind-chat.conversation", "version": 1, "messages": [{"role": "tool"}]}))
     before = len(handlers.directory.manager)
-    chat_list.import_file(None, str(bad), new_key, book)
+    chat_list.import_text(None, bad.read_text(), new_key, book)
     assert len(handlers.directory.manager) == before  # refused: nothing created
+    # issue #44 (6): a path is not text: nothing is opened, nothing deleted (it used to read and
+    # delete whatever file of Gradio's upload folder the event named)
+    someone_elses = tmp_path / "someone-elses-upload.json"
+    someone_elses.write_text(Path(exported).read_text())
+    for sent in (str(someone_elses), {"path": str(someone_elses)}, None, "x" * (saved.MAX_JSON_BYTES + 1)):
+        chat_list.import_text(None, sent, new_key, book)
+        assert len(handlers.directory.manager) == before
+    assert someone_elses.exists()
 
 
 def test_delete_leaves_a_tombstone_and_frees_the_server(make_engine):
@@ -403,7 +411,7 @@ def test_an_import_brings_its_own_system_prompt_into_the_box(make_engine, tmp_pa
     browser, book = Browser(), Book()
     key = send(chat_list, browser, book, "First question?", None)  # with "Be brief."
     exported = chat_list.files.export("json", key, book)["value"]
-    result = chat_list.import_file(None, exported, None, Book())
+    result = chat_list.import_text(None, Path(exported).read_text(), None, Book())
     assert result[SYSTEM_PROMPT] == "Be brief." and result[APPLIED] == {"prompt": "Be brief."}
 
 

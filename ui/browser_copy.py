@@ -325,9 +325,20 @@ window.rewindCopy = (() => {
                     let pending = null;
                     try { pending = JSON.parse(sessionStorage.getItem("rewind-chat:pending-prompt")); } catch {}
                     return {...probe(), index: listed, record: live(current()), pending}; },
+    pickFile: () => new Promise((resolve) => {  // Import: the chosen file's text (one byte over the
+      // limit at most: the server says it is too large), or null when none was chosen
+      const input = Object.assign(document.createElement("input"), {type: "file", accept: ".json,application/json"});
+      input.addEventListener("change", () => {
+        const file = input.files && input.files[0];
+        if (!file) { resolve(null); return; }
+        file.slice(0, %(max_json)d + 1).text().then(resolve, () => resolve(null));
+      });
+      input.addEventListener("cancel", () => resolve(null));
+      input.click();
+    }),
     typedPrompt: (text) => {  // the system prompt box as typed: a reload shows it again, still pending
       try { sessionStorage.setItem("rewind-chat:pending-prompt", JSON.stringify({id: current(), text})); } catch {}
     },
   };
 })();
-</script>""" % {"max_chats": MAX_CHATS}
+</script>""" % {"max_chats": MAX_CHATS, "max_json": saved.MAX_JSON_BYTES}

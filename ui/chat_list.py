@@ -282,13 +282,18 @@ class ChatList(CopyKeeping):
         return (*outputs.to_gradio(), *ListOutputs.of(book, *records, confirm_delete=gr.update(visible=False))
                 .to_gradio())
 
-    def import_file(self, request: gr.Request, file: Any, key: Any, book: Any) -> tuple:
-        """A JSON export, checked whole (`engine.restore`), opened as a new entry of the list."""
+    def import_text(self, request: gr.Request, text: Any, key: Any, book: Any) -> tuple:
+        """A JSON export's text, read by the page from the file the person picked (None: none was),
+        checked whole (`engine.restore`), opened as a new entry of the list. The text, not an
+        upload: Gradio's upload hands back a path that the event then names, and any file of its
+        upload folder could be named so (and was deleted once read: issue #44, item 6)."""
         book = checked_book(book)
-        path = getattr(file, "name", file)
+        if text is None:
+            return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
         try:
-            raw = read_once(path, saved.MAX_JSON_BYTES + 1) if isinstance(path, str) else b""
-            data = saved.loads(raw)
+            if not isinstance(text, str):
+                raise saved.SavedConversationError("the page sent no file's text")
+            data = saved.loads(text)
             new_key, chat = self.directory.restore(data, page=page_of(request), client=client_of(request))
         except (ChatError, OSError) as error:
             gr.Warning(f"That file cannot be imported: {error}")
@@ -337,15 +342,6 @@ class ChatList(CopyKeeping):
         outputs.system_prompt = history.system_prompt or ""
         outputs.applied_prompt = {"prompt": outputs.system_prompt}
         return outputs
-
-
-def read_once(path: str, limit: int) -> bytes:
-    """An uploaded file's first `limit` bytes; the file (Gradio's copy of the upload) is deleted."""
-    try:
-        with open(path, "rb") as file:
-            return file.read(limit)
-    finally:
-        Path(path).unlink(missing_ok=True)
 
 
 class ChatFiles:

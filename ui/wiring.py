@@ -67,6 +67,8 @@ def settings_of(page: dict[str, Any]) -> list[Any]:
 # The page's side of the browser's copy (ui/browser_copy.py): what its script adds to an event's inputs.
 PROBE = "(probe, ...rest) => [window.rewindCopy.probe(), ...rest]"
 RECORD = "(need, ...rest) => [need && need.id ? window.rewindCopy.record(need.id) : null, ...rest]"
+# Import: the file the person picks, read by the page (its text, or null if none was picked)
+PICK_FILE = "async (text, ...rest) => [await window.rewindCopy.pickFile(), ...rest]"
 WITH_LIST = "(probe, ...rest) => [window.rewindCopy.withList(), ...rest]"
 ON_LOAD = "(probe, ...rest) => [window.rewindCopy.onLoad(), ...rest]"
 CHOSEN = ("(chosen, probe, ...rest) => "
@@ -171,8 +173,8 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     for button, kind in ((page["export_json"], "json"), (page["export_markdown"], "markdown")):
         with_conversation(chat_list, page, button.click) \
             .then(functools.partial(chat_list.files.export, kind), [key, book], page["download"], api_name=False)
-    page["import_file"].upload(chat_list.import_file, [page["import_file"], key, book], with_list,
-                               api_name=False, **ONE_RECORD_AT_A_TIME)
+    page["import_file"].click(chat_list.import_text, [page["import_text"], key, book], with_list, js=PICK_FILE,
+                              api_name=False, **ONE_RECORD_AT_A_TIME)
     page["list_refresh"].click(chat_list.refresh, [probe, book], [book, page["chats"]], js=WITH_LIST, **QUIET)
 
 
