@@ -109,9 +109,18 @@ def check_near_greedy(model, prompt_ids: list[int], reply: list[int], tolerance:
     assert shortfall.numel() == 0 or shortfall.max() <= tolerance, f"a reply token {shortfall.max():.3f} below the top"
 
 
+def without_oldest_turns(messages: list[dict], turns: int) -> list[dict]:
+    """`messages` less their `turns` oldest user turns (a user message and what answered it);
+    what comes before the first user message (a system prompt) stays."""
+    if not turns:
+        return messages
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return messages[:users[0]] + messages[users[turns]:]
+
+
 def check_exact(conv, model, tokenizer, *, max_new_tokens: int | None, enable_thinking=None, stopped: bool = False,
                 generated: bool = True, continued_from: int = 0, kv_cache=None,
-                logit_tolerance: float = LOGIT_TOLERANCE, near_greedy: bool = False) -> None:
+                logit_tolerance: float = LOGIT_TOLERANCE, near_greedy: bool = False, dropped_turns: int = 0) -> None:
     """The three checks of the issue after an operation: (a) states, (b) greedy reply, (c) stats.
     `kv_cache`: a lossy kind (quantized): the references start from an empty cache of that kind.
     `near_greedy`: lossy weights: (b) holds each reply token within `logit_tolerance` of the
@@ -119,7 +128,9 @@ def check_exact(conv, model, tokenizer, *, max_new_tokens: int | None, enable_th
 
     `stopped`: the reply is a prefix of the greedy one (cut short, or continued: then
     `max_new_tokens=None` compares with as many greedy tokens as the reply has).
-    `continued_from`: reply tokens the last operation continued (its prompt ended with them)."""
+    `continued_from`: reply tokens the last operation continued (its prompt ended with them).
+    `dropped_turns`: the oldest user turns the reply's prompt left out to fit the context (they
+    stay in the conversation; the prompt is the system prompt and the turns after them)."""
     session = conv.session
     # (a) the cached states are those of a from-scratch forward over the ledger
     if session.token_ids:
@@ -128,7 +139,7 @@ def check_exact(conv, model, tokenizer, *, max_new_tokens: int | None, enable_th
     if not messages or messages[-1]["role"] != "assistant":
         return
     # (b) the reply is what greedy generate gives from scratch on the re-rendered prompt
-    prompt_ids = render_ids(tokenizer, messages[:-1], enable_thinking=enable_thinking)
+    prompt_ids = render_ids(tokenizer, without_oldest_turns(messages[:-1], dropped_turns), enable_thinking=enable_thinking)
     length = max_new_tokens if max_new_tokens is not None else len(conv.reply_ids)
     if near_greedy:
         ended = not stopped and max_new_tokens is not None and len(conv.reply_ids) < max_new_tokens

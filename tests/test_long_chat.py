@@ -9,7 +9,7 @@ turns after the cut, and greedy decoding of that prompt from scratch."""
 import random
 
 import pytest
-from reference import check_states, render_ids, scratch_greedy_reply
+from reference import check_states, render_ids, scratch_greedy_reply, without_oldest_turns
 
 from chat import Regenerate
 from chat.options import GenerationOptions
@@ -23,12 +23,6 @@ def message(rng: random.Random, tokenizer, tokens: int) -> str:
     while len(tokenizer(text)["input_ids"]) < tokens:
         text += rng.choice(WORDS) + " "
     return text.strip() + "?"
-
-
-def seen_by_the_model(messages: list[dict], dropped: int) -> list[dict]:
-    """The system prompt, then the turns from user turn `dropped` on (the reply left off)."""
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    return messages[:users[0]] + messages[users[dropped]:]
 
 
 @pytest.mark.parametrize("arch", ["full", "sliding"])
@@ -47,7 +41,7 @@ def test_a_chat_far_past_the_context_answers_every_turn_exactly_and_mostly_from_
             past += 1
             prefilled.append(stats.prefilled_tokens)
         if turn % 7 == 6 or turn == turns - 1:  # the reference is slow: every 7th turn and the last
-            prompt = render_ids(tokenizer, seen_by_the_model(conv.messages[:-1], stats.dropped_turns))
+            prompt = render_ids(tokenizer, without_oldest_turns(conv.messages[:-1], stats.dropped_turns))
             assert stats.prompt_tokens == len(prompt) and len(prompt) + MAX_NEW <= CONTEXT
             assert conv.reply_ids == scratch_greedy_reply(models[arch], prompt, MAX_NEW, eos)
             check_states(models[arch], conv.session.cache, conv.session.token_ids)
