@@ -18,6 +18,7 @@ from starlette.middleware import Middleware
 
 from chat import ChatEngine, ModelLoadError, remote, saved
 from ui.browser_copy import SCRIPT as BROWSER_COPY_SCRIPT, Book
+from ui.waiting import WaitingBodies, WaitingBook
 from ui.chat_list import ChatList
 from ui.config import AppConfig
 from ui.directory import ChatDirectory, Closes
@@ -227,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = build(ChatHandlers(engine, directory, limits=limits, metrics=metrics), model_label=label,
                  max_new_tokens=config.max_new_tokens, **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
     demo.queue(default_concurrency_limit=config.streams, max_size=256)
+    largest = int(config.max_request_mb * 2**20)
+    waiting = WaitingBook(per_client_bytes=2 * largest, total_bytes=int(config.max_waiting_mb * 2**20))
     gradio_tuning.poll_queue_every(demo)  # two costs of Gradio's that slow decoding down (see there)
     gradio_tuning.pass_skipped_outputs_through()
     gradio_limits.keep_no_event_values()  # what Gradio would keep that a visitor controls (see there)
@@ -239,9 +242,11 @@ def main(argv: list[str] | None = None) -> int:
                 footer_links=["api"], run_history=False, quiet=True, prevent_thread_lock=True,
                 state_session_capacity=config.page_states,
                 css=CSS, js=PAGE_SCRIPT, head=PAGE_HEAD, max_file_size=saved.MAX_JSON_BYTES,
-                app_kwargs={"middleware": [Middleware(SecurityHeaders, trust_proxy_headers=bool(config.proxies))],
+                app_kwargs={"middleware": [Middleware(SecurityHeaders, trust_proxy_headers=bool(config.proxies)),
+                                           Middleware(WaitingBodies, book=waiting, largest_bytes=largest)],
                             "routes": routes(directory, metrics),
                             "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
+    waiting.alive = lambda event_id: event_id in demo._queue.event_ids_to_events  # queued, not yet ended
     print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",
           flush=True)
     # A stop (SIGTERM: a Space or container stopping) ends like Ctrl-C: Gradio closes and the exit

@@ -219,3 +219,16 @@ def test_restart_benchmark_times_a_first_start_and_a_restart_in_processes_of_the
     for row in (first, again):
         assert row["compiled_step"]["ready"] and 0 < row["engine_s"] <= row["one_row_s"] <= row["all_rows_s"]
     assert len(result["targets"]) == 2
+
+
+def test_parallel_loads_benchmark_writes_the_documented_fields(tmp_path):
+    """Through a launched app with a small bound: six 2 MB loads at once from one client, two of
+    the largest (3 MB) at most waiting: some are refused before they are read, the others answered,
+    and another user's load is answered meanwhile."""
+    from benchmarks.parallel_loads import main as parallel_loads
+
+    result = run_to_json(parallel_loads, tmp_path, "--loads", "6", "--mb", "2", "--app-args", "--max-request-mb 3")
+    assert {"idle_mb", "peak_mb", "after_mb", "peak_over_idle_mb", "after_over_idle_mb", "refused", "statuses",
+            "slowest_load_s", "other_user_load_s"} <= set(result)
+    assert len(result["statuses"]) == 6 and set(result["statuses"]) <= {200, 429, 503, -1}
+    assert 200 in result["statuses"] and result["other_user_status"] == 200

@@ -78,6 +78,9 @@ class AppConfig:
     max_system_chars: int = _setting(4_000, "MAX_SYSTEM_CHARS", "longer system prompts are refused")
     max_request_mb: float = _setting(32.0, "MAX_REQUEST_MB", "the largest request body (an event with the "
                                      "browser's list, an upload); larger ones are refused with 413")
+    max_waiting_mb: float = _setting(96.0, "MAX_WAITING_MB", "large request bodies (1 MB or more) all clients "
+                                     "together may have waiting to be handled (one client: two of the largest); "
+                                     "more are refused at once")
     max_per_client: int = _setting(8, "MAX_PER_CLIENT", "conversations one address may hold (0: no limit); "
                                    "at the limit its own oldest idle one is closed")
     monitoring: bool = _setting(False, "MONITORING", "Gradio's /monitoring page (per-endpoint timings, "
