@@ -58,3 +58,30 @@ def test_a_chat_far_past_the_context_answers_every_turn_exactly_and_mostly_from_
     list(conv.start(Regenerate(), GenerationOptions(max_new_tokens=MAX_NEW, do_sample=False)))
     assert conv.stats.dropped_turns == dropped and conv.stats.prefilled_tokens <= 1
     assert conv.versions == (1, 2)
+
+
+def test_a_hundred_turns_past_the_context_through_the_page_are_all_answered(make_engine, tokenizers, monkeypatch):
+    """The attack's case through the page's own handler (Send fits the context): every turn is
+    answered, the conversation stays one branch and the person is told once per cut, not per turn."""
+    from ui.directory import ChatDirectory
+    from ui.handlers import ChatHandlers
+    from ui.outputs import Settings
+
+    import ui.replies
+
+    told = []
+    monkeypatch.setattr(ui.replies.gr, "Warning", lambda text, *a, **k: told.append(text))
+    engine = make_engine("full", context_limit=512)
+    handlers = ChatHandlers(engine, ChatDirectory(engine))
+    settings = Settings(system_prompt="S.", max_new_tokens=16, temperature=0.0).values()
+    rng, key, past = random.Random(3), None, 0
+    for turn in range(130):
+        outputs = list(handlers.send(None, message(rng, tokenizers["qwen3"], 60), key, *settings))
+        key = next((output.key for output in outputs if isinstance(output.key, str)), key)
+        conv = handlers.directory.find(key).conversation
+        assert conv.messages[-1]["role"] == "assistant" and len(conv.messages) == 2 * turn + 3
+        past += conv.stats.dropped_turns > 0
+    assert past >= 100
+    assert all(len(node.children) == 1 for node in conv.history.nodes()[:-1])
+    cuts = [text for text in told if "longer than the model's context" in text]
+    assert 0 < len(cuts) < past / 2, (len(cuts), past)  # told when the cut moves, not at every turn
