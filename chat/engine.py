@@ -104,8 +104,9 @@ class ChatEngine:
         cold = {"cold_tier": asdict(caches.cold)} if caches.cold is not None else {}
         return {"backend": "local", "model": self.name, **cold,
                 "planning": self.planner.planning,
-                "generating": batch.waiting + batch.prefilling + batch.decoding,
+                "generating": batch.waiting + batch.prefilling + batch.decoding + batch.paused,
                 "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,
+                          "paused": batch.paused,
                           "max_batch_size": batch.max_batch_size, "largest_batch": batch.largest_batch,
                           "decode_steps": batch.steps, "batch_bytes": batch.batch_bytes,
                           "join_wait_mean_s": round(batch.join_wait_mean_s, 4),

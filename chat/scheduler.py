@@ -146,6 +146,7 @@ class SchedulerStats:
     join_wait_max_s: float
     packed: bool = False  # steps run packed on the sessions' own caches (no batch copy)
     prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/step_budget.py)
+    paused: int = 0  # decode rows given up for another client's share of the rows (chat/request_table.py)
 
 
 class _Counters:
@@ -256,7 +257,8 @@ class DecodeScheduler:
             counters, waits = self._counters, list(self._counters.join_waits)
             return SchedulerStats(
                 max_batch_size=self.max_batch_size, decoding=len(self._requests.decoding), prefilling=len(self._requests.prefilling),
-                waiting=len(self._requests.waiting), steps=counters.steps, batch_bytes=batch_bytes,
+                waiting=len(self._requests.waiting), paused=len(self._requests.paused), steps=counters.steps,
+                batch_bytes=batch_bytes,
                 joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
                 packed=self.packed, prompt_tokens_per_step=(self.step_budget.tokens(self.prefill_chunk) if self.packed
@@ -271,8 +273,8 @@ class DecodeScheduler:
     @torch.no_grad()
     def _step(self) -> None:
         try:
-            for request in self._requests.admit(self.max_batch_size):
-                self._finish(request)  # stopped before it started: its cache was not touched
+            for request in self._requests.admit(self.max_batch_size, may_pause=self.packed):
+                self._finish(request)  # stopped while it waited (its cache untouched) or was paused
             for request in [r for r in self._requests.decoding if r.stop.is_set()]:
                 self._leave([request])  # its last chosen token stays unfed, as after `generate`
             pieces = self._plan_pieces()

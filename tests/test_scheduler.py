@@ -556,3 +556,42 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
     assert longer.error is None and shorter.error is None
     assert ended_after == [1], ended_after  # no forward ran between its Stop and its end
     assert not second.is_busy
+
+
+def test_a_client_holding_every_row_gives_one_to_another_client_at_once(make_engine, models, tokenizers,
+                                                                       monkeypatch):
+    """Issue #43 (2): rows went first come first served, and one address may hold as many
+    conversations as there are rows: its long replies kept every row and another client's message
+    waited for one of them to end. Now that client is below its share (4 rows over 2 clients):
+    one of the first client's rows is paused, the newcomer's reply starts while all four long
+    replies still run, and the paused one goes on later, exact."""
+    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
+    engine = make_engine("full", max_batch_size=4)
+    hog = [engine.conversation("You are terse.", client="198.51.100.1") for _ in range(4)]
+    streams = [Consumer(conv, conv.send(f"Talk about {i} for a while.", max_new_tokens=80, do_sample=False))
+               for i, conv in enumerate(hog)]
+    wait_until(lambda: engine.batch_stats().decoding == 4)
+    other = engine.conversation("You are terse.", client="203.0.113.9")
+    seen: dict = {}
+    emit = chat.scheduler.GenerationRequest._emit
+
+    def noted(request, token_id):
+        if request.session is other.session and not seen:
+            seen.update(step=engine.scheduler._counters.steps, paused=len(engine.scheduler._requests.paused),
+                        hog_running=[stream.is_alive() for stream in streams])
+        emit(request, token_id)
+
+    monkeypatch.setattr(chat.scheduler.GenerationRequest, "_emit", noted)
+    submitted = engine.batch_stats().steps
+    newcomer = Consumer(other, other.send("Hi?", **GREEDY))
+    newcomer.join(120)
+    for stream in streams:
+        stream.join(120)
+    assert newcomer.error is None and all(stream.error is None for stream in streams)
+    assert seen["hog_running"] == [True] * 4 and seen["paused"] == 1, seen
+    assert seen["step"] - submitted <= 10, (seen, submitted)  # its prompt's few pieces, not 80 steps
+    assert engine.batch_stats().paused == 0
+    monkeypatch.undo()
+    for conv in hog:
+        check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=80)
+    check_exact(other, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
