@@ -140,11 +140,13 @@ def test_fairness_benchmark_writes_the_documented_fields(tmp_path):
               "--reply-tokens", "30", "--repeats", "1", "--json", str(out)])
     result = json.loads(out.read_text())
     assert [run["config"] for run in result["runs"]] == ["before", "alone-fixed:32/128", "32/128"]
-    assert len(result["targets"]) == 3
+    assert len(result["targets"]) == 5
     for run in result["runs"]:
         stream, short_after_long = run["stream"], run["short_after_long"]
         assert stream["prompt_tokens"] >= 300 and short_after_long["prompt_tokens"] >= 400
         assert 0 < short_after_long["short_ttft_s"] and 0 < short_after_long["long_ttft_s"]
+        assert run["long_beside_one_liners"]["one_liners_meanwhile"] >= 1
+        assert run["newcomer_beside_streams"]["ttft_s"] > 0
 
 
 def test_outlier_channels_keep_the_fp32_function_and_the_exactness_run_holds(monkeypatch):
