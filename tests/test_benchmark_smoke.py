@@ -234,3 +234,16 @@ def test_parallel_loads_benchmark_writes_the_documented_fields(tmp_path):
             "slowest_load_s", "other_user_load_s"} <= set(result)
     assert len(result["statuses"]) == 6 and set(result["statuses"]) <= {200, 429, 503, -1}
     assert 200 in result["statuses"] and result["other_user_status"] == 200
+
+
+def test_past_context_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.past_context import main as past_context
+
+    result = run_to_json(past_context, tmp_path, "--model", "tiny-full", "--turns", "12", "--context", "512",
+                         "--message-tokens", "60", "--reply-tokens", "8")
+    moving, kept = result["runs"]
+    assert (moving["share"], kept["share"]) == (1.0, 0.5)
+    for row in result["runs"]:
+        assert row["answered"] and row["turns_past_context"] >= 5 and len(row["per_turn"]) == row["turns_past_context"]
+    # prompt tokens, not time: the kept cut prefills less than a cut moved every turn
+    assert kept["mean_prefilled"] < 0.5 * moving["mean_prefilled"]
