@@ -260,7 +260,12 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The `rewind-chat` command (pyproject.toml), as `python app.py`."""
     from chat.host import end_process
 
     end_process(main())
+
+
+if __name__ == "__main__":
+    run()

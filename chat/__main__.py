@@ -81,6 +81,8 @@ class TerminalChat:
             self.conv.undo()
             self.write("(undone)\n")
         elif command == "/history":
+            if not self.conv.messages:
+                self.write("(nothing said yet)\n")
             for number, message in enumerate(self.conv.messages):
                 self.write(f"{number:>3} {message['role']}: {message['content']}\n")
         elif command == "/version":
