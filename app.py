@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                  max_new_tokens=config.max_new_tokens, **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
     demo.queue(default_concurrency_limit=config.streams, max_size=256)
     largest = int(config.max_request_mb * 2**20)
-    waiting = WaitingBook(per_client_bytes=2 * largest, total_bytes=int(config.max_waiting_mb * 2**20))
+    waiting = WaitingBook(per_client_bytes=2 * largest, total_bytes=int(config.max_waiting_mb * 2**20),
+                          per_client_events=config.max_waiting_events)
     gradio_tuning.poll_queue_every(demo)  # two costs of Gradio's that slow decoding down (see there)
     gradio_tuning.pass_skipped_outputs_through()
     gradio_limits.keep_no_event_values()  # what Gradio would keep that a visitor controls (see there)

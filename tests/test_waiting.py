@@ -75,3 +75,18 @@ def test_large_bodies_are_bounded_per_client_and_in_all_and_refused_unread():
     assert post(middleware, "/gradio_api/run/predict", MB + MB // 2, "203.0.113.5")[0] == 200
     assert book.held_bytes() == 9 * MB and book.refused == 2
     assert LARGE_BYTES == MB
+
+
+def test_one_client_cannot_fill_the_queue_with_small_events():
+    queue = Queue()
+    book = WaitingBook(per_client_bytes=8 * MB, total_bytes=11 * MB, per_client_events=3)
+    book.alive = lambda event_id: event_id in queue.alive
+    middleware = WaitingBodies(queue, book, largest_bytes=4 * MB)
+    join = "/gradio_api/queue/join"
+    assert [post(middleware, join, 200, "192.0.2.1")[0] for _ in range(3)] == [200] * 3
+    status, said = post(middleware, join, 200, "192.0.2.1")
+    assert status == 429 and "3 requests waiting" in said["detail"]
+    assert post(middleware, join, 200, "198.51.100.7")[0] == 200  # another client: its own
+    assert post(middleware, "/gradio_api/run/predict", 200, "192.0.2.1")[0] == 200  # answered at once: not counted
+    queue.alive.discard("event1")
+    assert post(middleware, join, 200, "192.0.2.1")[0] == 200  # one ended: room for one more

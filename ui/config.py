@@ -81,6 +81,8 @@ class AppConfig:
     max_waiting_mb: float = _setting(96.0, "MAX_WAITING_MB", "large request bodies (1 MB or more) all clients "
                                      "together may have waiting to be handled (one client: two of the largest); "
                                      "more are refused at once")
+    max_waiting_events: int = _setting(64, "MAX_WAITING_EVENTS", "queued events one address may have waiting "
+                                       "(Gradio's queue holds 256 for everyone); more are refused at once")
     max_per_client: int = _setting(8, "MAX_PER_CLIENT", "conversations one address may hold (0: no limit); "
                                    "at the limit its own oldest idle one is closed")
     monitoring: bool = _setting(False, "MONITORING", "Gradio's /monitoring page (per-endpoint timings, "

@@ -13,8 +13,9 @@ its request arrives until what it carries is done with: the response, for a requ
 once; the event's end (or its cancellation), for one queued. A request that would take its
 client past `per_client_bytes`, or everyone past `total_bytes`, is refused before its body is
 read: 429 for its client, 503 when the server as a whole holds enough, with a message that says
-so. Small bodies (a message, a click) are never counted, so a client sending large ones slows no
-one else. Once a large body is done with, the C heap is given back to the system (`malloc_trim`):
+so. Small bodies (a message, a click) count no bytes, so a client sending large ones slows no one
+else; each queued event, whatever its size, counts one of its client's `per_client_events`, so
+one client cannot fill Gradio's queue (256 events for everyone) either. Once a large body is done with, the C heap is given back to the system (`malloc_trim`):
 freed parsed bodies otherwise stay in the process as fragmented arenas.
 """
 
@@ -51,6 +52,7 @@ def _malloc_trim() -> Callable[[], None]:
 class _Held:
     client: str
     nbytes: int
+    event: bool  # a queued event (counted against the client's waiting events, whatever its size)
     since: float = field(default_factory=time.monotonic)
 
 
@@ -58,8 +60,9 @@ class WaitingBook:
     """What each client has waiting, shared by the middleware and the queue's end-of-event hook.
     `alive(event_id)`: whether Gradio's queue still holds that event (set once the app launched)."""
 
-    def __init__(self, per_client_bytes: int, total_bytes: int):
+    def __init__(self, per_client_bytes: int, total_bytes: int, per_client_events: int = 64):
         self.per_client_bytes, self.total_bytes = per_client_bytes, total_bytes
+        self.per_client_events = per_client_events
         self.alive: Callable[[str], bool] = lambda event_id: True
         self._lock = threading.Lock()
         self._held: dict[object, _Held] = {}  # keyed by a token, then by the queued event's id
@@ -67,12 +70,18 @@ class WaitingBook:
         self.refused = 0
         self._watching = False  # a thread lets go of ended events while anything is queued
 
-    def take(self, client: str, nbytes: int) -> tuple[object | None, str]:
-        """Hold `nbytes` for `client`: (a token to let go of, "") or (None, why it was refused)."""
+    def take(self, client: str, nbytes: int, event: bool = False) -> tuple[object | None, str]:
+        """Hold `nbytes` for `client` (and, for a queued `event`, one of its waiting events): (a
+        token to let go of, "") or (None, why it was refused)."""
         self.settle()
         with self._lock:
-            mine = sum(held.nbytes for held in self._held.values() if held.client == client)
+            theirs = [held for held in self._held.values() if held.client == client]
+            mine = sum(held.nbytes for held in theirs)
             everyone = sum(held.nbytes for held in self._held.values())
+            if event and sum(held.event for held in theirs) >= self.per_client_events:
+                self.refused += 1
+                return None, (f"you already have {self.per_client_events} requests waiting here; wait until "
+                              "they are answered")
             if mine + nbytes > self.per_client_bytes:
                 self.refused += 1
                 return None, (f"you already have {mine / 2**20:.0f} MB of requests waiting here; wait until "
@@ -81,7 +90,7 @@ class WaitingBook:
                 self.refused += 1
                 return None, "the server is busy with other large requests; try again in a moment"
             token = object()
-            self._held[token] = _Held(client, nbytes)
+            self._held[token] = _Held(client, nbytes, event)
             return token, ""
 
     def queued(self, token: object, event_id: str) -> None:
@@ -139,7 +148,8 @@ class WaitingBodies:
             await self.app(scope, receive, send)
             return
         client = client_key(scope["client"][0]) if scope.get("client") else "unknown"
-        token, why = self.book.take(client, nbytes)
+        queued = scope["path"].endswith("/queue/join")
+        token, why = self.book.take(client, nbytes, event=queued)
         if token is None:
             status = 503 if why.startswith("the server is busy") else 429
             body = json.dumps({"detail": why}).encode()
@@ -148,7 +158,6 @@ class WaitingBodies:
                                     (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
             return
-        queued = scope["path"].endswith("/queue/join")
         answer = bytearray()
 
         async def watching(message: dict) -> None:
@@ -166,8 +175,10 @@ class WaitingBodies:
                 self.book.let_go(token)
 
     def _counted_bytes(self, scope: Scope) -> int | None:
-        """The body size to count for this request; None: not counted (not a large POST, or an
-        upload: Gradio spools those to disk as they arrive)."""
+        """The body size to count for this request (0: a queued event with a small body, counted
+        as one of its client's waiting events); None: not counted (an upload, which Gradio spools
+        to disk as it arrives; a small request answered at once; one over the largest allowed,
+        which Gradio refuses, 413, before reading it)."""
         if scope["type"] != "http" or scope.get("method") != "POST" or scope["path"].endswith("/upload"):
             return None
         headers = dict(scope.get("headers", []))
@@ -175,8 +186,10 @@ class WaitingBodies:
             declared = int(headers[b"content-length"])
         except (KeyError, ValueError):
             declared = self.largest_bytes if b"transfer-encoding" in headers else 0
-        # over the largest allowed: Gradio refuses it (413) before reading it
-        return declared if LARGE_BYTES <= declared <= self.largest_bytes else None
+        if declared > self.largest_bytes:
+            return None
+        large = declared if declared >= LARGE_BYTES else 0
+        return large if large or scope["path"].endswith("/queue/join") else None
 
 
 def _event_id(answer: bytes) -> str | None:
