@@ -199,7 +199,7 @@ class DecodeScheduler:
 
     def _reset(self) -> None:
         self._requests = RequestTable()
-        self._shares = PromptShares()  # prompt tokens owed to each request waiting to prefill
+        self._shares = PromptShares()  # prompt tokens owed to each client with a request waiting to prefill
         self._on_disk: set[GenerationRequest] = set()  # admitted, their states still being read
         self._counters = _Counters()
         self.loop.reset()
