@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 from cache_sessions.branches import BranchMove
 from cache_sessions.session import CacheSession
 from chat import saved
-from chat.errors import ConversationBusyError, ConversationError, StalePlanError
+from chat.errors import ChatError, ConversationBusyError, ConversationError, StalePlanError
 from chat.history import History, Message, Node, ReplyVersion, system_text
 from chat.operations import Continue, Edit, Operation, Regenerate, Send, checked_text
 from chat.options import GenerationOptions
@@ -41,6 +41,7 @@ class Conversation:
         self._running: RunningReply | None = None
         # a reply's recording and the end of its run are one step for `snapshot`, which takes it too
         self._recording = threading.Lock()
+        self._prepared: threading.Event | None = None  # calls off the prompt being prepared (`prepare`)
 
     # ---- read-only views -------------------------------------------------------------------
     @property
@@ -131,11 +132,39 @@ class Conversation:
         """Extend the last reply in the same turn: the cache goes on from where it stopped."""
         return self.start(Continue(), GenerationOptions.from_kwargs(**options))
 
+    def prepare(self, text: str, *, fit_context: bool = True, **options: Any) -> bool:
+        """Prefill the conversation as it will be once `text` is sent (the message being typed),
+        in the steps where no reply has work (issue #45): a Send of the same text with the same
+        options then finds its prompt in the cache and starts at once. One at a time: a newer one,
+        a Send, a change of what is shown or a close calls it off; what it fed stays where the
+        Send's prompt shares it. Nothing is recorded and the text is kept nowhere but in the
+        cache's token ids. False where nothing was started: a reply runs, the text is empty or
+        cannot fit, or the replies come from a model server (which keeps its own cache)."""
+        self.cancel_prepared()
+        prepare = getattr(self.source, "prepare", None)
+        if prepare is None or self.is_busy or not isinstance(text, str) or not text.strip():
+            return False
+        try:
+            plan = self.planner.plan(Send(text, fit_context), self.history, GenerationOptions.from_kwargs(**options),
+                                     self._revision)
+            self.source.check(plan.request)
+        except ChatError:
+            return False
+        self._prepared = prepare(plan.request)
+        return True
+
+    def cancel_prepared(self) -> None:
+        """Call off the prompt being prepared, if one is (what it fed stays)."""
+        if self._prepared is not None:
+            self._prepared.set()
+            self._prepared = None
+
     def start(self, operation: Operation, options: GenerationOptions | None = None,
               cancelled: Cancelled = lambda: False) -> ReplyStream:
         """Plan `operation` now (raising before anything changes) and return its stream. From now
         until the stream ends, `snapshot()` includes the new message and the text so far, and a
         `stop()` ends it (even one before its first step: it then ends at once)."""
+        self.cancel_prepared()
         plan = self.plan(operation, options or GenerationOptions(), cancelled)
         self._stop.clear()
         self._running = RunningReply(plan)
@@ -239,6 +268,7 @@ class Conversation:
 
     def close(self) -> None:
         """The conversation is gone: its reply (if one runs) stopped, its states freed after it."""
+        self.cancel_prepared()
         self.stop()
         self.source.close()
 
@@ -246,6 +276,7 @@ class Conversation:
         """The shown path becomes `target` from message `index` on (`change` makes it so): the
         source keeps the branch left and puts back the one arriving, where it can (no forward pass
         either way). True when it then holds the target's states."""
+        self.cancel_prepared()
         messages = [node.message() for node in target]
         target_ids = self.planner.template.render_history(messages, about=self.planner.context_limit) \
             if target else []

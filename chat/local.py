@@ -43,6 +43,14 @@ class LocalSource:
     def move(self, move: BranchMove) -> bool:
         return self.runtime.scheduler.call(self.runtime.caches.move, self.session, move)
 
+    def prepare(self, request: ReplyRequest) -> threading.Event:
+        """Prefill `request`'s prompt ahead, at idle priority (`DecodeScheduler.prepare`); setting
+        the returned event calls it off."""
+        stop, runtime = threading.Event(), self.runtime
+        work = CacheWork(runtime.prefix_store, shared_prefix_length(runtime, request), None, request.labels[:-1])
+        runtime.scheduler.prepare(self.session, request.prompt_ids, stop, work, self.client)
+        return stop
+
     def close(self) -> None:
         self.runtime.caches.close(self.session)
 
@@ -58,7 +66,7 @@ class LocalReply:
     def __iter__(self) -> Iterator[Delta]:
         runtime, request = self.runtime, self.request
         self._started = time.perf_counter()
-        work = CacheWork(runtime.prefix_store, self._shared_prefix_length(), request.keep, request.labels)
+        work = CacheWork(runtime.prefix_store, shared_prefix_length(runtime, request), request.keep, request.labels)
         self.generation = runtime.scheduler.submit(self.session, request.prompt_ids, request.options, self.stop, work,
                                                    self.client)
         decoder = IncrementalDecoder(runtime.tokenizer, runtime.eos_token_ids, context_ids=request.earlier_ids)
@@ -78,16 +86,6 @@ class LocalReply:
         sequence = self.generation.finish()
         stopped = not self._finished_stream or self.stop.is_set()
         return Reply(self._version(sequence, stopped), self._stats(sequence, stopped))
-
-    def _shared_prefix_length(self) -> int:
-        """Tokens of the system prompt turn, when the template renders it as a prompt prefix."""
-        runtime, messages, prompt_ids = self.runtime, self.request.messages, self.request.prompt_ids
-        if runtime.prefix_store is None or not runtime.template.accepts_system:
-            return 0
-        if not messages or messages[0]["role"] != "system":
-            return 0
-        prefix = runtime.template.render_history(messages[:1])
-        return len(prefix) if prompt_ids[: len(prefix)] == prefix else 0
 
     def _version(self, sequence: list[int], stopped: bool) -> ReplyVersion:
         request, tokenizer = self.request, self.runtime.tokenizer
@@ -126,3 +124,14 @@ class LocalReply:
             shared_prefix_tokens=prefill.shared_prefix_tokens,
             waited_s=(run.started_at or now) - run.submitted_at,
         )
+
+
+def shared_prefix_length(runtime: Runtime, request: ReplyRequest) -> int:
+    """Tokens of the system prompt turn, when the template renders it as a prompt prefix."""
+    messages, prompt_ids = request.messages, request.prompt_ids
+    if runtime.prefix_store is None or not runtime.template.accepts_system:
+        return 0
+    if not messages or messages[0]["role"] != "system":
+        return 0
+    prefix = runtime.template.render_history(messages[:1])
+    return len(prefix) if prompt_ids[: len(prefix)] == prefix else 0

@@ -75,10 +75,12 @@ class GenerationRequest:
     then call `finish()`, which stops it first if it still runs."""
 
     def __init__(self, session: CacheSession, prompt_ids: Sequence[int], options: GenerationOptions,
-                 stop: threading.Event, work: CacheWork, client: Hashable | None = None):
+                 stop: threading.Event, work: CacheWork, client: Hashable | None = None, draft: bool = False):
         """`client`: who asked (the app's key for an address or a person; None: unknown), so one
-        client's requests share one client's part of the prompt budget (chat/prompt_shares.py)."""
-        self.session, self.options, self.stop, self.work = session, options, stop, work
+        client's requests share one client's part of the prompt budget (chat/prompt_shares.py).
+        `draft`: a prompt prepared ahead (the message being typed), prefilled at idle priority and
+        never decoded (issue #45: see `DecodeScheduler.prepare`)."""
+        self.session, self.options, self.stop, self.work, self.draft = session, options, stop, work, draft
         self.flow: Hashable = client if client is not None else self  # unknown: a flow of its own
         self.prompt_ids = list(prompt_ids)
         self.sequence = list(prompt_ids)  # prompt, then each token as it is chosen
@@ -147,6 +149,7 @@ class SchedulerStats:
     packed: bool = False  # steps run packed on the sessions' own caches (no batch copy)
     prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/step_budget.py)
     paused: int = 0  # decode rows given up for another client's share of the rows (chat/request_table.py)
+    drafts: int = 0  # prompts being prepared ahead (`prepare`)
 
 
 class _Counters:
@@ -221,6 +224,24 @@ class DecodeScheduler:
         self.loop.wake()
         return request
 
+    def prepare(self, session: CacheSession, prompt_ids: Sequence[int], stop: threading.Event,
+                work: CacheWork = CacheWork(), client: Hashable | None = None) -> GenerationRequest:
+        """Prefill `prompt_ids` into `session` ahead of its Send, at idle priority: only in steps
+        with no reply to work on (so it never lengthens anyone's step), a small piece a step (a
+        reply arriving waits at most that), its progress kept when a reply comes first. It ends
+        once prefilled, or at the first step after `stop` (a newer draft, the Send itself, a
+        close): what it fed stays in the cache, and the Send's rollback keeps what it shares."""
+        if self.loop.on_loop():
+            raise RuntimeError("prepare from outside the engine's compute thread")
+        if not prompt_ids:
+            raise ValueError("cannot prepare an empty prompt")
+        request = GenerationRequest(session, prompt_ids, GenerationOptions(max_new_tokens=1), stop, work, client,
+                                    draft=True)
+        with self._requests.lock:
+            self._requests.drafts.append(request)
+        self.loop.wake()
+        return request
+
     @contextmanager
     def made_elsewhere(self, session: CacheSession) -> Iterator[None]:
         """A reply of `session` is being made in another process (a ZeroGPU worker, from a copy
@@ -257,7 +278,8 @@ class DecodeScheduler:
             counters, waits = self._counters, list(self._counters.join_waits)
             return SchedulerStats(
                 max_batch_size=self.max_batch_size, decoding=len(self._requests.decoding), prefilling=len(self._requests.prefilling),
-                waiting=len(self._requests.waiting), paused=len(self._requests.paused), steps=counters.steps,
+                waiting=len(self._requests.waiting), paused=len(self._requests.paused),
+                drafts=len(self._requests.drafts), steps=counters.steps,
                 batch_bytes=batch_bytes,
                 joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
@@ -273,6 +295,11 @@ class DecodeScheduler:
     @torch.no_grad()
     def _step(self) -> None:
         try:
+            for request in [r for r in self._requests.drafts if r.stop.is_set()]:
+                self._end_draft(request)  # before any reply is admitted: a Send may follow its own draft
+            if self._requests.idle():
+                self._draft_step()
+                return
             for request in self._requests.admit(self.max_batch_size, may_pause=self.packed):
                 self._finish(request)  # stopped while it waited (its cache untouched) or was paused
             for request in [r for r in self._requests.decoding if r.stop.is_set()]:
@@ -336,6 +363,38 @@ class DecodeScheduler:
                 self._requests.start_decoding(request)
         self._shares.settle(wanting, given, full_budget)
         return pieces
+
+    def _draft_step(self) -> None:
+        """With no reply to work on: one piece of the oldest draft whose states are at hand (at
+        most `prefill_chunk` tokens), in a forward of its own."""
+        self._on_disk = set()
+        for draft in list(self._requests.drafts):
+            if draft.prefill is None and not self.caches.ready(draft.session):
+                self._on_disk.add(draft)  # read beside the loop; the loop is woken when it is in
+                continue
+            work = draft.work
+            try:
+                self._begin(draft)
+                piece = self.caches.prefill_piece(draft.session, draft.prompt_ids, self.prefill_chunk,
+                                                  work.prefix_store, work.shared_prefix_length)
+                if piece:
+                    if self.packed:
+                        self.caches.forward_rows([(draft.session, piece)], [])
+                    else:
+                        self.caches.feed(draft.session, piece)
+                    if not self.caches.piece_fed(draft.session, draft.prompt_ids, work.prefix_store,
+                                                 work.shared_prefix_length):
+                        return
+            except BaseException as error:
+                self._end_draft(draft, error)
+                return
+            self._end_draft(draft)  # prefilled: only its last token is left, for the Send
+            return
+
+    def _end_draft(self, draft: GenerationRequest, error: BaseException | None = None) -> None:
+        with self._requests.lock:
+            self._requests.drafts.remove(draft)
+        self._finish(draft, error)
 
     def _prefill_order(self, budget: int) -> list[GenerationRequest]:
         """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_shares.py);

@@ -1,0 +1,94 @@
+"""Prefill while typing (issue #45, item 1; library and scheduler): `Conversation.prepare(text)`
+prefills the conversation as it will be with that message, only in steps where no reply has
+work; a Send of the same text then starts from the cache, and every reply is exactly what it
+would have been unprepared (the independent references of tests/reference.py)."""
+
+import threading
+import time
+
+import pytest
+from conftest import THINKING_TEMPLATE
+from reference import check_exact
+
+import cache_sessions.owner
+
+GREEDY = dict(max_new_tokens=8, do_sample=False)
+TEXT = "Here is the long message I was typing, about the cache and how it rolls back to the prefix."
+
+
+def wait_until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("arch", ["full", "sliding", "hybrid"])
+def test_a_prepared_message_is_answered_from_the_cache_and_exactly(make_engine, models, tokenizers, arch):
+    engine = make_engine(arch)
+    conv = engine.conversation("You are terse.")
+    list(conv.send("First question?", **GREEDY))
+    assert conv.prepare(TEXT, **GREEDY)
+    wait_until(lambda: engine.batch_stats().drafts == 0)
+    list(conv.send(TEXT, **GREEDY))
+    assert conv.stats.prefilled_tokens <= 1 and conv.stats.reused_tokens == conv.stats.prompt_tokens - 1
+    check_exact(conv, models[arch], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
+    # prepared, then another text sent: the shared part is reused, the reply exact all the same
+    assert conv.prepare(TEXT + " And one more line I deleted.", **GREEDY)
+    wait_until(lambda: engine.batch_stats().drafts == 0)
+    list(conv.send("Something else entirely?", **GREEDY))
+    check_exact(conv, models[arch], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
+
+
+def test_a_newer_draft_or_the_send_calls_the_last_one_off(make_engine, models, tokenizers):
+    engine = make_engine("full", prefill_chunk=4)  # small pieces: still going when called off
+    conv = engine.conversation("You are terse.")
+    with_held_loop(engine, lambda: (conv.prepare(TEXT, **GREEDY), conv.prepare(TEXT + " Edited.", **GREEDY)))
+    wait_until(lambda: engine.batch_stats().drafts == 0)  # the first ended at once, the second prefilled
+    list(conv.send(TEXT + " Edited.", **GREEDY))
+    assert conv.stats.prefilled_tokens <= 1
+    check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
+    assert not conv.prepare("   ") and not conv.prepare(TEXT + "x" * 20_000, max_new_tokens=8)  # empty; too long
+
+
+def with_held_loop(engine, action) -> None:
+    """Run `action` while a job holds the engine's loop (nothing steps meanwhile)."""
+    gate, started = threading.Event(), threading.Event()
+    engine.worker.submit(lambda: (started.set(), gate.wait(60)))
+    assert started.wait(60)
+    try:
+        action()
+    finally:
+        gate.set()
+
+
+def test_a_draft_never_runs_while_a_reply_has_work(make_engine, models, tokenizers, monkeypatch):
+    """A reply streams in one conversation while another prepares: no forward carries the draft
+    until that reply ended; then it is prefilled, and its Send is exact."""
+    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
+    engine = make_engine("full")
+    streaming, typing = engine.conversation("You are terse."), engine.conversation("You are terse.")
+    carried: list[tuple[bool, bool]] = []  # per forward: (the draft's session in it, a reply decoding)
+    forward = cache_sessions.owner.forward_rows
+
+    def watched(model, rows, logits_of):
+        carried.append((any(session is typing.session for session, _ in rows), bool(logits_of)))
+        return forward(model, rows, logits_of)
+
+    monkeypatch.setattr(cache_sessions.owner, "forward_rows", watched)
+    stream = streaming.send("Talk for a while.", max_new_tokens=60, do_sample=False)
+    reader = threading.Thread(target=lambda: list(stream), daemon=True)
+    reader.start()
+    wait_until(lambda: engine.batch_stats().decoding == 1)
+    assert typing.prepare(TEXT, **GREEDY)
+    start = engine.batch_stats().steps
+    wait_until(lambda: engine.batch_stats().steps >= start + 20 or not reader.is_alive())
+    assert engine.batch_stats().decoding == 1 and engine.batch_stats().drafts == 1  # the reply still runs
+    assert not any(draft for draft, _ in carried)  # and the draft waited
+    reader.join(60)
+    wait_until(lambda: engine.batch_stats().drafts == 0)
+    assert any(draft for draft, _ in carried) and not any(draft and decoding for draft, decoding in carried)
+    monkeypatch.undo()
+    list(typing.send(TEXT, **GREEDY))
+    assert typing.stats.prefilled_tokens <= 1
+    check_exact(typing, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
