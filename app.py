@@ -74,6 +74,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
         page |= dict(branch_target=gr.Textbox(visible="hidden", elem_id="branch-target"),
                      branch_go=gr.Button(visible="hidden", elem_id="branch-go"),
                      retry_go=gr.Button(visible="hidden", elem_id="retry-go"),
+                     prepare_go=gr.Button(visible="hidden", elem_id="prepare-go"),
                      list_refresh=gr.Button(visible="hidden", elem_id="list-refresh"))
         events = PageEvents(handlers)
         wire_conversation(handlers, events, chat_list, page)
@@ -145,7 +146,15 @@ def settings_panel(max_new_tokens: int) -> dict[str, Any]:
             top_k=gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k (0 = off)"),
             repetition_penalty=gr.Slider(0.5, 2, value=defaults.repetition_penalty, step=0.01,
                                          label="Repetition penalty"),
+            prepare_toggle=prepare_switch(),  # the browser's own: not one of `Settings`
         )
+
+
+def prepare_switch() -> gr.Checkbox:
+    """Kept in the browser only (ui/page_assets.py): the server keeps no setting, and no text."""
+    return gr.Checkbox(label="Prepare the reply while I type (the message is sent to this server as you type, "
+                             "to compute it ahead; nothing is kept but the model's cache)",
+                       value=True, interactive=True, elem_id="prepare-toggle")
 
 
 def port_is_free(host: str, port: int) -> bool:

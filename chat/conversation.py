@@ -132,7 +132,8 @@ class Conversation:
         """Extend the last reply in the same turn: the cache goes on from where it stopped."""
         return self.start(Continue(), GenerationOptions.from_kwargs(**options))
 
-    def prepare(self, text: str, *, fit_context: bool = True, **options: Any) -> bool:
+    def prepare(self, text: str, generation: GenerationOptions | None = None, *, fit_context: bool = True,
+                **options: Any) -> bool:
         """Prefill the conversation as it will be once `text` is sent (the message being typed),
         in the steps where no reply has work (issue #45): a Send of the same text with the same
         options then finds its prompt in the cache and starts at once. One at a time: a newer one,
@@ -145,8 +146,8 @@ class Conversation:
         if prepare is None or self.is_busy or not isinstance(text, str) or not text.strip():
             return False
         try:
-            plan = self.planner.plan(Send(text, fit_context), self.history, GenerationOptions.from_kwargs(**options),
-                                     self._revision)
+            plan = self.planner.plan(Send(text, fit_context), self.history,
+                                     generation or GenerationOptions.from_kwargs(**options), self._revision)
             self.source.check(plan.request)
         except ChatError:
             return False
@@ -207,6 +208,7 @@ class Conversation:
                                 self.history.record_reply(plan.history, plan.reply, version)
                             self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
                             self._revision += 1
+                            self.cancel_prepared()  # one planned before this reply began: stale now
                         self._end_running(plan)
         finally:
             self._end_running(plan)  # (refused before it ran)

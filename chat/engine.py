@@ -106,7 +106,7 @@ class ChatEngine:
                 "planning": self.planner.planning,
                 "generating": batch.waiting + batch.prefilling + batch.decoding + batch.paused,
                 "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,
-                          "paused": batch.paused, "drafts": batch.drafts,
+                          "paused": batch.paused, "drafts": batch.drafts, "prepared": batch.prepared,
                           "max_batch_size": batch.max_batch_size, "largest_batch": batch.largest_batch,
                           "decode_steps": batch.steps, "batch_bytes": batch.batch_bytes,
                           "join_wait_mean_s": round(batch.join_wait_mean_s, 4),

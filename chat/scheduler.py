@@ -150,13 +150,14 @@ class SchedulerStats:
     prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/step_budget.py)
     paused: int = 0  # decode rows given up for another client's share of the rows (chat/request_table.py)
     drafts: int = 0  # prompts being prepared ahead (`prepare`)
+    prepared: int = 0  # drafts prefilled to their end so far
 
 
 class _Counters:
     """What the batch has done so far, for `stats` (read by other threads under the scheduler's lock)."""
 
     def __init__(self) -> None:
-        self.steps = self.joined = self.largest_batch = 0
+        self.steps = self.joined = self.largest_batch = self.prepared = 0
         self.join_waits: deque[float] = deque(maxlen=32)  # from submit to the first decode step
 
     def step(self, rows: list[GenerationRequest]) -> None:
@@ -279,7 +280,7 @@ class DecodeScheduler:
             return SchedulerStats(
                 max_batch_size=self.max_batch_size, decoding=len(self._requests.decoding), prefilling=len(self._requests.prefilling),
                 waiting=len(self._requests.waiting), paused=len(self._requests.paused),
-                drafts=len(self._requests.drafts), steps=counters.steps,
+                drafts=len(self._requests.drafts), prepared=counters.prepared, steps=counters.steps,
                 batch_bytes=batch_bytes,
                 joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
@@ -388,6 +389,8 @@ class DecodeScheduler:
             except BaseException as error:
                 self._end_draft(draft, error)
                 return
+            with self._requests.lock:
+                self._counters.prepared += 1
             self._end_draft(draft)  # prefilled: only its last token is left, for the Send
             return
 

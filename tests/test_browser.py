@@ -4,6 +4,8 @@ import json
 import os
 import re
 import shutil
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -934,4 +936,30 @@ def test_controls_are_named_and_finger_sized_and_the_list_takes_enter_and_cancel
     expect(page.locator("#confirm-delete")).to_be_hidden()
     expect(page.locator("#cancel-delete")).to_be_hidden()
     expect(page.locator("#chat-list")).to_contain_text("Renamed with Enter")  # nothing deleted
+    page.close()
+
+
+def test_the_reply_is_prepared_while_the_message_is_typed(browser, demo_app):
+    """#45: typed key by key, the message is prefilled once typing pauses; Send then computes one
+    prompt token. The switch in Settings is kept in the browser."""
+    page = open_chat(browser, demo_app.url)
+    wait_reply(page, send(page, "What is 12 + 30?"))
+    status = lambda: json.loads(urllib.request.urlopen(demo_app.url + "status", timeout=30).read())  # noqa: E731
+    before = status()["batch"]["prepared"]
+    page.locator("#message textarea").press_sequentially("And then what is 47 + 38, step by step?", delay=15)
+    deadline = time.monotonic() + 60
+    while status()["batch"]["prepared"] <= before or status()["batch"]["drafts"]:
+        assert time.monotonic() < deadline, "the message was never prepared"
+        time.sleep(0.05)
+    previous = stats_text(page)
+    page.press("#message textarea", "Enter")
+    wait_reply(page, previous)
+    assert "1 computed" in stats_text(page), stats_text(page)
+    page.get_by_text("Settings", exact=True).click()
+    page.locator("#prepare-toggle input").uncheck()
+    page.wait_for_function("() => localStorage.getItem('rewind-chat:prepare-while-typing') === 'off'")
+    page.reload()
+    wait_loaded(page)
+    page.get_by_text("Settings", exact=True).click()
+    expect(page.locator("#prepare-toggle input")).not_to_be_checked()
     page.close()

@@ -68,6 +68,27 @@ PAGE_SCRIPT = """() => {
     }, true);
     document.addEventListener("keydown", holdEnter, true);
     document.addEventListener("keypress", holdEnter, true);
+    // Prepare the reply while typing (#45): once typing pauses (at once after a paste), the
+    // server prefills the chat as it will be with this message, when no reply has work. The
+    // switch in Settings is kept in this browser; off, nothing is sent before Send.
+    const PREPARE = "rewind-chat:prepare-while-typing";
+    const prepareOn = () => localStorage.getItem(PREPARE) !== "off";
+    let prepareTimer = null;
+    const prepareSoon = (delay) => {
+        clearTimeout(prepareTimer);
+        if (!prepareOn() || !box() || !box().value.trim() || shown("#stop")) return;
+        prepareTimer = setTimeout(() => document.querySelector("#prepare-go")?.click(), delay);
+    };
+    document.addEventListener("input", (event) => { if (event.target === box()) prepareSoon(600); }, true);
+    document.addEventListener("paste", (event) => { if (event.target === box()) prepareSoon(50); }, true);
+    document.addEventListener("change", (event) => {
+        if (!event.target.closest?.("#prepare-toggle")) return;
+        localStorage.setItem(PREPARE, event.target.checked ? "on" : "off");
+    }, true);
+    for (let wait = 0; wait < 10000; wait += 250) setTimeout(() => {  // the switch as this browser left it
+        const toggle = document.querySelector("#prepare-toggle input");
+        if (toggle && toggle.checked !== prepareOn()) toggle.click();
+    }, wait);
     setInterval(() => {  // the reply ended: Send is back (and the box may have been set by the server)
         sendState();
         const empty = !document.querySelector("#chatbot .message-row");  // nothing to continue, export or delete

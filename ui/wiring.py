@@ -124,6 +124,8 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
 
     textbox, target = page["textbox"], page["branch_target"]
     on(textbox.submit, streamed(handlers.send), [textbox, *with_settings], drafts=True, api_name=False, **generating)
+    page["prepare_go"].click(handlers.prepare, [textbox, *with_settings], None, api_name=False, show_progress="hidden",
+                             trigger_mode="always_last", concurrency_limit=None)
     on(page["send"].click, streamed(handlers.send), [textbox, *with_settings], drafts=True, api_name=False,
        **generating)
     on(page["continue_button"].click, streamed(handlers.continue_reply), with_settings, drafts=True,
