@@ -247,3 +247,13 @@ def test_past_context_benchmark_writes_the_documented_fields(tmp_path):
         assert row["answered"] and row["turns_past_context"] >= 5 and len(row["per_turn"]) == row["turns_past_context"]
     # prompt tokens, not time: the kept cut prefills less than a cut moved every turn
     assert kept["mean_prefilled"] < 0.5 * moving["mean_prefilled"]
+
+
+def test_prepare_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.prepare import main as prepare
+
+    result = run_to_json(prepare, tmp_path, "--model", "tiny-full", "--message", "200", "--typed-chars", "40",
+                         "--chars-per-s", "400", "--pause-chars", "10", "--reply-tokens", "30", "--repeats", "1")
+    assert result["prepared"]["prepared_prefilled"] == 1 and result["prepared"]["message_tokens"] > 150
+    assert {"typed_ttft_s", "typed_over_decode_step", "typed_prefilled"} <= set(result["typed"])
+    assert {"median_gap_alone_s", "worst_gap_typists_s", "worst_over_worst_alone"} <= set(result["typists"])

@@ -68,18 +68,21 @@ PAGE_SCRIPT = """() => {
     }, true);
     document.addEventListener("keydown", holdEnter, true);
     document.addEventListener("keypress", holdEnter, true);
-    // Prepare the reply while typing (#45): once typing pauses (at once after a paste), the
-    // server prefills the chat as it will be with this message, when no reply has work. The
-    // switch in Settings is kept in this browser; off, nothing is sent before Send.
+    // Prepare the reply while typing (#45): when typing pauses, at least every second while it
+    // goes on, and at once after a paste, the server prefills the chat as it will be with this
+    // message, when no reply has work. The switch in Settings is kept in this browser; off,
+    // nothing is sent before Send.
     const PREPARE = "rewind-chat:prepare-while-typing";
     const prepareOn = () => localStorage.getItem(PREPARE) !== "off";
-    let prepareTimer = null;
+    let prepareTimer = null, preparedAt = 0;
+    const prepareNow = () => { preparedAt = Date.now(); document.querySelector("#prepare-go")?.click(); };
     const prepareSoon = (delay) => {
         clearTimeout(prepareTimer);
         if (!prepareOn() || !box() || !box().value.trim() || shown("#stop")) return;
-        prepareTimer = setTimeout(() => document.querySelector("#prepare-go")?.click(), delay);
+        if (Date.now() - preparedAt > 1000 && preparedAt) prepareNow();  // typing on: once a second
+        else prepareTimer = setTimeout(prepareNow, delay);
     };
-    document.addEventListener("input", (event) => { if (event.target === box()) prepareSoon(600); }, true);
+    document.addEventListener("input", (event) => { if (event.target === box()) prepareSoon(400); }, true);
     document.addEventListener("paste", (event) => { if (event.target === box()) prepareSoon(50); }, true);
     document.addEventListener("change", (event) => {
         if (!event.target.closest?.("#prepare-toggle")) return;
