@@ -181,7 +181,7 @@ def test_stop_and_escape_end_a_long_reply(browser, endless_app):
     before = send(page, "Now a long answer, which I will stop.")
     expect(page.locator("#stats")).to_contain_text("generating")
     expect(page.locator("#send")).to_be_hidden()  # one button: Send became Stop
-    expect(page.locator("#message textarea")).to_have_attribute("placeholder", re.compile("Stop"))
+    expect(page.locator("#message textarea")).to_have_attribute("placeholder", re.compile("sends it when this reply ends"))
     page.click("#stop")
     wait_reply(page, before)
     expect(page.locator("#stats")).to_contain_text("stopped")

@@ -112,3 +112,18 @@ def test_a_revision_is_never_written_past_what_the_browser_holds_exactly():
     book = Book()
     book.read(checked_record(record))
     assert book.next_rev("revisions1") == 2**53 - 1 == float(2**53 - 1)
+
+
+def test_a_reply_of_thinking_only_says_no_answer_came_and_the_busy_box_invites_typing():
+    """#46 (5): a reply that was only a folded Thinking block showed nothing else; the message box
+    during a reply said to stop first, though typing ahead works."""
+    from ui import views
+
+    messages = [{"role": "user", "content": "Hi?"},
+                {"role": "assistant", "content": "", "reasoning_content": "Let me think."}]
+    shown, index_of = views.chatbot_messages(messages, {})
+    assert [m.get("metadata", {}).get("title") for m in shown] == [None, views.THINKING_TITLE, None]
+    assert views.NO_ANSWER in shown[-1]["content"] and index_of == [0, 1, None]  # the note: nothing to edit
+    answered = messages[:1] + [{"role": "assistant", "content": "Hello.", "reasoning_content": "Let me think."}]
+    assert all(views.NO_ANSWER not in m["content"] for m in views.chatbot_messages(answered, {})[0])
+    assert "Stop" not in views.BUSY and "sends it when this reply ends" in views.BUSY

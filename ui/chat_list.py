@@ -264,8 +264,11 @@ class ChatList(CopyKeeping):
     def rename(self, title: Any, book: Any) -> tuple:
         book = checked_book(book)
         text = browser_copy.checked_title(title)
-        if book.current is None or all(entry != book.current for entry, _ in book.index) or not text:
+        if book.current is None or all(entry != book.current for entry, _ in book.index):
             gr.Warning("Open a conversation and type its new name first.")
+            return gr.skip(), gr.skip(), gr.skip()
+        if not text:  # one is open (#46, 5: this said "open a conversation first")
+            gr.Warning("A name cannot be empty: type one, then Rename.")
             return gr.skip(), gr.skip(), gr.skip()
         return outbox(book, browser_copy.rename(book, book.current, text)), book, choices_of(book)
 

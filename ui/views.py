@@ -12,7 +12,7 @@ GENERATING = "generating… (Stop or Esc ends it and keeps what was written)"
 READY = "Message (Enter to send)"
 LOADING = "Loading your settings and conversations…"  # until the page's load events have run (then READY)
 CLEARED = "Cleared: this is a new chat. The one you left stays in the list (Delete there removes it)."
-BUSY = "A reply is being written: Stop (or Esc) first, or wait for it to end"
+BUSY = "Type your next message: Enter keeps it and sends it when this reply ends"  # #46, 5
 
 
 def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float], marks: dict[int, str] | None = None,
@@ -41,12 +41,16 @@ def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float], m
         if message["role"] == "user" or message["content"] or not message.get("reasoning_content"):
             shown.append({"role": message["role"], "content": message["content"]})
             index_of.append(index)
+        elif index not in marks:  # only a Thinking block, folded: say that no answer came (#46, 5)
+            shown.append({"role": "assistant", "content": f"{MARK_OPEN.strip()}{NO_ANSWER}{MARK_CLOSE}"})
+            index_of.append(None)  # nothing to edit there
         if index in marks and shown:
             shown[-1] = {**shown[-1], "content": f"{shown[-1]['content']}{MARK_OPEN}{marks[index]}{MARK_CLOSE}"}
     return shown, index_of
 
 
 MARK_OPEN, MARK_CLOSE = "\n\n<sub>", "</sub>"
+NO_ANSWER = "no answer after the thinking (↻ writes another)"
 SWITCHER_CLASS = "branch-nav"
 
 
