@@ -69,7 +69,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
                     "One KV cache per conversation, rolled back instead of recomputed: "
                     "regenerate, undo, edit, stop and branches reuse everything before the change.",
                     elem_id="header")
-        page |= chat_area(placeholder)
+        page |= chat_area(placeholder, handlers.limits.max_message_chars)
         page["panel"] = settings_panel(max_new_tokens)
         page |= dict(branch_target=gr.Textbox(visible="hidden", elem_id="branch-target"),
                      branch_go=gr.Button(visible="hidden", elem_id="branch-go"),
@@ -108,7 +108,7 @@ def sidebar() -> dict[str, Any]:
     return parts
 
 
-def chat_area(placeholder: str) -> dict[str, Any]:
+def chat_area(placeholder: str, max_message_chars: int) -> dict[str, Any]:
     examples = [{"text": text} for text in EXAMPLES]
     parts = dict(chatbot=gr.Chatbot(label="Chat", editable="all", height=520, examples=examples,
                                     placeholder=placeholder, sanitize_html=True, elem_id="chatbot",
@@ -118,8 +118,11 @@ def chat_area(placeholder: str) -> dict[str, Any]:
     # this label is for API clients
     parts["versions"] = gr.Markdown("", visible=False, elem_id="versions")
     with gr.Row(elem_id="input-row", equal_height=True):  # Send turns into Stop while a reply streams
-        parts |= dict(textbox=gr.Textbox(placeholder=views.LOADING, label="Message", show_label=False, scale=6, elem_id="message",
-                                         autofocus=True),
+        # a long paste scrolls inside the box (8 lines at most); the page says when it is over the
+        # limit (the class carries it to the page's script), as it is crossed, not after Send
+        parts |= dict(textbox=gr.Textbox(placeholder=views.LOADING, label="Message", show_label=False, scale=6,
+                                         elem_id="message", autofocus=True, lines=1, max_lines=8,
+                                         elem_classes=[f"limit-{max_message_chars}"]),
                       send=gr.Button("Send", variant="primary", scale=1, min_width=72, elem_id="send"),
                       stop=gr.Button("Stop", variant="stop", scale=1, min_width=72, elem_id="stop", visible=False))
     with gr.Row():

@@ -963,3 +963,22 @@ def test_the_reply_is_prepared_while_the_message_is_typed(browser, demo_app):
     page.get_by_text("Settings", exact=True).click()
     expect(page.locator("#prepare-toggle input")).not_to_be_checked()
     page.close()
+
+
+def test_a_long_paste_scrolls_inside_the_box_and_says_it_is_over_the_limit(browser, demo_app):
+    """#46 (7): a 200,000-character paste grew the box without bound (Send and the buttons left
+    the screen) and the limit was said only after Send."""
+    page = open_chat(browser, demo_app.url)
+    page.fill("#message textarea", "x" * 200_000)
+    note = page.locator("#over-limit-note")
+    expect(note).to_contain_text("200,000 characters, over the limit of 20,000")
+    assert page.locator("#message textarea").bounding_box()["height"] <= 300
+    send_box = page.locator("#send").bounding_box()
+    assert send_box is not None and send_box["y"] + send_box["height"] <= 1000  # still in the window
+    expect(page.locator("#send")).to_be_disabled()
+    page.press("#message textarea", "Enter")
+    expect(messages(page, "user")).to_have_count(0)
+    page.fill("#message textarea", "What is 2 + 3?")
+    expect(note).to_have_text("")
+    expect(page.locator("#send")).to_be_enabled()
+    page.close()

@@ -50,14 +50,35 @@ PAGE_SCRIPT = """() => {
     };
     const holdEnter = (event) => {  // (and an empty box sends nothing, as Send is disabled then)
         if (event.key !== "Enter" || event.shiftKey || event.isComposing || event.target !== box()) return;
+        if (box().value.length > limit()) {  // over the limit: the line under the box says so; nothing is sent
+            event.preventDefault();
+            event.stopImmediatePropagation();
+            return;
+        }
         const empty = !box().value.trim();
         if (!empty && !shown("#stop")) return;
         event.preventDefault();
         event.stopImmediatePropagation();
         if (event.type === "keydown" && !empty) showWaiting(true);
     };
-    // Send is disabled while the box is empty (#32, 7): other chat apps do so, and a toast said "Error"
-    const sendState = () => { const send = document.querySelector("#send"); if (send && box()) send.disabled = !box().value.trim(); };
+    // Send is disabled while the box is empty (#32, 7): other chat apps do so, and a toast said "Error".
+    // And while the message is over the server's limit, which a line under the box says as it is
+    // crossed (#46, 7: a 200,000-character paste was refused only after Send).
+    const limit = () => Number((document.querySelector("#message")?.className.match(/limit-(\d+)/) || [])[1] || Infinity);
+    let overNote = null;
+    const sendState = () => {
+        const send = document.querySelector("#send");
+        if (!send || !box()) return;
+        const length = box().value.length, over = length > limit();
+        if (!overNote && over) {
+            overNote = Object.assign(document.createElement("div"), {id: "over-limit-note", className: "waiting-note"});
+            overNote.setAttribute("role", "status");
+            document.querySelector("#input-row")?.after(overNote);
+        }
+        if (overNote) overNote.textContent = over ? `This message is ${length.toLocaleString()} characters, over the `
+            + `limit of ${limit().toLocaleString()}: shorten it to send it.` : "";
+        send.disabled = !box().value.trim() || over;
+    };
     document.addEventListener("input", (event) => {
         sendState();
         if (waiting && event.target === box() && !box().value.trim()) showWaiting(false);  // taken back
