@@ -50,7 +50,7 @@ def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float], m
 
 
 MARK_OPEN, MARK_CLOSE = "\n\n<sub>", "</sub>"
-NO_ANSWER = "no answer after the thinking (↻ writes another)"
+NO_ANSWER = "no answer after the thinking (Continue goes on if it was cut short; ↻ writes another)"
 SWITCHER_CLASS = "branch-nav"
 
 
