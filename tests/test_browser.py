@@ -982,3 +982,23 @@ def test_a_long_paste_scrolls_inside_the_box_and_says_it_is_over_the_limit(brows
     expect(note).to_have_text("")
     expect(page.locator("#send")).to_be_enabled()
     page.close()
+
+
+def test_a_message_sent_right_after_another_is_kept_and_sent_after_it(browser, demo_app):
+    """#46 (1): a second message put in the box within ~150 ms of the first one's Enter, then
+    Enter: one of the two was gone (the server read the box when its step ran, and the first
+    reply emptied it). Now the first is what the box held at its Enter, and the second waits
+    and is sent when the first reply ends."""
+    page = open_chat(browser, demo_app.url)
+    before = stats_text(page)
+    page.fill("#message textarea", "What is 12 + 30?")
+    page.press("#message textarea", "Enter")
+    page.fill("#message textarea", "What is 47 + 38?")
+    page.press("#message textarea", "Enter")
+    expect(messages(page, "user")).to_have_count(2, timeout=60_000)
+    wait_reply(page, before)
+    page.wait_for_function("() => !document.querySelector('#stop') || document.querySelector('#stop').offsetParent === null")
+    expect(messages(page, "user").nth(0)).to_contain_text("What is 12 + 30?")
+    expect(messages(page, "user").nth(1)).to_contain_text("What is 47 + 38?")
+    expect(page.locator("#message textarea")).to_have_value("")
+    page.close()

@@ -48,6 +48,17 @@ PAGE_SCRIPT = """() => {
         }
         waitNote.textContent = on ? "Sent when this reply ends (Stop ends it now; empty the box to cancel)." : "";
     };
+    // What is sent is what the box held at Enter or Send (#46, 1): the server reads the box when its
+    // step runs, after the chain's first steps, and a second message typed meanwhile was sent in
+    // its place (or cleared by the first reply). Until the reply starts (Stop shows) a send is in
+    // flight: another Enter waits like one typed during the reply; and the box is emptied then
+    // only if it still holds what was sent.
+    let sentText = null, sentAt = 0, sentRows = 0, enterHeld = false;
+    const userRows = () => document.querySelectorAll("#chatbot .message-row.user-row").length;
+    const inFlight = () => sentText !== null && Date.now() - sentAt < 2000;
+    const markSent = () => {
+        sentText = box().value; sentAt = Date.now(); sentRows = userRows(); window.rewindSent = sentText;
+    };
     const holdEnter = (event) => {  // (and an empty box sends nothing, as Send is disabled then)
         if (event.key !== "Enter" || event.shiftKey || event.isComposing || event.target !== box()) return;
         if (box().value.length > limit()) {  // over the limit: the line under the box says so; nothing is sent
@@ -56,7 +67,11 @@ PAGE_SCRIPT = """() => {
             return;
         }
         const empty = !box().value.trim();
-        if (!empty && !shown("#stop")) return;
+        if (event.type === "keydown") {  // decided once a keystroke: its keypress follows the keydown
+            enterHeld = empty || shown("#stop") || inFlight();
+            if (!enterHeld) markSent();
+        }
+        if (!enterHeld) return;
         event.preventDefault();
         event.stopImmediatePropagation();
         if (event.type === "keydown" && !empty) showWaiting(true);
@@ -85,7 +100,14 @@ PAGE_SCRIPT = """() => {
         if (event.target.closest?.("#system-prompt")) window.rewindCopy.typedPrompt(event.target.value);  // #32, 4
     }, true);
     document.addEventListener("click", (event) => {
-        if (event.target.closest?.("#send") && box() && !box().value.trim()) { event.preventDefault(); event.stopImmediatePropagation(); }
+        if (!event.target.closest?.("#send") || !box()) return;
+        if (!box().value.trim() || inFlight()) {  // nothing to send; or one is on its way: this one waits
+            event.preventDefault();
+            event.stopImmediatePropagation();
+            if (box().value.trim()) showWaiting(true);
+            return;
+        }
+        markSent();
     }, true);
     document.addEventListener("keydown", holdEnter, true);
     document.addEventListener("keypress", holdEnter, true);
@@ -120,7 +142,15 @@ PAGE_SCRIPT = """() => {
             const button = document.querySelector(id);
             if (button && button.disabled !== empty) button.disabled = empty;
         }
-        if (waiting && shown("#send") && !shown("#stop")) {
+        const began = sentText !== null && userRows() > sentRows;  // its message is in the chat
+        if (sentText !== null && (began || !inFlight())) {  // the reply began (or the send was refused)
+            if (began && box() && box().value === sentText) {
+                box().value = "";
+                box().dispatchEvent(new Event("input", {bubbles: true}));
+            }
+            sentText = null;
+        }
+        if (waiting && shown("#send") && !shown("#stop") && !inFlight()) {
             showWaiting(false);
             if (box()?.value.trim()) document.querySelector("#send")?.click();
         }

@@ -46,9 +46,10 @@ class ReplyEvents(HandlersBase):
                        f"{stream.dropped_turns} oldest turn(s). They stay here; the system prompt is kept.")
         base, reasoning, answer = self._before_reply(chat, operation)
         if isinstance(operation, (Send, Edit)):  # show the user's message at once
+            # the box is not emptied here: the page empties it if it still holds what was sent
+            # (a message typed meanwhile was lost: #46, 1); an API client keeps its own
             yield self.view(key, chat, chat=base, stats=views.GENERATING, **_BUSY,
-                            textbox=gr.update(value="", placeholder=views.BUSY) if isinstance(operation, Send)
-                            else gr.update(placeholder=views.BUSY))
+                            textbox=gr.update(placeholder=views.BUSY))
         with chat.streams.held():  # (Gradio has sent every earlier update when it asks for the next)
             yield from self._stream(key, chat, stream, base, reasoning, answer, type(operation).__name__.lower())
 

@@ -67,6 +67,8 @@ def settings_of(page: dict[str, Any]) -> list[Any]:
 # The page's side of the browser's copy (ui/browser_copy.py): what its script adds to an event's inputs.
 PROBE = "(probe, ...rest) => [window.rewindCopy.probe(), ...rest]"
 RECORD = "(need, ...rest) => [need && need.id ? window.rewindCopy.record(need.id) : null, ...rest]"
+# Send: the text the box held at Enter or Send (ui/page_assets.py), not what it holds when the step runs
+SENT_TEXT = "(text, ...rest) => [window.rewindSent ?? text, ...rest]"
 # Import: the file the person picks, read by the page (its text, or null if none was picked)
 PICK_FILE = "async (text, ...rest) => [await window.rewindCopy.pickFile(), ...rest]"
 WITH_LIST = "(probe, ...rest) => [window.rewindCopy.withList(), ...rest]"
@@ -123,11 +125,12 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
         step.then(chat_list.sync, [key, book], saved_list, **QUIET)
 
     textbox, target = page["textbox"], page["branch_target"]
-    on(textbox.submit, streamed(handlers.send), [textbox, *with_settings], drafts=True, api_name=False, **generating)
+    on(textbox.submit, streamed(handlers.send), [textbox, *with_settings], drafts=True, api_name=False,
+       js=SENT_TEXT, **generating)
     page["prepare_go"].click(handlers.prepare, [textbox, *with_settings], None, api_name=False, show_progress="hidden",
                              trigger_mode="always_last", concurrency_limit=None)
     on(page["send"].click, streamed(handlers.send), [textbox, *with_settings], drafts=True, api_name=False,
-       **generating)
+       js=SENT_TEXT, **generating)
     on(page["continue_button"].click, streamed(handlers.continue_reply), with_settings, drafts=True,
        api_name=False, **generating)
     on(page["branch_go"].click, instant(handlers.switch_branch), [target, *with_settings], api_name="switch_branch",
