@@ -311,6 +311,22 @@ def type_temperature(page: Page, value: str) -> None:
     raise AssertionError(f"the temperature {value} was never taken; kept: {kept_settings(page)}")
 
 
+def type_system_prompt(page: Page, text: str) -> None:
+    """Type a system prompt into the open Settings panel until it stays there and the page has
+    drawn its note, as `type_temperature` does for its box: a run of the whole file saw what was
+    typed as the panel opened put back to the drawn value (the box read the old prompt after)."""
+    box, note = page.locator("#system-prompt textarea"), page.locator("#prompt-note")
+    for _ in range(3):
+        box.fill(text)
+        try:
+            expect(note).to_contain_text("Not applied yet", timeout=10_000)
+            expect(box).to_have_value(text, timeout=1_000)
+            return
+        except AssertionError:
+            continue
+    raise AssertionError(f"the system prompt {text!r} was never taken: the box holds {box.input_value()!r}")
+
+
 def test_the_settings_and_the_theme_survive_a_reload(browser, demo_app):
     """Issue #20: thinking, temperature... and light/dark were back to their defaults after a reload."""
     page = open_chat(browser, demo_app.url)
@@ -738,7 +754,7 @@ def test_a_changed_system_prompt_shows_as_pending_until_the_next_message(browser
     page.get_by_text("Settings", exact=True).click()
     note = page.locator("#prompt-note")
     expect(note).not_to_contain_text("Not applied yet")
-    page.fill("#system-prompt textarea", "You answer in one line.")
+    type_system_prompt(page, "You answer in one line.")
     expect(note).to_contain_text("Not applied yet")
     before = stats_text(page)
     page.click("#chatbot button[aria-label='Retry']")

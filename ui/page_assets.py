@@ -131,10 +131,10 @@ PAGE_SCRIPT = """() => {
         if (!event.target.closest?.("#prepare-toggle")) return;
         localStorage.setItem(PREPARE, event.target.checked ? "on" : "off");
     }, true);
-    for (let wait = 0; wait < 10000; wait += 250) setTimeout(() => {  // the switch as this browser left it
+    setInterval(() => {  // the switch shows what this browser keeps (no click: nothing else is touched)
         const toggle = document.querySelector("#prepare-toggle input");
-        if (toggle && toggle.checked !== prepareOn()) toggle.click();
-    }, wait);
+        if (toggle && toggle.checked !== prepareOn()) toggle.checked = prepareOn();
+    }, 250);
     setInterval(() => {  // the reply ended: Send is back (and the box may have been set by the server)
         sendState();
         const empty = !document.querySelector("#chatbot .message-row");  // nothing to continue, export or delete
