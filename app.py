@@ -240,9 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = build(ChatHandlers(engine, directory, limits=limits, metrics=metrics), model_label=label,
                  max_new_tokens=config.max_new_tokens, **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
     demo.queue(default_concurrency_limit=config.streams, max_size=256)
-    largest = int(config.max_request_mb * 2**20)
-    waiting = WaitingBook(per_client_bytes=2 * largest, total_bytes=int(config.max_waiting_mb * 2**20),
-                          per_client_events=config.max_waiting_events)
+    largest, waiting = waiting_book(config)
     gradio_tuning.poll_queue_every(demo)  # two costs of Gradio's that slow decoding down (see there)
     gradio_tuning.pass_skipped_outputs_through()
     gradio_limits.keep_no_event_values()  # what Gradio would keep that a visitor controls (see there)
@@ -267,6 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     demo.block_thread()
     return 0
+
+
+def waiting_book(config: AppConfig) -> tuple[int, WaitingBook]:
+    """The largest body allowed, and what clients may have waiting (ui/waiting.py): one client two
+    of the largest, everyone `--max-waiting-mb`, one client `--max-waiting-events` queued events."""
+    largest = int(config.max_request_mb * 2**20)
+    return largest, WaitingBook(per_client_bytes=2 * largest, total_bytes=int(config.max_waiting_mb * 2**20),
+                                per_client_events=config.max_waiting_events)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -179,6 +179,19 @@ def graph_key(model: PreTrainedModel, rows: int) -> str:
     return f"{type(model).__name__}-{rows}-rows-{digest.hexdigest()[:24]}"
 
 
+def sealed_store(store: Path | None) -> tuple[Sealer | None, str | None]:
+    """`store` as a private, sealed folder, or None (graphs compiled, neither loaded nor saved)
+    where there is none or it cannot be trusted; and why not, logged once."""
+    if store is None:
+        return None, None
+    try:
+        return Sealer(store), None
+    except (UntrustedFolder, OSError) as error:
+        refused = f"{type(error).__name__}: {error}"[:300]
+        log.warning("compiled decode steps are neither loaded nor saved: %s", refused)
+        return None, refused
+
+
 ROW_BUCKETS = (1, 2, 4, 8)  # rows a graph decodes; a step of 3 takes the 4-row graph with one idle row
 _IDLE_LENGTH, _IDLE_CAPACITY = 5, 11  # an idle row's (sizes no model has: see `warm`)
 # Warm-up lengths of the real rows, and their capacities: distinct from each other, from the idle
@@ -398,18 +411,6 @@ class CompiledDecode:
         self._thread = threading.Thread(target=self.warm, name="compile-decode-step", daemon=True)
         self._thread.start()
 
-    def _sealer(self) -> Sealer | None:
-        """The store as a private, sealed folder; None (compiled, neither loaded nor saved) where
-        there is no store or it cannot be trusted, with one log line saying why."""
-        if self.store is None:
-            return None
-        try:
-            return Sealer(self.store)
-        except (UntrustedFolder, OSError) as error:
-            self.store_refused = f"{type(error).__name__}: {error}"[:300]
-            log.warning("compiled decode steps are neither loaded nor saved: %s", self.store_refused)
-            return None
-
     def wait(self, timeout: float | None = None) -> bool:
         """Until every bucket is compiled (or compiling failed); whether they all were."""
         self._all_ready.wait(timeout)
@@ -419,7 +420,9 @@ class CompiledDecode:
     def warm(self) -> None:
         """Load or compile each bucket's graph (`GraphMaker`), one row first."""
         try:
-            maker = GraphMaker(self.model, self._sealer())
+            sealer, refused = sealed_store(self.store)
+            self.store_refused = refused or self.store_refused
+            maker = GraphMaker(self.model, sealer)
             self._idle = [maker.scratch(_IDLE_CAPACITY) for _ in range(max(self.buckets) - 1)]
             for bucket in self.buckets:
                 started = time.perf_counter()
