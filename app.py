@@ -178,7 +178,7 @@ def load_engine(config: AppConfig) -> Any:
         from chat.served import ServedEngine
 
         engine = ServedEngine(config.base_url, config.model, api_key=config.api_key, tokenizer=config.tokenizer,
-                              prompt_format=config.prompt_format)
+                              prompt_format=config.prompt_format, warm_while_typing=config.warm_served)
         print(f"rewind-chat: replies from {config.base_url} (model {config.model}); tokenizer and template from "
               f"{config.tokenizer or config.model}", flush=True)
         return engine
@@ -192,6 +192,7 @@ def load_engine(config: AppConfig) -> Any:
                              cache_dir=None if ON_ZERO_GPU else config.cache_dir,
                              cache_dir_bytes=int(config.cache_dir_mb * 2**20), kv_cache=config.kv_cache,
                              kv_bits=config.kv_bits, weights=config.weights, compile=config.compile,
+                             draft=config.draft,
                              **(dict(shared_prefixes=0) if ON_ZERO_GPU else {}))
     if ON_ZERO_GPU:  # each reply runs in the worker process `spaces.GPU` forks (chat/remote.py)
         remote.ENGINE = engine

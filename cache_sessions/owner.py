@@ -174,6 +174,15 @@ class CacheOwner:
             self._measure(session)
         return logits
 
+    def take_back(self, session: CacheSession, count: int) -> None:
+        """Its last `count` fed tokens out again (guesses a step refused, chat/drafting.py): a
+        crop; if it cannot be exact the session is released and this raises."""
+        self._on_loop()
+        try:
+            session.take_back(count)
+        finally:
+            self._measure(session)
+
     def decode_inputs(self, sessions: list[CacheSession], token_ids: list[int]) -> dict[str, Any]:
         """Model inputs feeding one token to each of `sessions`, on their batch (built anew when
         the rows changed: the old one's states go back to their sessions first)."""

@@ -225,8 +225,9 @@ def _masks(model: PreTrainedModel, session: CacheSession, count: int, positions:
 @torch.no_grad()
 def forward_rows(model: PreTrainedModel, rows: Sequence[tuple[CacheSession, Sequence[int]]],
                  logits_of: Sequence[int]) -> torch.Tensor:
-    """Feed each session its tokens in one forward; the logits after the last token of the rows
-    `logits_of` (indices into `rows`), one per such row, in that order. The ledgers are not
+    """Feed each session its tokens in one forward; the logits after every token of the rows
+    `logits_of` (indices into `rows`; a decode row feeds its next input and any guesses to
+    verify, chat/drafting.py), in that order. The ledgers are not
     touched: the caller notes what was fed (`note_extended`) or, if this raises, releases the
     sessions (their caches may hold part of the step)."""
     device, spans, positions, tokens = model.device, [], [], []
@@ -243,7 +244,8 @@ def forward_rows(model: PreTrainedModel, rows: Sequence[tuple[CacheSession, Sequ
     original = model.config._attn_implementation
     # The model's own attention function; "eager" is each model's own (found from its module).
     attention = None if original == "eager" else ALL_ATTENTION_FUNCTIONS.get_interface(original, sdpa_attention_forward)
-    last = torch.tensor([spans[index][1] - 1 for index in logits_of] or [len(tokens) - 1], device=device)
+    wanted = [position for index in logits_of for position in range(*spans[index])]
+    last = torch.tensor(wanted or [len(tokens) - 1], device=device)
     mixers = recurrent_mixers(model)
     # For this forward only (all run on the loop thread): rows attend to their own caches, and
     # recurrent mixers run per row.
@@ -261,4 +263,4 @@ def forward_rows(model: PreTrainedModel, rows: Sequence[tuple[CacheSession, Sequ
                 del mixer.forward  # the class's own forward again
             else:
                 mixer.forward = own
-    return logits[0, : len(logits_of)]
+    return logits[0, : len(wanted)]

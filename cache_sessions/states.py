@@ -20,6 +20,7 @@ from cache_sessions.rollback import (
     reachable,
     roll_back,
     take_checkpoint,
+    takes_back_recent,
 )
 from cache_sessions.segments import SegmentStore
 from cache_sessions.tensors import storage_bytes
@@ -78,6 +79,21 @@ class CacheStates:
             self._reset_cache()
         self.token_ids = self.token_ids[: result.position]
         return result
+
+    def takes_back_recent(self) -> bool:
+        """Whether tokens fed after the last checkpoint can be taken back exactly (`take_back`)."""
+        return takes_back_recent(self._kinds)
+
+    def take_back(self, count: int) -> None:
+        """Drop the last `count` tokens fed (guesses a step verified and refused): a crop, exact
+        where `takes_back_recent`; anything else (a checkpoint further back, a rebuild) would lose
+        what the reply needs, so it releases the states and raises instead."""
+        if count <= 0:
+            return
+        target = len(self.token_ids) - count
+        if target < 0 or self.rollback_to(target).position != target:
+            self.release()
+            raise RuntimeError(f"could not take back the last {count} tokens fed")
 
     def reachable(self, target: int) -> int:
         """Where `rollback_to(target)` would land (a checkpoint before it, where crops cannot go)."""

@@ -11,6 +11,8 @@ import sys
 from typing import Callable, Iterator
 
 from chat import ChatEngine, ChatError, Conversation, Delta, GenerationOptions, ModelLoadError, TurnStats
+from chat.config import EngineConfig
+from chat.drafting import DRAFT_MODES
 
 COMMANDS = {
     "/help": "this list",
@@ -119,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=GenerationOptions.max_new_tokens)
     parser.add_argument("--temperature", type=float, default=None, help="0 for greedy; the model's default if unset")
     parser.add_argument("--no-thinking", action="store_true", help="ask the template to skip reasoning")
+    parser.add_argument("--draft", choices=DRAFT_MODES, default=EngineConfig.draft,
+                        help="decode steps verify tokens guessed from the conversation (replies are as without)")
     args = parser.parse_args(argv)
     try:
-        engine = ChatEngine.load(args.model)
+        engine = ChatEngine.load(args.model, draft=args.draft)
     except ModelLoadError as error:
         print(f"rewind-chat: {error}", file=sys.stderr)
         return 1

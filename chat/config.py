@@ -8,6 +8,7 @@ from cache_sessions.compiled import check_compile_mode
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import DEFAULT_MAX_ENTRIES
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
+from chat.drafting import check_draft_mode
 from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR
 from chat.weights import check_weight_format
 
@@ -47,7 +48,9 @@ class EngineConfig:
     "off" or "auto" (on from 200 M parameters, where it measured faster): decode steps take
     compiled graphs (cache_sessions/compiled.py; a graph per 1, 2, 4, 8 rows up to
     `max_batch_size`), compiled on a thread of their own while steps run eager, for the plain
-    decoders on the CPU."""
+    decoders on the CPU. `draft`: "auto", "ngram" or "off": decode steps verify tokens guessed
+    from the conversation and the reply's earlier versions (chat/drafting.py: replies as without;
+    "auto" guesses only where its measured acceptance pays for what a token adds to a step)."""
 
     max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS
     context_limit: int | None = None
@@ -67,6 +70,7 @@ class EngineConfig:
     kv_bits: int = 8
     weights: str = "full"
     compile: str = "auto"
+    draft: str = "auto"
 
     @property
     def kv_cache_kind(self) -> KVCacheKind:
@@ -90,3 +94,4 @@ class EngineConfig:
         self.kv_cache_kind  # refuses an unknown or refused kind, or bits it does not hold
         check_weight_format(self.weights)
         check_compile_mode(self.compile)
+        check_draft_mode(self.draft)

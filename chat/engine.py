@@ -51,6 +51,7 @@ class ChatEngine:
                                     prefill_chunk_alone=config.prefill_chunk_alone,
                                     prefill_order=config.prefill_order, packed_steps=config.packed_steps,
                                     step_gap_factor=config.step_gap_factor, alone_step_s=config.alone_step_s,
+                                    draft=config.draft,
                                     budget_bytes=config.cache_budget_bytes,
                                     max_checkpoints=config.max_checkpoints, prefix_store=prefix_store,
                                     offload=config.offload_sessions, cold_store=cold_store,
@@ -113,6 +114,7 @@ class ChatEngine:
                           "join_wait_max_s": round(batch.join_wait_max_s, 4), "packed": batch.packed,
                           "prompt_tokens_per_step": batch.prompt_tokens_per_step},
                 "compiled_step": self.compiled.stats(),
+                "guessing": {"mode": self.config.draft, "guessed": batch.guessed, "taken": batch.guesses_taken},
                 "cache_bytes": caches.cache_bytes, "cache_budget_bytes": caches.budget_bytes,
                 "shared_prefix_bytes": caches.shared_prefix_bytes, "busy_caches": caches.busy,
                 "evictions": caches.evictions, "branch_segments_freed": caches.segments_freed}

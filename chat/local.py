@@ -66,7 +66,8 @@ class LocalReply:
     def __iter__(self) -> Iterator[Delta]:
         runtime, request = self.runtime, self.request
         self._started = time.perf_counter()
-        work = CacheWork(runtime.prefix_store, shared_prefix_length(runtime, request), request.keep, request.labels)
+        work = CacheWork(runtime.prefix_store, shared_prefix_length(runtime, request), request.keep, request.labels,
+                         request.references)
         self.generation = runtime.scheduler.submit(self.session, request.prompt_ids, request.options, self.stop, work,
                                                    self.client)
         decoder = IncrementalDecoder(runtime.tokenizer, runtime.eos_token_ids, context_ids=request.earlier_ids)

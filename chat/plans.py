@@ -80,7 +80,7 @@ class Planner:
         seen = [path[i] for i in fitted.kept]
         request = ReplyRequest("reply", [node.message() for node in seen], fitted.prompt.ids,
                                fitted.prompt.opens_reasoning, options, (*(node.uid for node in seen), reply.uid),
-                               keep=keep)
+                               keep=keep, references=replaced_replies(history, fork))
         return Plan(request, path, reply, revision, fork, fitted.dropped_turns, dropped_before)
 
     def _continue(self, history: History, options: GenerationOptions, revision: int,
@@ -162,6 +162,25 @@ def dropped_before_operation(operation: Send | Edit | Regenerate, history: Histo
             upto = index + 2
     reply = next((node for node in reversed(path[:upto]) if node.role == "assistant"), None)
     return reply.reply.dropped_turns if reply is not None and reply.reply is not None else 0
+
+
+MAX_REFERENCES = 4  # earlier versions a reply guesses from (each is indexed once, at its start)
+
+
+def replaced_replies(history: History, fork: int | None) -> tuple[tuple[int, ...], ...]:
+    """The tokens of the replies the new one takes the place of: at `fork`, the shown reply and
+    its other versions (a Retry), or the reply that answered the message an Edit replaces (and
+    its versions), the shown one first; those made from text alone (no tokens) are left out."""
+    entries = history.entries
+    if fork is None or fork >= len(entries):
+        return ()
+    shown = entries[fork] if entries[fork].role == "assistant" else (
+        entries[fork + 1] if fork + 1 < len(entries) and entries[fork + 1].role == "assistant" else None)
+    if shown is None or shown.parent is None:
+        return ()
+    versions = [shown] + [node for node in shown.parent.children if node is not shown and node.role == "assistant"]
+    return tuple(tuple(node.reply.reply_ids) for node in versions
+                 if node.reply is not None and node.reply.reply_ids)[:MAX_REFERENCES]
 
 
 def fork_of(history: History, path: list[Node]) -> int | None:

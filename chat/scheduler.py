@@ -46,6 +46,7 @@ from cache_sessions.owner import CacheOwner
 from cache_sessions.prefixes import PrefixStore
 from cache_sessions.session import CacheSession, PrefillResult, common_prefix_length
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ALONE
+from chat.drafting import Drafter, DraftPolicy
 from chat.loop import Loop
 from chat.options import GenerationOptions
 from chat.prompt_shares import PromptShares
@@ -68,6 +69,7 @@ class CacheWork:
     shared_prefix_length: int = 0
     keep: BranchKeep | None = None
     labels: tuple[Hashable, ...] = ()
+    references: tuple[tuple[int, ...], ...] = ()  # earlier versions of the reply (their tokens): guesses
 
 
 class GenerationRequest:
@@ -86,6 +88,7 @@ class GenerationRequest:
         self.sequence = list(prompt_ids)  # prompt, then each token as it is chosen
         self.prefill: PrefillResult | None = None  # set once it was admitted and rolled back
         self.chooser: TokenChooser | None = None
+        self.drafter: Drafter | None = None  # its guesses, where its rows are drafted (chat/drafting.py)
         self.error: BaseException | None = None
         self.submitted_at = time.perf_counter()
         self.started_at: float | None = None  # its rollback and prefill began (it waited until then)
@@ -151,13 +154,15 @@ class SchedulerStats:
     paused: int = 0  # decode rows given up for another client's share of the rows (chat/request_table.py)
     drafts: int = 0  # prompts being prepared ahead (`prepare`)
     prepared: int = 0  # drafts prefilled to their end so far
+    guessed: int = 0  # tokens guessed and verified in decode steps (chat/drafting.py)
+    guesses_taken: int = 0  # of them, taken into replies
 
 
 class _Counters:
     """What the batch has done so far, for `stats` (read by other threads under the scheduler's lock)."""
 
     def __init__(self) -> None:
-        self.steps = self.joined = self.largest_batch = self.prepared = 0
+        self.steps = self.joined = self.largest_batch = self.prepared = self.guessed = self.guesses_taken = 0
         self.join_waits: deque[float] = deque(maxlen=32)  # from submit to the first decode step
 
     def step(self, rows: list[GenerationRequest]) -> None:
@@ -176,7 +181,7 @@ class DecodeScheduler:
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE,
                  prefill_order: str = "shortest", packed_steps: bool = True,
                  step_gap_factor: float | None = DEFAULT_GAP_FACTOR, alone_step_s: float | None = DEFAULT_ALONE_STEP_S,
-                 **cache_settings: Any):
+                 draft: str = "auto", **cache_settings: Any):
         """`prefill_order`: "shortest" (remaining prefill first, see above) or "arrival" (oldest
         first, measured against it in benchmarks/fairness.py). `packed_steps`: one forward a step
         for decode rows and prefill pieces, each on its own cache (where the model allows; False:
@@ -184,7 +189,8 @@ class DecodeScheduler:
         while rows decode, a step's prompt tokens are at most `prefill_chunk` and as many as keep
         it within that many decode steps, measured (chat/step_budget.py; None: `prefill_chunk`
         always); `alone_step_s`: the same while none decodes, in seconds a step (None:
-        `prefill_chunk_alone` always). `cache_settings`:
+        `prefill_chunk_alone` always). `draft`: "auto", "ngram" or "off": how decode rows feed
+        guessed tokens to verify (chat/drafting.py; packed steps only). `cache_settings`:
         the cache owner's (budget_bytes, max_checkpoints, prefix_store, offload)."""
         if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
             raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
@@ -196,6 +202,7 @@ class DecodeScheduler:
         self.loop = Loop(worker, self._step, self._has_work, lambda: self.caches.settle())
         self.caches = CacheOwner(model, self.loop, self.in_use, **cache_settings)
         self.packed = packed_steps and self.caches.packs
+        self.guessing = DraftPolicy(draft)
         self.step_budget, self.clock = StepBudget(step_gap_factor, alone_step_s), time.perf_counter
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
@@ -281,6 +288,7 @@ class DecodeScheduler:
                 max_batch_size=self.max_batch_size, decoding=len(self._requests.decoding), prefilling=len(self._requests.prefilling),
                 waiting=len(self._requests.waiting), paused=len(self._requests.paused),
                 drafts=len(self._requests.drafts), prepared=counters.prepared, steps=counters.steps,
+                guessed=counters.guessed, guesses_taken=counters.guesses_taken,
                 batch_bytes=batch_bytes,
                 joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
@@ -307,13 +315,24 @@ class DecodeScheduler:
                 self._leave([request])  # its last chosen token stays unfed, as after `generate`
             pieces = self._plan_pieces()
             decoding = list(self._requests.decoding)
-            fed, logits = (self._forward_packed if self.packed else self._forward_gathered)(decoding, pieces)
+            if self.packed:
+                guesses = self._guesses(decoding)
+                fed, logits = self._forward_packed(decoding, pieces, guesses)
+            else:
+                guesses = [[] for _ in decoding]
+                fed, logits = self._forward_gathered(decoding, pieces)
             for request in fed:
                 self._piece_fed(request)
             if logits is not None:
+                ended, taken = _choose_tokens(decoding, logits, guesses)
                 with self._requests.lock:
                     self._counters.step(decoding)
-                if ended := _choose_tokens(decoding, logits):
+                    self._counters.guessed += sum(len(guess) for guess in guesses)
+                    self._counters.guesses_taken += taken
+                for request, guess in zip(decoding, guesses):
+                    if guess and not self._give_back_guesses(request) and request not in ended:
+                        ended.append(request)
+                if ended:
                     self._leave(ended)
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
             for request in self._drop_everyone():
@@ -414,21 +433,59 @@ class DecodeScheduler:
             work = request.work
             request.started_at = time.perf_counter()
             request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
+            if self.guessing.enabled and self.packed and not request.draft and request.session.takes_back_recent():
+                request.drafter = Drafter(request.prompt_ids, len(request.prompt_ids), work.references)
             request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
                                                 work.shared_prefix_length)
 
-    def _forward_packed(self, decoding: list[GenerationRequest], pieces: list[tuple[GenerationRequest, list[int]]]
-                        ) -> tuple[list[GenerationRequest], torch.Tensor | None]:
-        """One forward for the decode rows and the pieces, each on its own cache
-        (cache_sessions/resident.py). Returns the requests whose piece went in, and the decode
-        rows' logits (None: no decode row, or the forward failed and every row of it ended)."""
-        rows = [(r.session, [r.next_input]) for r in decoding] + [(r.session, piece) for r, piece in pieces]
+    def _guesses(self, decoding: list[GenerationRequest]) -> list[list[int]]:
+        """Each decode row's guesses of its next tokens, to verify this step (chat/drafting.py): as
+        many as the policy finds worth their cost, never past the reply's token limit."""
+        compiled = self.caches.compiled
+        graph_ready = compiled is not None and compiled.bucket(len(decoding)) is not None
+        guesses = []
+        for request in decoding:
+            drafter, chooser = request.drafter, request.chooser
+            if drafter is None or chooser is None or request.stop.is_set():
+                guesses.append([])
+                continue
+            length = self.guessing.length(drafter.acceptance, len(decoding), graph_ready)
+            left = chooser.max_new_tokens - request.token_count - 1  # the last token is never fed
+            guesses.append(drafter.propose(request.sequence, min(length, left)))
+        return guesses
+
+    def _give_back_guesses(self, request: GenerationRequest) -> bool:
+        """After a step with guesses: the cache gives back what it was fed past the reply's last
+        token but one (the guesses not taken, and the place of the last one taken). False: it
+        could not, or the row failed (it ends with that error; its states are released)."""
+        if request.error is not None:
+            return False
+        try:
+            self.caches.take_back(request.session, len(request.session.token_ids) - (len(request.sequence) - 1))
+        except BaseException as error:
+            request.error = error
+            return False
+        return True
+
+    def _forward_packed(self, decoding: list[GenerationRequest], pieces: list[tuple[GenerationRequest, list[int]]],
+                        guesses: list[list[int]]) -> tuple[list[GenerationRequest], torch.Tensor | None]:
+        """One forward for the decode rows (each its next input and its guesses) and the pieces,
+        each on its own cache (cache_sessions/resident.py). Returns the requests whose piece went
+        in, and the logits after every token of the decode rows (None: no decode row, or the
+        forward failed and every row of it ended)."""
+        rows = ([(r.session, [r.next_input] + guess) for r, guess in zip(decoding, guesses)]
+                + [(r.session, piece) for r, piece in pieces])
         if not rows:
             return [], None
-        started = self.clock()
+        started, compiled = self.clock(), self.caches.compiled
+        graph_steps = compiled.steps if compiled is not None else 0
         try:
             logits = self.caches.forward_rows(rows, list(range(len(decoding))))
-            self.step_budget.record(self.clock() - started, len(decoding), sum(len(piece) for _, piece in pieces))
+            extra = sum(len(piece) for _, piece in pieces) + sum(len(guess) for guess in guesses)
+            elapsed = self.clock() - started
+            self.step_budget.record(elapsed, len(decoding), extra)
+            self.guessing.record_step(elapsed, len(decoding), extra,
+                                      compiled=compiled is not None and compiled.steps > graph_steps)
         except BaseException as error:  # every row's states may hold part of the step
             self._leave(decoding, error)
             for request, _ in pieces:
@@ -517,19 +574,35 @@ def _remaining_prefill(request: GenerationRequest) -> int:
     return max(0, len(request.prompt_ids) - 1 - held)
 
 
-def _choose_tokens(rows: list[GenerationRequest], logits: torch.Tensor) -> list[GenerationRequest]:
-    """Each row's next token from its own logits, emitted to its reader; the rows that ended (an
-    end token, the limit, a stop, or a failure of their own: the others go on)."""
+def _choose_tokens(rows: list[GenerationRequest], logits: torch.Tensor, guesses: list[list[int]]
+                   ) -> tuple[list[GenerationRequest], int]:
+    """Each row's next tokens from its own logits (one row of logits after each token it fed),
+    emitted to its reader: the token chosen after its next input, then, while each chosen token
+    is the guess fed after it, the one chosen after that guess (chat/drafting.py). Returns the rows
+    that ended (an end token, the limit, a stop, or a failure of their own: the others go on), and
+    how many guesses were taken."""
     ended: list[GenerationRequest] = []
-    for row, request in enumerate(rows):
-        assert request.chooser is not None
-        try:
-            token = request.chooser.choose(request.sequence, logits[row : row + 1])
-        except BaseException as error:  # this row's own fault
-            request.error = error
-            ended.append(request)
-            continue
-        request._emit(token)
-        if request.chooser.ends(token, request.token_count) or request.stop.is_set():
-            ended.append(request)
-    return ended
+    offset = taken = 0
+    for request, guess in zip(rows, guesses):
+        chooser = request.chooser
+        assert chooser is not None
+        row_logits, offset = logits[offset:offset + len(guess) + 1], offset + len(guess) + 1
+        matched = 0
+        for position in range(len(guess) + 1):
+            try:
+                token = chooser.choose(request.sequence, row_logits[position:position + 1])
+            except BaseException as error:  # this row's own fault
+                request.error = error
+                ended.append(request)
+                break
+            request._emit(token)
+            if chooser.ends(token, request.token_count) or request.stop.is_set():
+                ended.append(request)
+                break
+            if position == len(guess) or token != guess[position]:
+                break
+            matched += 1
+        if guess and request.drafter is not None:
+            request.drafter.record(len(guess), matched)
+        taken += matched
+    return ended, taken

@@ -19,7 +19,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Hashable, Iterator
 
 import openai
@@ -37,6 +37,8 @@ from chat.sources import Reply, ReplyRequest, TurnStats
 from chat.templates import ChatTemplate
 
 AFFINITY_HEADER = "X-Session-Affinity"
+MAX_WARMING = 8  # one-token requests warming the server's prefix cache in flight, for the whole app
+_WARMING = threading.BoundedSemaphore(MAX_WARMING)
 PROMPT_FORMATS = ("messages", "text", "token-ids")
 # What vLLM and SGLang take to render the last (assistant) message open, as the reply so far.
 CONTINUE_FIELDS = {"continue_final_message": True, "add_generation_prompt": False}
@@ -61,6 +63,8 @@ class ServedRuntime:
     template: ChatTemplate
     prompt_format: str = "messages"  # "messages" (chat completions), "text" or "token-ids" (completions)
     refused_fields: set[str] = field(default_factory=set)  # extra fields the server said it does not take
+    warm_while_typing: bool = True  # `ServedSource.prepare` sends one-token requests ahead of a Send
+    warmed: int = 0  # such requests answered so far
 
 
 class ServedSource:
@@ -89,6 +93,37 @@ class ServedSource:
 
     def move(self, move: BranchMove) -> bool:
         return False  # no states here to keep or put back
+
+    def prepare(self, request: ReplyRequest) -> threading.Event:
+        """Warm the server's own prefix cache with the conversation as it will be with the message
+        being typed (issue #45): the same request the Send will make (same messages or prompt,
+        `cache_salt` and affinity, so a prefix-caching server such as vLLM or SGLang keeps its
+        blocks where the Send finds them), asking for one token, on a thread of its own. Setting
+        the returned event closes its stream (the server cancels it). At most `MAX_WARMING`
+        of them are in flight for the whole app; past that a pause in typing warms nothing. A
+        server without a prefix cache (`transformers serve`) computes the prompt for nothing:
+        the page's switch turns this off, and `--warm-served off` for everyone."""
+        stop = threading.Event()
+        if not self.runtime.warm_while_typing or not _WARMING.acquire(blocking=False):
+            return stop
+        one_token = replace(request, options=replace(request.options, max_new_tokens=1, do_sample=False))
+        threading.Thread(target=self._warm, args=(one_token, stop), name="warm-served-prefix", daemon=True).start()
+        return stop
+
+    def _warm(self, request: ReplyRequest, stop: threading.Event) -> None:
+        try:
+            stream = ServedReply(self, request, stop)._open()
+            try:
+                for _ in stream:
+                    if stop.is_set():
+                        break
+            finally:
+                stream.close()
+            self.runtime.warmed += 1
+        except Exception:  # a warm-up that failed costs nothing but itself: the Send says what is wrong
+            pass
+        finally:
+            _WARMING.release()
 
     def close(self) -> None:
         """Nothing kept here to free."""
@@ -257,10 +292,12 @@ class ServedEngine:
 
     def __init__(self, base_url: str, model_name: str, *, api_key: str | None = None, tokenizer: str | None = None,
                  timeout_s: float = 60.0, max_retries: int = 2, context_limit: int | None = None,
-                 prompt_format: str = "messages"):
+                 prompt_format: str = "messages", warm_while_typing: bool = True):
         """`prompt_format`: "messages" sends chat completions (the server renders the template);
         "text" and "token-ids" send completions with the prompt rendered here, so nothing can
-        drift between turns and Continue works (vLLM takes token ids; `transformers serve` text)."""
+        drift between turns and Continue works (vLLM takes token ids; `transformers serve` text).
+        `warm_while_typing`: `Conversation.prepare` sends the request a Send would, for one token,
+        so a prefix-caching server has the prompt ready (`ServedSource.prepare`)."""
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format is one of {', '.join(PROMPT_FORMATS)}, not {prompt_format!r}")
         try:
@@ -274,7 +311,8 @@ class ServedEngine:
         client = openai.OpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_s,
                                max_retries=max_retries)
         template = ChatTemplate(loaded)
-        self.runtime = ServedRuntime(client, model_name, loaded, template, prompt_format=prompt_format)
+        self.runtime = ServedRuntime(client, model_name, loaded, template, prompt_format=prompt_format,
+                                     warm_while_typing=warm_while_typing)
         self.planner = Planner(template, context_limit)
 
     @property
@@ -295,4 +333,5 @@ class ServedEngine:
     def status(self) -> dict[str, Any]:
         """What an operator reads: where replies come from (the server batches and caches)."""
         return {"backend": "openai", "model": self.model_name, "planning": self.planner.planning,
-                "model_server": self.base_url}
+                "model_server": self.base_url,
+                "warm_while_typing": self.runtime.warm_while_typing, "warmed": self.runtime.warmed}

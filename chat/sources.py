@@ -35,6 +35,9 @@ class ReplyRequest:
     labels: tuple[int, ...]  # the message ids the cache holds once the reply exists (the reply's included)
     earlier_ids: list[int] = field(default_factory=list)  # "continue": the reply's tokens so far
     keep: BranchKeep | None = None  # the shown branch this reply replaces: its states are kept
+    # the tokens of earlier versions of this reply (a Retry's, an edited message's old answer):
+    # the best guesses there are for draft-and-verify decoding (chat/drafting.py)
+    references: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -257,3 +257,16 @@ def test_prepare_benchmark_writes_the_documented_fields(tmp_path):
     assert result["prepared"]["prepared_prefilled"] == 1 and result["prepared"]["message_tokens"] > 150
     assert {"typed_ttft_s", "typed_over_decode_step", "typed_prefilled"} <= set(result["typed"])
     assert {"median_gap_alone_s", "worst_gap_typists_s", "worst_over_worst_alone"} <= set(result["typists"])
+
+
+def test_drafting_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.drafting import SCENARIOS, main as drafting
+
+    result = run_to_json(drafting, tmp_path, "--model", "tiny-full", "--tokens", "12", "--repeats", "1")
+    assert set(result["table"]) == set(SCENARIOS) and result["cpu_flags"]
+    for scenario, row in result["table"].items():
+        assert row["same_reply"], scenario  # greedy, or seeded sampling: the same reply in every mode
+        assert set(row["tokens_per_s"]) == {"off", "ngram", "auto"}
+    # tokens, not time: a greedy Retry takes its earlier version's tokens as guesses, several a step
+    assert result["table"]["retry"]["taken_over_guessed"]["ngram"] == 1.0
+    assert result["table"]["retry"]["tokens_per_step"]["ngram"] > 2

@@ -167,6 +167,38 @@ def test_continue_through_chat_messages_sends_the_reply_so_far_left_open(base_to
     assert conv.messages[-1]["content"] == "It is 85, since 47 + 38 = 85." and len(conv.messages) == 3
 
 
+def test_a_message_being_typed_warms_the_servers_prefix_cache_with_the_sends_own_request(base_tokenizer, tmp_path):
+    """Issue #45: behind a model server, `prepare` sends the request the Send will make (same
+    messages, salt and affinity, so a prefix-caching server keeps the prompt's blocks where the
+    Send looks), for one token; nothing is recorded in the conversation."""
+    engine, wire = wired_engine(base_tokenizer, tmp_path, "qwen2_5", "ignored", "It is 85")
+    conv = engine.conversation("Be brief.")
+    assert conv.prepare("What is 47 + 38?", max_new_tokens=16, do_sample=False)
+    deadline = time.monotonic() + 60
+    while engine.runtime.warmed < 1:
+        assert time.monotonic() < deadline, "the warm-up request was not answered"
+        time.sleep(0.01)
+    assert len(conv.messages) == 1  # the system prompt only: a warm-up records nothing
+    list(conv.send("What is 47 + 38?", max_new_tokens=16, do_sample=False))
+    warm, sent = wire.bodies
+    assert warm["max_tokens"] == 1 and sent["max_tokens"] == 16
+    assert warm["messages"] == sent["messages"]
+    assert (warm["cache_salt"], warm["user"]) == (sent["cache_salt"], sent["user"])
+    assert conv.messages[-1]["content"] == "It is 85" and len(conv.messages) == 3
+
+
+def test_warming_a_server_can_be_turned_off(base_tokenizer, tmp_path):
+    from chat import served
+
+    engine, wire = wired_engine(base_tokenizer, tmp_path, "qwen2_5", "It is 85")
+    engine.runtime.warm_while_typing = False
+    conv = engine.conversation()
+    conv.prepare("What is 47 + 38?", max_new_tokens=16)
+    assert served._WARMING._value == served.MAX_WARMING  # no warm-up took a place (none started)
+    list(conv.send("What is 47 + 38?", max_new_tokens=16, do_sample=False))
+    assert len(wire.bodies) == 1 and engine.runtime.warmed == 0
+
+
 def test_stop_closes_the_stream_and_keeps_the_partial_reply(engine):
     conv = engine.conversation()
     pieces = 0

@@ -43,6 +43,9 @@ class AppConfig:
                                   "vLLM takes token-ids)")
     tokenizer: str | None = _setting(None, "TOKENIZER", "with --backend openai: where to load the tokenizer "
                                      "(and chat template) from; default: --model")
+    warm_served: bool = _setting(True, "WARM_SERVED", "with --backend openai: while a message is typed, send the "
+                                 "request its Send will make for one token, so a prefix-caching server (vLLM, "
+                                 "SGLang) has the prompt ready; off for a server without a prefix cache")
     host: str = _setting("127.0.0.1", ("HOST", "GRADIO_SERVER_NAME"))
     port: int = _setting(7860, ("PORT", "GRADIO_SERVER_PORT"))
     device: str | None = _setting(None, "DEVICE", "cuda, mps or cpu; automatic by default")
@@ -62,6 +65,9 @@ class AppConfig:
                             "CPU only: a quarter of fp32's bytes, faster decode)")
     compile: str = _setting(EngineConfig.compile, "COMPILE", "auto, on or off: decode steps as compiled graphs "
                             "(built beside the running app; auto: from 200 M parameters, on the CPU)")
+    draft: str = _setting(EngineConfig.draft, "DRAFT", "auto, ngram or off: decode steps verify tokens guessed "
+                          "from the conversation and the reply's earlier versions, several a step (replies are "
+                          "as without; auto: only where they pay for themselves on this machine)")
     max_sessions: int = _setting(64, "MAX_SESSIONS")
     idle_timeout_min: float = _setting(30.0, "IDLE_TIMEOUT_MIN", "free a session idle this long")
     max_batch: int = _setting(EngineConfig.max_batch_size, "MAX_BATCH",

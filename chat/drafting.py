@@ -1,0 +1,199 @@
+"""Draft-and-verify decoding: tokens guessed from the conversation itself, checked in one step.
+
+A reply often repeats what is already there: quoted text, code being edited, a name, the
+question restated, and above all an earlier version of itself (a Retry, a reply regenerated after
+an edit). A decoding row whose next tokens can be guessed feeds its next input and up to k
+guesses in one packed step (a piece of k+1 tokens on its own cache, as a prompt piece is); the
+logits after each of them say what the model would have chosen there. The reply takes the
+chosen tokens for as long as each matches the guess before it, plus the first that differs (or,
+all matched, the one after the last guess), and the cache gives back the guesses past that with
+its own rollback (cache_sessions/rollback.py: a crop within the reply, exact for full attention,
+quantized codes and sliding windows; recurrent states cannot be cropped, so their rows are not
+drafted).
+
+Exactness: every emitted token is chosen by the reply's own `TokenChooser` from the logits after
+exactly the tokens before it, as without drafts. Greedy: the same argmax. Sampling: the standard
+rejection rule (accept a guess x with probability min(1, p(x)/q(x)), else sample from the
+residual max(0, p - q)) with a guess that is one token for certain (q = 1 at x) is "accept with
+probability p(x), else draw from p without x", which is drawing from p and keeping the guess if
+the draw is it: one draw per emitted token, from the same distribution, with the same generator,
+so the distribution (and a seeded reply) is the one without drafts. Only float noise differs: a
+row of k+1 tokens sums its products in another order than k+1 single steps, as any prompt piece
+does (checked against a from-scratch forward in tests/test_drafting.py).
+
+Where guesses come from (`Drafter`), most trusted first: an earlier version of this reply (its
+continuation where the reply so far is its prefix, else after the last n tokens where they occur
+in it), then the conversation's own tokens (the most recent earlier occurrence of the last 3, else
+2, tokens: prompt lookup, as transformers' `prompt_lookup_num_tokens` and llama.cpp's n-gram
+modes).
+
+How many (`DraftPolicy`): "ngram" guesses up to `MAX_DRAFT` wherever a match is found; "auto"
+picks the length that maximizes the row's expected tokens a second from its measured acceptance
+and what extra tokens add to a step on this machine, timed as steps run (`DraftPolicy`), down to
+none; where a compiled decode graph is ready (cache_sessions/compiled.py) a row of several tokens
+leaves it for the eager forward (1.47x slower a step at Qwen3-0.6B's shape), so guesses must beat
+the graph's timed step, and none are fed while no eager step of that many rows was timed;
+"off" never.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from statistics import median
+from typing import Sequence
+
+DRAFT_MODES = ("auto", "ngram", "off")
+MAX_DRAFT = 8  # guesses a step at most (a longer run is rarely all right, and each costs a token)
+NGRAM_SIZES = (3, 2)  # the tail looked up, longest first
+FIRST_GUESS = 2  # "auto"'s length at a row count whose plain step is not timed yet (once any is)
+_SAMPLES = 9  # recent steps a cost is the median of
+
+
+def check_draft_mode(mode: str) -> None:
+    if mode not in DRAFT_MODES:
+        raise ValueError(f"draft is one of {', '.join(DRAFT_MODES)}, not {mode!r}")
+
+
+class NgramIndex:
+    """Where each n-gram of a token sequence was followed by a token: appended to as the sequence
+    grows, so a lookup costs a dictionary read, not a scan of the history."""
+
+    def __init__(self, tokens: Sequence[int] = ()):
+        self.tokens: list[int] = []
+        self._followed_at: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions after it, in order
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            position = len(self.tokens)
+            for size in NGRAM_SIZES:
+                if position >= size:
+                    self._followed_at.setdefault(tuple(self.tokens[position - size:position]), []).append(position)
+            self.tokens.append(token)
+
+    def after(self, tail: Sequence[int], limit: int, from_position: int | None = None) -> tuple[list[int], int]:
+        """Up to `limit` tokens that followed the longest n-gram ending `tail` here, and where they
+        start: after its latest occurrence, or (`from_position`) its first at or after that
+        position (else its latest). ([], -1): none of the n-grams occurs."""
+        for size in NGRAM_SIZES:
+            if len(tail) < size:
+                continue
+            positions = self._followed_at.get(tuple(tail[-size:]))
+            if positions:
+                start = positions[-1]
+                if from_position is not None:
+                    start = next((p for p in positions if p >= from_position), start)
+                return self.tokens[start:start + limit], start
+        return [], -1
+
+
+class Drafter:
+    """One reply's guesses: from `references` (earlier versions of this reply, their tokens only)
+    and from its own sequence (prompt and reply so far), with its measured acceptance."""
+
+    def __init__(self, sequence: Sequence[int], prompt_length: int, references: Sequence[Sequence[int]] = ()):
+        self.prompt_length = prompt_length
+        self.own = NgramIndex(sequence)
+        self.references = [NgramIndex(reference) for reference in references if reference]
+        self._cursors = [0] * len(self.references)  # where each reference's last guess was taken
+        self.accepted = self.rejected = 0  # guesses taken, and steps where a guess was not
+
+    def propose(self, sequence: Sequence[int], limit: int) -> list[int]:
+        """At most `limit` guesses of the tokens after `sequence` (this reply's whole sequence)."""
+        self.own.extend(sequence[len(self.own.tokens):])
+        if limit <= 0:
+            return []
+        reply = sequence[self.prompt_length:]
+        for index, reference in enumerate(self.references):
+            if list(reference.tokens[:len(reply)]) == list(reply):  # so far this reply is that one
+                guess = reference.tokens[len(reply):len(reply) + limit]
+                if guess:
+                    self._cursors[index] = len(reply)
+                    return list(guess)
+                continue
+            guess, start = reference.after(sequence, limit, from_position=self._cursors[index])
+            if guess:
+                self._cursors[index] = start
+                return guess
+        guess, _ = self.own.after(sequence, limit)
+        return guess
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """A step verified `proposed` guesses and took `accepted` of them."""
+        self.accepted += accepted
+        self.rejected += accepted < proposed
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that a guess is right, given the one before it was: the geometric model's
+        estimate, with one right and one wrong guess assumed before any was checked."""
+        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
+
+
+class DraftPolicy:
+    """How many guesses a decoding row feeds this step (see the module's docstring), and, for
+    "auto", what steps cost on this machine: a step of decode rows alone (by row count, eager or
+    compiled), and what extra tokens add to an eager one (guesses or prompt pieces, by powers of
+    two), each the median of its recent steps (a busy neighbour's spike moves a median little).
+    A length whose cost was never timed is taken as free, so it is tried, then timed."""
+
+    def __init__(self, mode: str = "auto", max_draft: int = MAX_DRAFT):
+        check_draft_mode(mode)
+        if max_draft < 1:
+            raise ValueError("max_draft must be at least 1")
+        self.mode, self.max_draft = mode, max_draft
+        self.lengths = sorted({0, *(2 ** i for i in range(max_draft.bit_length()) if 2 ** i <= max_draft), max_draft})
+        self._plain: dict[tuple[int, bool], deque[float]] = {}  # (rows, compiled) -> seconds of a step of them alone
+        self._extra: dict[int, deque[float]] = {}  # extra tokens (a power of two, rounded up) -> seconds added
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def record_step(self, seconds: float, rows: int, extra_tokens: int, compiled: bool = False) -> None:
+        """A packed step ran `rows` decode rows and `extra_tokens` more (guesses, prompt pieces);
+        `compiled`: as a compiled graph (decode rows alone)."""
+        if self.mode != "auto" or not rows:
+            return
+        if not extra_tokens:
+            self._plain.setdefault((rows, compiled), deque(maxlen=_SAMPLES)).append(seconds)
+        elif (plain := self._plain.get((rows, False))) is not None:
+            bucket = 1 << (extra_tokens - 1).bit_length()
+            self._extra.setdefault(bucket, deque(maxlen=_SAMPLES)).append(max(0.0, seconds - median(plain)))
+
+    def length(self, acceptance: float, rows: int, compiled: bool) -> int:
+        """The most guesses worth feeding: `acceptance` the row's (`Drafter.acceptance`), `rows` the
+        decode rows of this step, `compiled`: a compiled graph would take this step if it carried
+        single tokens (guesses send it to the eager forward: they must beat the graph, as timed)."""
+        if self.mode == "off":
+            return 0
+        if self.mode == "ngram":
+            return self.max_draft
+        eager = self._plain.get((rows, False))
+        if eager is None:  # an eager step of these rows alone is timed first (where the graph is
+            # ready, the eager step's cost is not known: the graph serves)
+            return 0 if compiled or not self._plain else FIRST_GUESS
+        share = median(eager) / rows  # this row's part of the step's fixed cost
+
+        def rate(k: int) -> float:
+            return expected_tokens(acceptance, k) / (share + self.added_s(k))
+
+        best = max(self.lengths, key=rate)
+        if compiled:
+            graph = self._plain.get((rows, True))
+            if graph is None or rate(best) <= rows / median(graph):
+                return 0
+        return best
+
+    def added_s(self, tokens: int) -> float:
+        """What `tokens` extra tokens add to an eager step, as timed (0 where never timed: worth a try)."""
+        if tokens <= 0:
+            return 0.0
+        samples = self._extra.get(1 << (tokens - 1).bit_length())
+        return median(samples) if samples else 0.0
+
+
+def expected_tokens(acceptance: float, guesses: int) -> float:
+    """Tokens a row emits in a step with `guesses` guesses, each right with chance `acceptance`
+    given the ones before it: 1 + a + a^2 + ... + a^k."""
+    return sum(acceptance ** i for i in range(guesses + 1))

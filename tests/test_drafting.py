@@ -1,0 +1,197 @@
+"""Draft-and-verify decoding (chat/drafting.py, issue #45 item 2): decode rows feed guessed tokens,
+the step verifies them, the cache gives back the ones refused; replies are what they are without.
+
+References are independent of the drafting code: greedy `generate` from scratch on the rendered
+prompt and a from-scratch forward over the ledger (`check_exact`), a brute-force scan for the
+n-gram lookup, and the same engine with drafting off for seeded sampling.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import THINKING_TEMPLATE
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import check_exact, render_ids, scratch_greedy_reply
+from tiny_models import SLIDING_WINDOW, scripted_reply_model
+
+import chat.scheduler
+from chat.drafting import DraftPolicy, Drafter, NgramIndex, expected_tokens
+from chat.engine import ChatEngine
+
+GREEDY = dict(max_new_tokens=3 * SLIDING_WINDOW, do_sample=False)  # replies cross the tiny window three times
+
+
+def guess_counts(engine: ChatEngine) -> tuple[int, int]:
+    stats = engine.runtime.scheduler.stats()
+    return stats.guessed, stats.guesses_taken
+
+
+def brute_force_after(tokens: list[int], tail: list[int], limit: int) -> list[int]:
+    """What followed the latest earlier occurrence of the tail's last 3 (else 2) tokens."""
+    for size in (3, 2):
+        if len(tail) < size:
+            continue
+        gram = tail[-size:]
+        for start in range(len(tokens) - size - 1, -1, -1):
+            if tokens[start:start + size] == gram:
+                return tokens[start + size:start + size + limit]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=40), st.lists(st.integers(0, 4), max_size=5), st.integers(1, 6))
+def test_the_ngram_lookup_finds_what_a_scan_of_the_history_finds(tokens, tail, limit):
+    index = NgramIndex(tokens)
+    assert index.after(tail, limit)[0] == brute_force_after(tokens, tail, limit)
+
+
+def test_an_earlier_version_is_guessed_from_while_the_reply_follows_it_then_by_its_ngrams():
+    prompt = [1, 2, 3]
+    drafter = Drafter(prompt, len(prompt), references=[[7, 8, 9, 10, 11, 12, 13]])
+    assert drafter.propose(prompt, 4) == [7, 8, 9, 10]  # the reply so far (nothing) is its prefix
+    assert drafter.propose(prompt + [7, 8], 3) == [9, 10, 11]
+    assert drafter.propose(prompt + [7, 5, 10, 11], 2) == [12, 13]  # parted: after "10 11" in it
+    assert drafter.propose(prompt + [4, 4], 2) == []  # nowhere: neither in it nor in the prompt
+
+
+@pytest.mark.parametrize("arch,kv_cache", [("full", "dynamic"), ("sliding", "dynamic"), ("mixed", "dynamic"),
+                                           ("full", "quantized")])
+def test_guesses_taken_in_part_leave_the_reply_and_the_cache_as_without(models, tokenizers, monkeypatch, arch,
+                                                                          kv_cache):
+    """Every step guesses the true greedy continuation with one wrong token at a random place
+    (or none), so each step takes some guesses and gives the rest back: the reply is `generate`'s
+    from scratch and the cache holds what a scratch forward over its ledger gives."""
+    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
+    engine = ChatEngine(model, tokenizer, draft="ngram", kv_cache=kv_cache)
+    conversation = engine.conversation()
+    messages = [{"role": "user", "content": "guess this"}]
+    prompt = render_ids(tokenizer, messages)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    quantized = engine.config.kv_cache_kind if kv_cache == "quantized" else None
+    truth = prompt + scratch_greedy_reply(model, prompt, GREEDY["max_new_tokens"], {end}, kv_cache=quantized)
+    chance = random.Random(4)
+
+    def propose(self, sequence, limit):
+        right = truth[len(sequence):len(sequence) + limit]
+        if right and chance.random() < 0.8:
+            wrong_at = chance.randrange(len(right))
+            right = right[:wrong_at] + [(right[wrong_at] + 1) % len(tokenizer)] + right[wrong_at + 1:]
+        return right
+
+    monkeypatch.setattr(chat.scheduler.Drafter, "propose", propose)
+    list(conversation.send("guess this", **GREEDY))
+    guessed, taken = guess_counts(engine)
+    assert 0 < taken < guessed  # some taken, some given back
+    check_exact(conversation, model, tokenizer, max_new_tokens=GREEDY["max_new_tokens"], kv_cache=quantized)
+
+
+@pytest.mark.parametrize("arch", ["full", "sliding", "mixed"])
+def test_a_greedy_retry_takes_its_earlier_version_as_guesses_in_a_few_steps(make_engine, models, tokenizers, arch):
+    """A Retry of a greedy reply is the same reply: guessed from the version it replaces, every
+    guess is taken, and the reply takes a step for every 9 tokens, not one a token."""
+    engine = make_engine(arch, draft="ngram")
+    conversation = engine.conversation()
+    list(conversation.send("say it twice", **GREEDY))
+    first, steps_before = conversation.messages[-1]["content"], engine.runtime.scheduler.stats().steps
+    guessed_before, taken_before = guess_counts(engine)
+    list(conversation.regenerate(**GREEDY))
+    guessed, taken = guess_counts(engine)
+    assert conversation.messages[-1]["content"] == first
+    assert taken - taken_before == guessed - guessed_before > 0
+    assert engine.runtime.scheduler.stats().steps - steps_before <= -(-len(conversation.reply_ids) // 9) + 1
+    check_exact(conversation, models[arch], tokenizers[THINKING_TEMPLATE], max_new_tokens=GREEDY["max_new_tokens"])
+
+
+def test_an_edited_message_guesses_from_the_answer_it_replaces(tokenizers):
+    model = scripted_reply_model(tokenizers[THINKING_TEMPLATE], "the same answer to every question, word for word")
+    engine = ChatEngine(model, tokenizers[THINKING_TEMPLATE], draft="ngram")
+    conversation = engine.conversation()
+    list(conversation.send("first question", max_new_tokens=64))
+    before = guess_counts(engine)
+    list(conversation.edit(0, "another question", max_new_tokens=64))
+    guessed, taken = guess_counts(engine)
+    assert taken - before[1] >= len(conversation.reply_ids) - 2  # all but the first and the end token
+    assert conversation.messages[-1]["content"] == "the same answer to every question, word for word"
+
+
+def test_a_seeded_sampled_reply_is_the_same_with_guesses_as_without(models, tokenizers):
+    """One draw a token from the same distribution, guessed or not: a Retry under another seed,
+    guessing from the first version (taking some guesses, refusing others), gives the reply
+    drafting-off gives."""
+    replies, counts = {}, {}
+    for mode in ("off", "ngram"):
+        engine = ChatEngine(models["full"], tokenizers[THINKING_TEMPLATE], draft=mode)
+        conversation = engine.conversation()
+        sampled = dict(max_new_tokens=24, do_sample=True, temperature=0.7, top_k=20)
+        list(conversation.send("pick something", seed=1, **sampled))
+        list(conversation.regenerate(seed=2, **sampled))
+        replies[mode], counts[mode] = conversation.reply_ids, guess_counts(engine)
+    assert replies["ngram"] == replies["off"]
+    assert counts["off"] == (0, 0) and counts["ngram"][0] > 0
+
+
+def test_guesses_never_run_a_reply_past_its_token_limit(make_engine, models, tokenizers):
+    engine = make_engine("full", draft="ngram")
+    conversation = engine.conversation()
+    list(conversation.send("long one", **GREEDY))
+    list(conversation.regenerate(max_new_tokens=5, do_sample=False))
+    assert len(conversation.reply_ids) == 5
+    check_exact(conversation, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=5)
+
+
+def test_recurrent_states_are_not_guessed_for(make_engine, models, tokenizers):
+    """A linear-attention layer folded the guesses in and cannot give them back: no guesses."""
+    engine = make_engine("hybrid", draft="ngram")
+    conversation = engine.conversation()
+    list(conversation.send("recurrent", max_new_tokens=8, do_sample=False))
+    list(conversation.regenerate(max_new_tokens=8, do_sample=False))
+    assert guess_counts(engine) == (0, 0)
+    check_exact(conversation, models["hybrid"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
+
+
+def test_a_stop_in_a_step_with_guesses_leaves_the_cache_at_the_reply(make_engine, models, tokenizers, monkeypatch):
+    """Stopped at its third token, in a step that fed 9 (guessed from the version it replaces):
+    the reply is those three and the cache gives back the rest."""
+    engine = make_engine("sliding", draft="ngram")
+    conversation = engine.conversation()
+    list(conversation.send("stop me", **GREEDY))
+    emit = chat.scheduler.GenerationRequest._emit
+
+    def emit_then_stop(request, token_id):
+        emit(request, token_id)
+        if request.token_count == 3:
+            request.stop.set()
+
+    monkeypatch.setattr(chat.scheduler.GenerationRequest, "_emit", emit_then_stop)
+    list(conversation.regenerate(**GREEDY))
+    assert len(conversation.reply_ids) == 3 and guess_counts(engine)[0] > 0
+    check_exact(conversation, models["sliding"], tokenizers[THINKING_TEMPLATE], max_new_tokens=3, stopped=True)
+
+
+def test_auto_guesses_where_they_pay_and_not_where_they_are_refused():
+    policy = DraftPolicy("auto")
+    assert policy.length(0.9, 1, compiled=False) == 0  # a plain step is timed first
+    for _ in range(3):
+        policy.record_step(0.010, 1, 0)
+    assert policy.length(0.9, 1, compiled=False) == policy.max_draft  # untimed lengths are tried
+    for tokens in (1, 2, 4, 8):
+        for _ in range(3):
+            policy.record_step(0.010 + 0.002 * tokens, 1, tokens)
+    assert policy.length(0.02, 1, compiled=False) == 0
+    best = policy.length(0.9, 1, compiled=False)
+    assert best > 0 and expected_tokens(0.9, best) / (0.010 + 0.002 * best) > 1 / 0.010
+    assert DraftPolicy("off").length(1.0, 1, compiled=False) == 0
+
+
+def test_auto_guesses_beside_a_compiled_step_only_where_they_beat_it():
+    policy = DraftPolicy("auto")
+    policy.record_step(0.004, 1, 0, compiled=True)
+    assert policy.length(0.99, 1, compiled=True) == 0  # the eager step's cost is unknown: the graph serves
+    for tokens in (0, 1, 2, 4, 8):
+        policy.record_step(0.010 + 0.001 * tokens, 1, tokens)
+    assert policy.length(0.99, 1, compiled=True) > 0  # ~8 tokens in 18 ms against one in 4 ms
+    assert policy.length(0.3, 1, compiled=True) == 0  # ~1.4 tokens in 11-12 ms: the graph wins
