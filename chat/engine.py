@@ -23,7 +23,7 @@ from chat.runtime import Runtime
 from chat.scheduler import DecodeScheduler, SchedulerStats
 from chat.sources import ReplySource
 from chat.templates import ChatTemplate
-from chat.weights import apply_weight_format
+from chat.weights import Int8Linear, apply_weight_format, prompt_kernel_choice
 from chat.worker import ModelWorker
 
 
@@ -114,10 +114,17 @@ class ChatEngine:
                           "join_wait_max_s": round(batch.join_wait_max_s, 4), "packed": batch.packed,
                           "prompt_tokens_per_step": batch.prompt_tokens_per_step},
                 "compiled_step": self.compiled.stats(),
+                "weights": self._weights_status(),
                 "guessing": {"mode": self.config.draft, "guessed": batch.guessed, "taken": batch.guesses_taken},
                 "cache_bytes": caches.cache_bytes, "cache_budget_bytes": caches.budget_bytes,
                 "shared_prefix_bytes": caches.shared_prefix_bytes, "busy_caches": caches.busy,
                 "evictions": caches.evictions, "branch_segments_freed": caches.segments_freed}
+
+    def _weights_status(self) -> dict[str, Any]:
+        """How the weights are held, and for int8 which prompt product runs (chat/weights.py)."""
+        kernel = next((module.prompt_kernel for module in self.model.modules() if isinstance(module, Int8Linear)), None)
+        return {"format": self.config.weights, "int8_prompt_kernel": kernel,
+                "int8_prompt_kernels_timed": prompt_kernel_choice() if kernel else None}
 
     # what callers read of an engine
     @property

@@ -18,7 +18,10 @@ torchao's CPU path). On a CPU a decode step is bound by reading the weights, and
 the int8 bytes as they lie: a quarter of fp32's (`python -m benchmarks.weights`). It is a
 matrix-vector kernel (it re-reads the weight for every 4 rows), so a product of more than
 `KERNEL_ROWS` rows, a prompt's, multiplies by the weight turned into fp32 for the call instead,
-with the same operands and roundings: the two differ by the order of fp32 sums only.
+with the same operands and roundings: the two differ by the order of fp32 sums only. Or, where
+the CPU multiplies bf16 natively (timed when the weights are made int8: `choose_prompt_kernel`,
+shown in /status), by the levels turned into bf16 (exact: integers to 127), each sum rounded to
+bf16 before its scale as well as after (one bf16 step at most).
 
 Norms, embeddings, attention and the KV cache stay in the model's dtype. Activations in bf16 keep
 8 significant bits per value whatever the others in the token are, so channels of outsized values
@@ -36,6 +39,10 @@ benchmark reports how often, on the trained demo model.
 """
 
 from __future__ import annotations
+
+import inspect
+import statistics
+import time
 
 import torch
 from torch import nn
@@ -101,18 +108,70 @@ class Int8Linear(nn.Module):
         # no tail: other widths take the fp32 path whatever the rows.
         self.kernel_fits = self.in_features % 16 == 0
 
+    # How a product of more than KERNEL_ROWS rows runs (`PROMPT_KERNELS`): set on a model's layers
+    # by `apply_weight_format`, as `choose_prompt_kernel` timed it on this host.
+    prompt_kernel = "fp32"
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # A fresh bf16 copy: contiguous and aligned, as the kernel's aligned loads need.
         flat = hidden.reshape(-1, self.in_features).to(torch.bfloat16, copy=True)
         if self.kernel_fits and flat.shape[0] <= self.KERNEL_ROWS:
             out = torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
         else:
-            out = (nn.functional.linear(flat.float(), self.weight_int8.float()) * self.scales.float()).to(torch.bfloat16)
+            out = self.prompt_product(flat, self.prompt_kernel)
         out = out.to(hidden.dtype).reshape(*hidden.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
+    def prompt_product(self, flat: torch.Tensor, kernel: str) -> torch.Tensor:
+        """`flat` (bf16 rows) times the weight, as `kernel` says: "fp32" turns the levels into fp32
+        and sums in fp32; "bf16" turns them into bf16 (integers to 127 are exact there) and lets
+        the CPU's bf16 product sum them (fp32 sums, but a partial sum may be rounded to bf16 between
+        blocks of the inner dimension: each output lies within one bf16 step of the sum of its
+        terms' magnitudes, not of its value, tests/test_weights.py)."""
+        if kernel == "bf16":
+            return (nn.functional.linear(flat, self.weight_int8.to(torch.bfloat16)).float()
+                    * self.scales.float()).to(torch.bfloat16)
+        return (nn.functional.linear(flat.float(), self.weight_int8.float()) * self.scales.float()).to(torch.bfloat16)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, bf16 inputs"
+
+
+PROMPT_KERNELS = ("fp32", "bf16")
+PROMPT_PROBE_ROWS = 256  # a prompt piece's rows, as the choice is timed
+_PROMPT_CHOICE: dict[str, object] = {}  # what `choose_prompt_kernel` measured and chose, for /status
+
+
+@torch.no_grad()
+def choose_prompt_kernel(layer: Int8Linear, repeats: int = 5) -> dict[str, object]:
+    """Time each of `PROMPT_KERNELS` on `layer` for a `PROMPT_PROBE_ROWS`-row product (the median of
+    `repeats`, after one untimed call each) and have every int8 layer use the faster, once a
+    process: which is faster is a property of the CPU (on 2 cores with avx512_bf16, 256 rows of
+    Qwen3-0.6B's 1,024 x 3,072 layer: 10.1 ms fp32, 4.6 ms bf16; a 512-token prompt 2.05x faster
+    whole, `benchmarks/prompt_kernels.py`; without avx512_bf16 the bf16 product is emulated).
+    Both have the same operands; "bf16" may round partial sums to bf16 (see `prompt_product`).
+    Returns what was measured (also in `prompt_kernel_choice()`, for /status)."""
+    if _PROMPT_CHOICE:
+        return dict(_PROMPT_CHOICE)
+    flat = torch.randn(PROMPT_PROBE_ROWS, layer.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    timings = {}
+    for kernel in PROMPT_KERNELS:
+        layer.prompt_product(flat, kernel)
+        runs = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            layer.prompt_product(flat, kernel)
+            runs.append(time.perf_counter() - started)
+        timings[kernel] = round(statistics.median(runs) * 1000, 3)
+    chosen = min(timings, key=timings.__getitem__)
+    _PROMPT_CHOICE.update(chosen=chosen, ms=timings, rows=PROMPT_PROBE_ROWS,
+                          shape=[layer.out_features, layer.in_features])
+    return dict(_PROMPT_CHOICE)
+
+
+def prompt_kernel_choice() -> dict[str, object] | None:
+    """What `choose_prompt_kernel` chose and measured in this process (None: no int8 model yet)."""
+    return dict(_PROMPT_CHOICE) if _PROMPT_CHOICE else None
 
 
 def check_weight_format(weights: str) -> None:
@@ -142,4 +201,30 @@ def apply_weight_format(model: PreTrainedModel, weights: str) -> PreTrainedModel
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, layer(child))
+    if layer is Int8Linear:
+        set_prompt_kernel(model)
     return model
+
+
+def set_prompt_kernel(model: PreTrainedModel) -> str:
+    """Give `model`'s int8 layers the prompt product this host runs fastest (timed once a process
+    on its widest layer), except a model with recurrent layers (linear attention, state spaces):
+    they fold every token's error into their state, and "bf16" moved the tiny test model's logits
+    by up to 1.0 against 0.1 with attention alone, so they keep "fp32". Returns the kernel set."""
+    layers = [module for module in model.modules() if isinstance(module, Int8Linear)]
+    kernel = "fp32"
+    if layers and not _has_recurrent_layers(model):
+        widest = max(layers, key=lambda module: module.in_features * module.out_features)
+        kernel = str(choose_prompt_kernel(widest).get("chosen", "fp32"))
+    for module in layers:
+        module.prompt_kernel = kernel
+    return kernel
+
+
+def _has_recurrent_layers(model: PreTrainedModel) -> bool:
+    """Layers that fold tokens into a state: their forward takes the cache as `cache_params`
+    (transformers' linear-attention and state-space mixers), or the config names them."""
+    kinds = set(getattr(model.config, "layer_types", None) or ())
+    return bool(kinds - {"full_attention", "sliding_attention"}) or any(
+        "cache_params" in inspect.signature(module.forward).parameters for module in model.modules()
+        if hasattr(module, "layer_idx"))

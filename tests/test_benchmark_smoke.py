@@ -270,3 +270,11 @@ def test_drafting_benchmark_writes_the_documented_fields(tmp_path):
     # tokens, not time: a greedy Retry takes its earlier version's tokens as guesses, several a step
     assert result["table"]["retry"]["taken_over_guessed"]["ngram"] == 1.0
     assert result["table"]["retry"]["tokens_per_step"]["ngram"] > 2
+
+
+def test_prompt_kernels_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.prompt_kernels import main as prompt_kernels
+
+    result = run_to_json(prompt_kernels, tmp_path, "--model", "tiny-full", "--prompt", "40", "--repeats", "1")
+    assert set(result["prefill_ms"]) == {"fp32-model", "int8/fp32", "int8/bf16"}
+    assert result["engine_chose"]["chosen"] in ("fp32", "bf16") and result["kernels_logit_max_difference"] >= 0

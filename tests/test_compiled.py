@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from conftest import THINKING_TEMPLATE
-from reference import INT8_LOGIT_TOLERANCE, LOGIT_TOLERANCE, check_exact
+from reference import LOGIT_TOLERANCE, check_exact, int8_logit_tolerance
 from test_exactness import MAX_NEW, every_operation
 from tiny_models import build_model
 
@@ -74,8 +74,8 @@ def test_each_compiled_step_gives_a_from_scratch_forwards_logits_with_one_graph_
 def test_a_compiled_step_with_int8_or_packed_weights_gives_a_from_scratch_forwards_logits(base_tokenizer, weights):
     """The weight-only int8 kernel (or oneDNN's product of packed weights) inside the graph: each
     step within the int8 tolerance (fp32's, packed) of a from-scratch forward of the same model."""
-    tolerance = INT8_LOGIT_TOLERANCE if weights == "int8" else LOGIT_TOLERANCE
     model = apply_weight_format(build_model("full", len(base_tokenizer), None), weights)
+    tolerance = int8_logit_tolerance(model) if weights == "int8" else LOGIT_TOLERANCE
     compiled = CompiledDecode(model, "on", max_rows=1)
     compiled.warm()
     assert compiled.ready and compiled.error is None

@@ -7,7 +7,8 @@ against a float64 product, and every operation held to the fp32 references."""
 import pytest
 import torch
 from conftest import THINKING_TEMPLATE
-from reference import INT8_LOGIT_TOLERANCE, check_exact, check_near_greedy, check_states, scratch_greedy_reply
+from reference import (INT8_LOGIT_TOLERANCE, check_exact, check_near_greedy, check_states, int8_logit_tolerance,
+                       scratch_greedy_reply)
 from test_batch import decode
 from test_exactness import MAX_NEW, every_operation
 from tiny_models import ARCHS, build_model
@@ -16,17 +17,20 @@ from torch import nn
 from cache_sessions import CacheSession
 from chat import ChatEngine
 from chat.config import EngineConfig
-from chat.weights import Int8Linear, PackedLinear, apply_weight_format
+from chat.weights import PROMPT_KERNELS, Int8Linear, PackedLinear, apply_weight_format
 
 
-@pytest.mark.parametrize("in_features", [96, 36])  # 36: not a width the kernel takes (the fp32 path only)
+@pytest.mark.parametrize("in_features", [96, 36])  # 36: not a width the kernel takes (the prompt path only)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, Int8Linear.KERNEL_ROWS, Int8Linear.KERNEL_ROWS + 5])
-def test_the_layer_is_the_product_of_int8_weights_and_bf16_inputs(dtype, in_features, rows):
+@pytest.mark.parametrize("prompt_kernel", PROMPT_KERNELS)
+def test_the_layer_is_the_product_of_int8_weights_and_bf16_inputs(dtype, in_features, rows, prompt_kernel,
+                                                                   monkeypatch):
     """Row r of the weight becomes the nearest multiples of a bf16 scale near max|w_r| / 127, the
     input is rounded to bf16; their product (plus the bias), computed here in float64 and rounded
     to bf16 as the layer's products are, is the layer's output, through the kernel (few rows) and
-    the fp32 path (more) alike."""
+    the prompt path (more) alike: within one bf16 step of its value (fp32 sums), or with the
+    "bf16" prompt product, of the sum of its terms' magnitudes (partial sums rounded to bf16)."""
     generator = torch.Generator().manual_seed(0)
     linear = nn.Linear(in_features, 40).to(dtype)
     with torch.no_grad():
@@ -34,6 +38,7 @@ def test_the_layer_is_the_product_of_int8_weights_and_bf16_inputs(dtype, in_feat
         linear.weight[3] = 0.0  # a row of zeros: no division by zero
     weight = linear.weight.detach().double()
     layer = Int8Linear(linear)
+    layer.prompt_kernel = prompt_kernel
     levels, scales = layer.weight_int8.double(), layer.scales.double()[:, None]
     assert layer.weight_int8.dtype == torch.int8 and levels.shape == (40, in_features) and levels.abs().max() == 127
     assert layer.scales.dtype == torch.bfloat16
@@ -45,12 +50,17 @@ def test_the_layer_is_the_product_of_int8_weights_and_bf16_inputs(dtype, in_feat
     expected = (hidden.bfloat16().double() @ (levels * scales).T).to(torch.bfloat16).double() + linear.bias.double()
     got = layer(hidden)
     assert got.shape == (rows, 40) and got.dtype == dtype
-    # one bf16 step of the products (their sums' order differs), and the bias's own rounding in bf16
-    torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    atol = 1e-2 if dtype == torch.bfloat16 else 1e-6  # the bias's own rounding in bf16
+    if prompt_kernel == "bf16" and (rows > Int8Linear.KERNEL_ROWS or not layer.kernel_fits):
+        magnitudes = hidden.bfloat16().double().abs() @ (levels * scales).abs().T
+        assert ((got.double() - expected).abs() <= 2**-7 * magnitudes + atol).all()
+    else:  # one bf16 step of the products (their sums' order differs)
+        torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=atol)
     assert (got[-1] == linear.bias).all()
     # the few-row path gives the same as the many-row one, row by row
     alone = torch.cat([layer(hidden[row:row + 1]) for row in range(rows)])
-    torch.testing.assert_close(alone.double(), got.double(), rtol=2**-7, atol=1e-6)
+    if prompt_kernel == "fp32" or rows <= Int8Linear.KERNEL_ROWS and layer.kernel_fits:
+        torch.testing.assert_close(alone.double(), got.double(), rtol=2**-7, atol=1e-6)
 
 
 def quantized_model(arch, tokenizer):
@@ -62,15 +72,21 @@ def quantized_model(arch, tokenizer):
     return model
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_every_operation_is_exact_for_the_model_as_quantized(tokenizers, arch):
+@pytest.mark.parametrize("arch,prompt_kernel", [(arch, "fp32") for arch in ARCHS]
+                         + [(arch, "bf16") for arch in ARCHS if arch != "hybrid"])  # (recurrent: fp32 only)
+def test_every_operation_is_exact_for_the_model_as_quantized(tokenizers, arch, prompt_kernel):
+    """Either prompt product (the host's choice, `choose_prompt_kernel`), held to its own bound."""
     tokenizer = tokenizers[THINKING_TEMPLATE]
     model = build_model(arch, len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
     engine = ChatEngine(model, tokenizer, weights="int8")  # quantizes `model` in place
     assert isinstance(model.get_output_embeddings(), Int8Linear)
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.prompt_kernel = prompt_kernel
+    tolerance = int8_logit_tolerance(model)
     conv = engine.conversation("You are terse.")
     every_operation(conv, lambda **kwargs: check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW,
-                                                       logit_tolerance=INT8_LOGIT_TOLERANCE, near_greedy=True, **kwargs))
+                                                       logit_tolerance=tolerance, near_greedy=True, **kwargs))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -84,9 +100,21 @@ def test_batched_rows_decode_as_each_would_alone(tokenizers, arch):
         sessions[-1].prepare(prompt)
     replies = decode(model, sessions, [p[-1] for p in prompts], 8)
     for session, prompt, reply in zip(sessions, prompts, replies):
-        check_near_greedy(model, prompt, reply, INT8_LOGIT_TOLERANCE)
+        check_near_greedy(model, prompt, reply, int8_logit_tolerance(model))
         assert session.token_ids == prompt + reply[:-1]
-        check_states(model, session.cache, session.token_ids, logit_tolerance=INT8_LOGIT_TOLERANCE)
+        check_states(model, session.cache, session.token_ids, logit_tolerance=int8_logit_tolerance(model))
+
+
+def test_the_prompt_product_is_chosen_by_timing_each_on_this_host(tokenizers):
+    engine = ChatEngine(quantized_model("full", tokenizers[THINKING_TEMPLATE]), tokenizers[THINKING_TEMPLATE],
+                        weights="int8")
+    weights = engine.status()["weights"]
+    timed = weights["int8_prompt_kernels_timed"]
+    assert set(timed["ms"]) == set(PROMPT_KERNELS) and all(ms > 0 for ms in timed["ms"].values())
+    assert timed["chosen"] == min(timed["ms"], key=timed["ms"].get) == weights["int8_prompt_kernel"]
+    hybrid = ChatEngine(quantized_model("hybrid", tokenizers[THINKING_TEMPLATE]), tokenizers[THINKING_TEMPLATE],
+                        weights="int8")
+    assert hybrid.status()["weights"]["int8_prompt_kernel"] == "fp32"  # recurrent layers keep fp32 sums
 
 
 def test_a_second_application_changes_nothing(tokenizers):
