@@ -13,6 +13,11 @@ reply tokens a second, and each mode's ratio to off.
   as a reply that restates code or text does: guessed from the prompt by its n-grams.
 - **fresh**: a new message answered freely: random weights repeat little of anything, so this is
   what guessing costs where it finds nothing (auto's probes and the lookups).
+- **wrong**: the same fresh reply, every step guessing 8 tokens of which the first is wrong (the
+  reply drafting-off gives says what is right): what wrong guesses cost, and how fast auto stops.
+- **demo** (`--demo N`): the trained demo model on N of its held-out conversations (chat/assets;
+  demo_model/held_out.py), every turn greedy with thinking on, as one sum of reply tokens over
+  reply seconds: its thinking copies the question's operands, so its guesses are real ones.
 
 The reply is the same in every mode (greedy, or seeded sampling; checked here). Random weights:
 the acceptance of real replies is a property of the model and the text, not measured here.
@@ -24,22 +29,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
+
+import chat.scheduler
 
 from benchmarks.models import Words, build_bench_tokenizer
 from chat import ChatEngine
 from chat.drafting import DRAFT_MODES
 from chat.models import build_model, parameter_count, script_reply
 
-SCENARIOS = ("retry", "retry-sampled", "quote", "fresh")
+SCENARIOS = ("retry", "retry-sampled", "quote", "fresh", "wrong")
 
 
 def cpu_flags() -> str:
@@ -62,8 +72,29 @@ def timed_reply(stream) -> tuple[float, int]:
     return time.perf_counter() - (first or time.perf_counter()), count
 
 
-def one_reply(model, tokenizer, mode: str, scenario: str, tokens: int, passage: str, compile: str) -> dict:
-    engine = ChatEngine(model, tokenizer, draft=mode, compile=compile)
+@contextmanager
+def guessing_wrong(truth: list[int], vocabulary: int) -> Iterator[None]:
+    """Every guess a wrong first token (the one after the right one), then more of it."""
+    own = chat.scheduler.Drafter.propose
+
+    def wrong(self, sequence, limit):
+        right = truth[len(sequence)] if len(sequence) < len(truth) else 0
+        return [(right + 1) % vocabulary] * limit
+
+    chat.scheduler.Drafter.propose = wrong
+    try:
+        yield
+    finally:
+        chat.scheduler.Drafter.propose = own
+
+
+def one_reply(model, tokenizer, mode: str, scenario: str, tokens: int, passage: str, compile: str,
+              weights: str, truth: list[int] | None = None) -> dict:
+    if scenario == "wrong":
+        assert truth is not None
+        with guessing_wrong(truth, len(tokenizer)):
+            return one_reply(model, tokenizer, mode, "fresh", tokens, passage, compile, weights)
+    engine = ChatEngine(model, tokenizer, draft=mode, compile=compile, weights=weights)
     conversation = engine.conversation("You are a helpful assistant.")
     greedy = dict(max_new_tokens=tokens, do_sample=False)
     sampled = dict(max_new_tokens=tokens, do_sample=True, temperature=0.7)
@@ -82,7 +113,29 @@ def one_reply(model, tokenizer, mode: str, scenario: str, tokens: int, passage: 
     generated = len(conversation.reply_ids)
     return {"seconds": seconds, "tokens": generated, "tokens_per_s": (generated - 1) / seconds,
             "steps": after.steps - before.steps, "guessed": after.guessed - before.guessed,
-            "taken": after.guesses_taken - before.guesses_taken, "reply": conversation.reply_ids}
+            "taken": after.guesses_taken - before.guesses_taken, "reply": conversation.reply_ids,
+            "sequence": conversation.session.token_ids + conversation.reply_ids[-1:]}
+
+
+def demo_run(mode: str, count: int) -> dict:
+    """The demo model on `count` held-out conversations, every turn greedy with thinking on."""
+    from demo_model import held_out
+
+    engine = ChatEngine.load("demo", draft=mode)
+    chosen = held_out.conversations(random.Random(11), max(1, count // len(held_out.CATEGORIES)))[:count]
+    seconds = guessed = taken = 0.0
+    tokens, replies = 0, []
+    for conversation in chosen:
+        chat = engine.conversation()
+        for text in conversation.turns:
+            before = engine.runtime.scheduler.stats()
+            took, _ = timed_reply(chat.send(text, max_new_tokens=256, do_sample=False, enable_thinking=True))
+            after = engine.runtime.scheduler.stats()
+            seconds, tokens = seconds + took, tokens + max(0, len(chat.reply_ids) - 1)
+            guessed, taken = guessed + after.guessed - before.guessed, taken + after.guesses_taken - before.guesses_taken
+            replies.append(chat.reply_ids)
+    return {"conversations": len(chosen), "replies": replies, "tokens_per_s": tokens / seconds,
+            "taken_over_guessed": taken / max(1.0, guessed), "reply_tokens": tokens}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -91,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--weights", default="full", help="the engine's --weights (full, int8)")
+    parser.add_argument("--demo", type=int, default=0, help="held-out conversations of the demo model (0: none)")
     parser.add_argument("--compile", default="off", help="the engine's --compile (auto: a graph built beside "
                         "each run from 200 M parameters, minutes of a core)")
     parser.add_argument("--json", default=None)
@@ -105,12 +160,17 @@ def main(argv: list[str] | None = None) -> dict:
     quoting.generation_config.eos_token_id = None
     load_before = os.getloadavg()
     cells: dict[str, dict[str, list[dict]]] = {}
+    scenarios = args.scenarios.split(",")
+    truth = None
+    if "wrong" in scenarios:  # the fresh reply, as drafting-off gives it: what "right" is
+        truth = one_reply(model, tokenizer, "off", "fresh", args.tokens, passage, args.compile, args.weights)["sequence"]
     for repeat in range(args.repeats):
         modes = DRAFT_MODES[repeat % 3:] + DRAFT_MODES[:repeat % 3]  # rotating order
-        for scenario in args.scenarios.split(","):
+        for scenario in scenarios:
             for mode in modes:
                 run = one_reply(quoting if scenario == "quote" else model, tokenizer, mode, scenario, args.tokens,
-                                passage, args.compile)
+                                passage, args.compile, args.weights, truth)
+                run.pop("sequence")
                 cells.setdefault(scenario, {}).setdefault(mode, []).append(run)
     table = {}
     for scenario, modes in cells.items():
@@ -124,7 +184,15 @@ def main(argv: list[str] | None = None) -> dict:
                                    for mode, runs in modes.items()},
             "tokens_per_step": {mode: statistics.median(r["tokens"] / max(1, r["steps"]) for r in runs)
                                 for mode, runs in modes.items()}}
-    result = {"args": vars(args), "model": args.model, "parameters": parameter_count(model),
+    demo = {}
+    if args.demo:
+        runs = {mode: demo_run(mode, args.demo) for mode in DRAFT_MODES}
+        demo = {"conversations": runs["off"]["conversations"], "reply_tokens": runs["off"]["reply_tokens"],
+                "same_replies": all(run["replies"] == runs["off"]["replies"] for run in runs.values()),
+                "tokens_per_s": {mode: run["tokens_per_s"] for mode, run in runs.items()},
+                "over_off": {mode: run["tokens_per_s"] / runs["off"]["tokens_per_s"] for mode, run in runs.items()},
+                "taken_over_guessed": {mode: run["taken_over_guessed"] for mode, run in runs.items()}}
+    result = {"args": vars(args), "model": args.model, "parameters": parameter_count(model), "demo": demo,
               "cpu_flags": cpu_flags(), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "torch": torch.__version__, "load_before": load_before, "load_after": os.getloadavg(),
               "command": "python -m benchmarks.drafting " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -138,6 +206,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {scenario} | {row['same_reply']} | {speed['off']:.1f} | {speed['ngram']:.1f} ({ratio['ngram']:.2f}x) "
               f"| {speed['auto']:.1f} ({ratio['auto']:.2f}x) | {taken['ngram']:.2f} / {taken['auto']:.2f} "
               f"| {row['tokens_per_step']['auto']:.2f} |")
+    if demo:
+        speed, ratio, taken = demo["tokens_per_s"], demo["over_off"], demo["taken_over_guessed"]
+        print(f"demo model, {demo['conversations']} held-out conversations ({demo['reply_tokens']} reply tokens), "
+              f"same replies: {demo['same_replies']}: off {speed['off']:.0f} tok/s, ngram {speed['ngram']:.0f} "
+              f"({ratio['ngram']:.2f}x, {taken['ngram']:.2f} taken), auto {speed['auto']:.0f} ({ratio['auto']:.2f}x, "
+              f"{taken['auto']:.2f} taken)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result

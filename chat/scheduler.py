@@ -315,6 +315,7 @@ class DecodeScheduler:
                 self._leave([request])  # its last chosen token stays unfed, as after `generate`
             pieces = self._plan_pieces()
             decoding = list(self._requests.decoding)
+            started, graph_steps = self.clock(), self._graph_steps()
             if self.packed:
                 guesses = self._guesses(decoding)
                 fed, logits = self._forward_packed(decoding, pieces, guesses)
@@ -332,6 +333,10 @@ class DecodeScheduler:
                 for request, guess in zip(decoding, guesses):
                     if guess and not self._give_back_guesses(request) and request not in ended:
                         ended.append(request)
+                # the whole step, choosing and giving back included: what a guess really costs
+                extra = sum(len(piece) for _, piece in pieces) + sum(len(guess) for guess in guesses)
+                self.guessing.record_step(self.clock() - started, len(decoding), extra,
+                                          compiled=self._graph_steps() > graph_steps)
                 if ended:
                     self._leave(ended)
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
@@ -454,6 +459,11 @@ class DecodeScheduler:
             guesses.append(drafter.propose(request.sequence, min(length, left)))
         return guesses
 
+    def _graph_steps(self) -> int:
+        """Steps the compiled graphs ran so far (a step that ran one is timed apart)."""
+        compiled = self.caches.compiled
+        return compiled.steps if compiled is not None else 0
+
     def _give_back_guesses(self, request: GenerationRequest) -> bool:
         """After a step with guesses: the cache gives back what it was fed past the reply's last
         token but one (the guesses not taken, and the place of the last one taken). False: it
@@ -477,15 +487,11 @@ class DecodeScheduler:
                 + [(r.session, piece) for r, piece in pieces])
         if not rows:
             return [], None
-        started, compiled = self.clock(), self.caches.compiled
-        graph_steps = compiled.steps if compiled is not None else 0
+        started = self.clock()
         try:
             logits = self.caches.forward_rows(rows, list(range(len(decoding))))
             extra = sum(len(piece) for _, piece in pieces) + sum(len(guess) for guess in guesses)
-            elapsed = self.clock() - started
-            self.step_budget.record(elapsed, len(decoding), extra)
-            self.guessing.record_step(elapsed, len(decoding), extra,
-                                      compiled=compiled is not None and compiled.steps > graph_steps)
+            self.step_budget.record(self.clock() - started, len(decoding), extra)
         except BaseException as error:  # every row's states may hold part of the step
             self._leave(decoding, error)
             for request, _ in pieces:

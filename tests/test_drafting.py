@@ -62,9 +62,10 @@ def test_an_earlier_version_is_guessed_from_while_the_reply_follows_it_then_by_i
                                            ("full", "quantized")])
 def test_guesses_taken_in_part_leave_the_reply_and_the_cache_as_without(models, tokenizers, monkeypatch, arch,
                                                                           kv_cache):
-    """Every step guesses the true greedy continuation with one wrong token at a random place
-    (or none), so each step takes some guesses and gives the rest back: the reply is `generate`'s
-    from scratch and the cache holds what a scratch forward over its ledger gives."""
+    """Every step guesses the true greedy continuation with one wrong token: the first, the last,
+    one at a random place, or none, in turn; so steps take some guesses and give the rest back
+    (all of them, or one): the reply is `generate`'s from scratch and the cache holds what a
+    scratch forward over its ledger gives."""
     model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
     engine = ChatEngine(model, tokenizer, draft="ngram", kv_cache=kv_cache)
     conversation = engine.conversation()
@@ -73,12 +74,13 @@ def test_guesses_taken_in_part_leave_the_reply_and_the_cache_as_without(models, 
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     quantized = engine.config.kv_cache_kind if kv_cache == "quantized" else None
     truth = prompt + scratch_greedy_reply(model, prompt, GREEDY["max_new_tokens"], {end}, kv_cache=quantized)
-    chance = random.Random(4)
+    chance, turns = random.Random(4), iter(range(10**6))
 
     def propose(self, sequence, limit):
         right = truth[len(sequence):len(sequence) + limit]
-        if right and chance.random() < 0.8:
-            wrong_at = chance.randrange(len(right))
+        turn = next(turns) % 4
+        if right and turn < 3:
+            wrong_at = (0, len(right) - 1, chance.randrange(len(right)))[turn]
             right = right[:wrong_at] + [(right[wrong_at] + 1) % len(tokenizer)] + right[wrong_at + 1:]
         return right
 
