@@ -16,8 +16,9 @@ reply tokens a second, and each mode's ratio to off.
 - **wrong**: the same fresh reply, every step guessing 8 tokens of which the first is wrong (the
   reply drafting-off gives says what is right): what wrong guesses cost, and how fast auto stops.
 - **demo** (`--demo N`): the trained demo model on N of its held-out conversations (chat/assets;
-  demo_model/held_out.py), every turn greedy with thinking on, as one sum of reply tokens over
-  reply seconds: its thinking copies the question's operands, so its guesses are real ones.
+  demo_model/held_out.py), every turn greedy with thinking on, each conversation in every mode in
+  rotating order, as one sum of reply tokens over reply seconds: its thinking copies the
+  question's operands, so its guesses are real ones.
 
 The reply is the same in every mode (greedy, or seeded sampling; checked here). Random weights:
 the acceptance of real replies is a property of the model and the text, not measured here.
@@ -117,25 +118,30 @@ def one_reply(model, tokenizer, mode: str, scenario: str, tokens: int, passage: 
             "sequence": conversation.session.token_ids + conversation.reply_ids[-1:]}
 
 
-def demo_run(mode: str, count: int) -> dict:
-    """The demo model on `count` held-out conversations, every turn greedy with thinking on."""
+def demo_runs(count: int) -> dict[str, dict]:
+    """The demo model on `count` held-out conversations, every turn greedy with thinking on, each
+    conversation in every mode in rotating order (one engine a mode, loaded once)."""
     from demo_model import held_out
 
-    engine = ChatEngine.load("demo", draft=mode)
+    engines = {mode: ChatEngine.load("demo", draft=mode) for mode in DRAFT_MODES}
     chosen = held_out.conversations(random.Random(11), max(1, count // len(held_out.CATEGORIES)))[:count]
-    seconds = guessed = taken = 0.0
-    tokens, replies = 0, []
-    for conversation in chosen:
-        chat = engine.conversation()
-        for text in conversation.turns:
-            before = engine.runtime.scheduler.stats()
-            took, _ = timed_reply(chat.send(text, max_new_tokens=256, do_sample=False, enable_thinking=True))
-            after = engine.runtime.scheduler.stats()
-            seconds, tokens = seconds + took, tokens + max(0, len(chat.reply_ids) - 1)
-            guessed, taken = guessed + after.guessed - before.guessed, taken + after.guesses_taken - before.guesses_taken
-            replies.append(chat.reply_ids)
-    return {"conversations": len(chosen), "replies": replies, "tokens_per_s": tokens / seconds,
-            "taken_over_guessed": taken / max(1.0, guessed), "reply_tokens": tokens}
+    runs = {mode: {"seconds": 0.0, "tokens": 0, "guessed": 0, "taken": 0, "replies": []} for mode in DRAFT_MODES}
+    for number, conversation in enumerate(chosen):
+        for mode in DRAFT_MODES[number % 3:] + DRAFT_MODES[:number % 3]:
+            engine, run = engines[mode], runs[mode]
+            chat = engine.conversation()
+            for text in conversation.turns:
+                before = engine.runtime.scheduler.stats()
+                took, _ = timed_reply(chat.send(text, max_new_tokens=256, do_sample=False, enable_thinking=True))
+                after = engine.runtime.scheduler.stats()
+                run["seconds"] += took
+                run["tokens"] += max(0, len(chat.reply_ids) - 1)
+                run["guessed"] += after.guessed - before.guessed
+                run["taken"] += after.guesses_taken - before.guesses_taken
+                run["replies"].append(chat.reply_ids)
+    return {mode: {"conversations": len(chosen), "replies": run["replies"], "reply_tokens": run["tokens"],
+                   "tokens_per_s": run["tokens"] / run["seconds"],
+                   "taken_over_guessed": run["taken"] / max(1, run["guessed"])} for mode, run in runs.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 for mode, runs in modes.items()}}
     demo = {}
     if args.demo:
-        runs = {mode: demo_run(mode, args.demo) for mode in DRAFT_MODES}
+        runs = demo_runs(args.demo)
         demo = {"conversations": runs["off"]["conversations"], "reply_tokens": runs["off"]["reply_tokens"],
                 "same_replies": all(run["replies"] == runs["off"]["replies"] for run in runs.values()),
                 "tokens_per_s": {mode: run["tokens_per_s"] for mode, run in runs.items()},

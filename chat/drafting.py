@@ -25,7 +25,8 @@ Where guesses come from (`Drafter`), most trusted first: an earlier version of t
 continuation where the reply so far is its prefix, else after the last n tokens where they occur
 in it), then the conversation's own tokens (the most recent earlier occurrence of the last 3, else
 2, tokens: prompt lookup, as transformers' `prompt_lookup_num_tokens` and llama.cpp's n-gram
-modes).
+modes). Each source's acceptance is kept apart, per reply and over all replies (a new reply starts
+from what earlier replies' guesses from that source scored).
 
 How many (`DraftPolicy`): "ngram" guesses up to `MAX_DRAFT` wherever a match is found; "auto"
 picks the length that maximizes the row's expected tokens a second from its measured acceptance
@@ -87,23 +88,33 @@ class NgramIndex:
         return [], -1
 
 
+SOURCES = ("earlier version", "conversation")  # where a guess came from (acceptance is kept for each)
+PRIOR_WEIGHT = 4.0  # guesses' worth of what earlier replies' guesses from a source scored
+
+
 class Drafter:
     """One reply's guesses: from `references` (earlier versions of this reply, their tokens only)
-    and from its own sequence (prompt and reply so far), with its measured acceptance."""
+    and from its own sequence (prompt and reply so far), with what each source scored so far,
+    here and (`seen`, shared by every reply of the engine) before."""
 
-    def __init__(self, sequence: Sequence[int], prompt_length: int, references: Sequence[Sequence[int]] = ()):
+    def __init__(self, sequence: Sequence[int], prompt_length: int, references: Sequence[Sequence[int]] = (),
+                 seen: dict[str, list[int]] | None = None):
         self.prompt_length = prompt_length
         self.own = NgramIndex(sequence)
         self.references = [NgramIndex(reference) for reference in references if reference]
         self._cursors = [0] * len(self.references)  # where each reference's last guess was taken
-        self.accepted = self.rejected = 0  # guesses taken, and steps where a guess was not
+        self.counts = {source: [0, 0] for source in SOURCES}  # guesses taken, steps with one refused
+        self.seen = seen if seen is not None else {source: [0, 0] for source in SOURCES}
+        self.source = SOURCES[1]  # of the last guess proposed
 
     def propose(self, sequence: Sequence[int], limit: int) -> list[int]:
-        """At most `limit` guesses of the tokens after `sequence` (this reply's whole sequence)."""
+        """At most `limit` guesses of the tokens after `sequence` (this reply's whole sequence);
+        `source` then says where they came from."""
         self.own.extend(sequence[len(self.own.tokens):])
         if limit <= 0:
             return []
         reply = sequence[self.prompt_length:]
+        self.source = SOURCES[0]
         for index, reference in enumerate(self.references):
             if list(reference.tokens[:len(reply)]) == list(reply):  # so far this reply is that one
                 guess = reference.tokens[len(reply):len(reply) + limit]
@@ -115,19 +126,25 @@ class Drafter:
             if guess:
                 self._cursors[index] = start
                 return guess
+        self.source = SOURCES[1]
         guess, _ = self.own.after(sequence, limit)
         return guess
 
     def record(self, proposed: int, accepted: int) -> None:
-        """A step verified `proposed` guesses and took `accepted` of them."""
-        self.accepted += accepted
-        self.rejected += accepted < proposed
+        """A step verified `proposed` guesses of the last proposal and took `accepted` of them."""
+        for counts in (self.counts[self.source], self.seen[self.source]):
+            counts[0] += accepted
+            counts[1] += accepted < proposed
 
-    @property
-    def acceptance(self) -> float:
-        """The chance that a guess is right, given the one before it was: the geometric model's
-        estimate, with one right and one wrong guess assumed before any was checked."""
-        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
+    def acceptance(self, source: str | None = None) -> float:
+        """The chance that a guess from `source` (default: the last proposal's) is right, given the
+        one before it was: the geometric model's estimate from this reply's guesses, after
+        `PRIOR_WEIGHT` guesses' worth of what earlier replies' scored (one right and one wrong
+        assumed before any was checked)."""
+        taken, refused = self.counts[source or self.source]
+        seen_taken, seen_refused = self.seen[source or self.source]
+        earlier = (seen_taken + 1) / (seen_taken + seen_refused + 2)
+        return (taken + PRIOR_WEIGHT * earlier) / (taken + refused + PRIOR_WEIGHT)
 
 
 class DraftPolicy:
@@ -142,6 +159,7 @@ class DraftPolicy:
         if max_draft < 1:
             raise ValueError("max_draft must be at least 1")
         self.mode, self.max_draft = mode, max_draft
+        self.seen = {source: [0, 0] for source in SOURCES}  # every reply's guesses by source (`Drafter`)
         self.lengths = sorted({0, *(2 ** i for i in range(max_draft.bit_length()) if 2 ** i <= max_draft), max_draft})
         self._plain: dict[tuple[int, bool], deque[float]] = {}  # (rows, compiled) -> seconds of a step of them alone
         self._extra: dict[int, deque[float]] = {}  # extra tokens (a power of two, rounded up) -> seconds added

@@ -439,7 +439,8 @@ class DecodeScheduler:
             request.started_at = time.perf_counter()
             request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
             if self.guessing.enabled and self.packed and not request.draft and request.session.takes_back_recent():
-                request.drafter = Drafter(request.prompt_ids, len(request.prompt_ids), work.references)
+                request.drafter = Drafter(request.prompt_ids, len(request.prompt_ids), work.references,
+                                          self.guessing.seen)
             request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
                                                 work.shared_prefix_length)
 
@@ -454,9 +455,10 @@ class DecodeScheduler:
             if drafter is None or chooser is None or request.stop.is_set():
                 guesses.append([])
                 continue
-            length = self.guessing.length(drafter.acceptance, len(decoding), graph_ready)
             left = chooser.max_new_tokens - request.token_count - 1  # the last token is never fed
-            guesses.append(drafter.propose(request.sequence, min(length, left)))
+            guess = drafter.propose(request.sequence, min(self.guessing.max_draft, left))
+            length = self.guessing.length(drafter.acceptance(), len(decoding), graph_ready) if guess else 0
+            guesses.append(guess[:length])
         return guesses
 
     def _graph_steps(self) -> int:
