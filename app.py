@@ -96,7 +96,7 @@ def sidebar() -> dict[str, Any]:
         with gr.Row():
             parts |= dict(export_json=gr.Button("Export JSON", size="sm", elem_id="export-json"),
                           export_markdown=gr.Button("Export Markdown", size="sm", elem_id="export-markdown"))
-        parts |= dict(download=gr.File(label="Download", visible=False, interactive=False, elem_id="download"),
+        parts |= dict(export_file=gr.JSON(visible=False),  # the page downloads what an export gives
                       # the page reads the chosen file and sends its text: nothing is uploaded, so no path
                       # a client names is ever opened here (issue #44, item 6)
                       import_file=gr.Button("Import JSON", size="sm", elem_id="import"),

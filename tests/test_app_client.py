@@ -1,5 +1,6 @@
 """End to end through `gradio_client` against a launched app on the demo model."""
 
+import html
 import re
 import threading
 
@@ -30,7 +31,9 @@ def texts(chat) -> list[tuple[str, str]]:
     """(role, text) of each shown message, without the note under a reply (stopped, edited) and
     without the controls shown under messages ("‹ 2 / 3 ›", ↻)."""
     shown = [(m["role"], "".join(p["text"] for p in m["content"] if p.get("type") == "text")) for m in chat]
-    return [(role, re.sub(r"\n*<sub>[^<]*</sub>$", "", text)) for role, text in shown
+    # a person's message is shown as typed: its Markdown and HTML characters as references (ui/views.py)
+    return [(role, html.unescape(text) if role == "user" else re.sub(r"\n*<sub[^>]*>[^<]*</sub>$", "", text))
+            for role, text in shown
             if not text.startswith('<div class="branch-nav"')]
 
 

@@ -4,6 +4,7 @@ reload, drafts of a streaming reply, export and import. How the browser merges r
 tabs) is its script's, tested in a real browser (tests/test_browser.py)."""
 
 import json
+import tempfile
 from pathlib import Path
 
 import gradio as gr
@@ -255,13 +256,15 @@ def test_export_then_import_gives_the_same_conversation_and_its_name(make_engine
     list(handlers.directory.find(key).conversation.regenerate(max_new_tokens=4, do_sample=False))
     browser.apply(chat_list.rename("My renamed chat", book)[0])
     assert browser.records[browser.current]["title"] == "My renamed chat" and "data" in browser.records[browser.current]
-    exported = chat_list.files.export("json", key, book)["value"]
-    assert exported.endswith("My-renamed-chat.json") and json.loads(Path(exported).read_text())["title"] == \
-        "My renamed chat"
-    markdown = open(chat_list.files.export("markdown", key, book)["value"], encoding="utf-8").read()
-    assert markdown.startswith("# My renamed chat") and "## User" in markdown and "First question?" in markdown
+    exported = chat_list.files.export("json", key, book)  # the page downloads it at once, by this name
+    assert exported["name"] == "My-renamed-chat.json" and exported["type"] == "application/json"
+    assert json.loads(exported["text"])["title"] == "My renamed chat"
+    markdown = chat_list.files.export("markdown", key, book)
+    assert markdown["name"] == "My-renamed-chat.md" and markdown["type"] == "text/markdown"
+    assert markdown["text"].startswith("# My renamed chat") and "## User" in markdown["text"]
+    assert "First question?" in markdown["text"]
 
-    result = chat_list.import_text(None, Path(exported).read_text(), key, book)  # what the page read of the file
+    result = chat_list.import_text(None, exported["text"], key, book)  # what the page read of the file
     browser.apply(result[OUTBOX])
     new_key = result[KEY]
     assert new_key != key and len(browser.records) == 2
@@ -277,7 +280,7 @@ def test_export_then_import_gives_the_same_conversation_and_its_name(make_engine
     # issue #44 (6): a path is not text: nothing is opened, nothing deleted (it used to read and
     # delete whatever file of Gradio's upload folder the event named)
     someone_elses = tmp_path / "someone-elses-upload.json"
-    someone_elses.write_text(Path(exported).read_text())
+    someone_elses.write_text(exported["text"])
     for sent in (str(someone_elses), {"path": str(someone_elses)}, None, "x" * (saved.MAX_JSON_BYTES + 1)):
         chat_list.import_text(None, sent, new_key, book)
         assert len(handlers.directory.manager) == before
@@ -295,25 +298,24 @@ def test_delete_leaves_a_tombstone_and_frees_the_server(make_engine):
     assert browser.current is None and book.index == [] and key not in handlers.directory.manager
 
 
-def test_exports_come_from_the_server_and_do_not_pile_up(make_engine, monkeypatch):
-    import ui.chat_list
-
+def test_an_export_is_the_shown_conversations_and_leaves_nothing_behind(make_engine, monkeypatch, tmp_path):
+    """Issue #46 (2): the file goes to the page with the event, for the browser to download at
+    once; nothing is written to disk, so nothing of one conversation can be offered for another."""
     handlers, chat_list = make_list(make_engine)
     warnings = []
     monkeypatch.setattr(gr, "Warning", lambda text: warnings.append(text))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert chat_list.files.export("json", None, Book()) == gr.skip()
     assert warnings and "no conversation to export" in warnings[-1]
     browser, book = Browser(), Book()
-    key = send(chat_list, browser, book, "Name me?", None)
-    monkeypatch.setattr(ui.chat_list, "SWEEP_AFTER_S", 0.05)  # as if Gradio had long taken its copy
-    first = chat_list.files.export("markdown", key, book)["value"]
-    deadline = time.monotonic() + 30
-    while Path(first).exists():  # gone with no further export (before: only at the next one)
-        assert time.monotonic() < deadline, "an export stayed"
-        time.sleep(0.02)
-    monkeypatch.setattr(ui.chat_list, "SWEEP_AFTER_S", 3600.0)
-    second = chat_list.files.export("json", key, book)["value"]
-    assert Path(second).exists()
+    first = send(chat_list, browser, book, "Name me?", None)
+    assert chat_list.files.export("markdown", first, book)["name"] == "Name-me.md"
+    browser.apply(chat_list.new_chat(first, book)[OUTBOX])
+    second = send(chat_list, browser, book, "Another one?", None)
+    exported = chat_list.files.export("markdown", second, book)
+    assert exported["name"] == "Another-one.md"
+    assert "Another one?" in exported["text"] and "Name me?" not in exported["text"]
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_record_for_another_id_or_a_broken_one_changes_nothing(make_engine, monkeypatch):
@@ -410,8 +412,8 @@ def test_an_import_brings_its_own_system_prompt_into_the_box(make_engine, tmp_pa
     handlers, chat_list = make_list(make_engine)
     browser, book = Browser(), Book()
     key = send(chat_list, browser, book, "First question?", None)  # with "Be brief."
-    exported = chat_list.files.export("json", key, book)["value"]
-    result = chat_list.import_text(None, Path(exported).read_text(), None, Book())
+    exported = chat_list.files.export("json", key, book)["text"]
+    result = chat_list.import_text(None, exported, None, Book())
     assert result[SYSTEM_PROMPT] == "Be brief." and result[APPLIED] == {"prompt": "Be brief."}
 
 

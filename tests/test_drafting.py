@@ -197,3 +197,22 @@ def test_auto_guesses_beside_a_compiled_step_only_where_they_beat_it():
         policy.record_step(0.010 + 0.001 * tokens, 1, tokens)
     assert policy.length(0.99, 1, compiled=True) > 0  # ~8 tokens in 18 ms against one in 4 ms
     assert policy.length(0.3, 1, compiled=True) == 0  # ~1.4 tokens in 11-12 ms: the graph wins
+
+
+def test_with_int8_weights_guessed_replies_keep_the_int8_models_bound(tokenizers):
+    """Int8 products round to bf16 and their sums' order follows the rows in a step, so a step of
+    9 tokens can move a near-tie that 9 steps of one would not, as batching with other users
+    already can (chat/weights.py): each reply token is the top one of a from-scratch forward of
+    the same int8 model, or within its tolerance, and the cache holds that forward's states."""
+    from reference import int8_logit_tolerance
+    from tiny_models import build_model
+
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    model = build_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    engine = ChatEngine(model, tokenizer, draft="ngram", weights="int8")
+    conversation = engine.conversation()
+    list(conversation.send("int8 guesses", **GREEDY))
+    list(conversation.regenerate(**GREEDY))
+    assert guess_counts(engine)[1] > 0
+    check_exact(conversation, model, tokenizer, max_new_tokens=GREEDY["max_new_tokens"], near_greedy=True,
+                logit_tolerance=int8_logit_tolerance(model))

@@ -4,6 +4,8 @@ import re
 
 import gradio as gr
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chat import EngineConfig, ServerBusyError
 from ui.config import AppConfig
@@ -81,8 +83,8 @@ def test_a_reply_says_which_version_it_is_and_whether_it_was_stopped():
 
     tree = History()
 
-    def version(text, stopped=False):
-        return tree.node("assistant", reply=ReplyVersion(text, "", [1], [2], False, stopped))
+    def version(text, stopped=False):  # a reply not stopped ended with the model's end token
+        return tree.node("assistant", reply=ReplyVersion(text, "", [1], [2], False, stopped, ended=not stopped))
 
     question = tree.node("user", "Q1")
     question.add_child(version("A"))
@@ -127,3 +129,37 @@ def test_a_reply_of_thinking_only_says_no_answer_came_and_the_busy_box_invites_t
     answered = messages[:1] + [{"role": "assistant", "content": "Hello.", "reasoning_content": "Let me think."}]
     assert all(views.NO_ANSWER not in m["content"] for m in views.chatbot_messages(answered, {})[0])
     assert "Stop" not in views.BUSY and "sends it when this reply ends" in views.BUSY
+
+
+def test_only_a_reply_the_model_did_not_end_is_marked_for_continue_and_the_mark_is_not_its_text(tokenizers):
+    """Issue #46 (5): the page enables Continue from the class on the last reply's note."""
+    from conftest import THINKING_TEMPLATE
+    from tiny_models import scripted_reply_model
+
+    from chat import ChatEngine
+    from ui import views
+
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    engine = ChatEngine(scripted_reply_model(tokenizer, "Done."), tokenizer)
+    conversation = engine.conversation()
+    list(conversation.send("Finish, please.", max_new_tokens=32, enable_thinking=False))  # ends with its end token
+    list(conversation.send("And again, cut short.", max_new_tokens=2, enable_thinking=False))  # its length runs out
+    shown, _ = views.path_messages(conversation.history.entries)
+    finished, cut = shown[1]["content"], shown[-1]["content"]
+    assert "continuable" not in finished and "<sub" not in finished
+    assert cut.endswith(f'<sub class="continuable">{views.UNFINISHED}</sub>')
+    assert views.without_mark(cut) == conversation.messages[-1]["content"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(list("ab 1.#-+=*_`[](){}<>&;!|~$\\\t\n") + ["&nbsp;", "&amp;", "&lt;", "&Tab;"]),
+                max_size=40).map("".join))
+def test_a_persons_message_is_shown_as_typed_and_an_edit_gets_it_back(text):
+    """Issue #46 (6): what `as_typed` makes of a message gives the message back (an edit starts
+    from it), and holds no character Markdown, HTML or math would act on unescaped."""
+    from ui import views
+
+    shown = views.as_typed(text)
+    assert views.typed_text(shown) == text
+    assert not set(shown) & set("<>*_`[]|~$\\")  # each such character went as a reference
+    assert not re.search(r"^[ \t]*(?:[#+\-=]|\d+[.)])", shown, re.M)  # nor a line's heading or list mark

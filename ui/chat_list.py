@@ -11,18 +11,12 @@ the browser's names for its records, never server keys.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import inspect
 import json
 import re
-import secrets
-import shutil
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import gradio as gr
@@ -37,7 +31,6 @@ from ui.shared import client_of, page_of
 from ui.outputs import ChatOutputs
 
 STOP_WAIT_S = 5.0  # how long leaving a conversation waits for its stopped reply to end
-SWEEP_AFTER_S = 60.0  # an export older than this was served (Gradio copies it as the event ends)
 
 
 def markdown_of(data: dict[str, Any], title: str | None = None) -> str:
@@ -64,18 +57,17 @@ def choices_of(book: Book) -> Any:
 @dataclass
 class ListOutputs:
     """What the list's own events change besides the chat: the records to write, the page's
-    book, the list shown, the delete confirmation, a file to download and the shown one's name."""
+    book, the list shown, the delete confirmation and the shown one's name."""
 
     outbox: Any = None
     book: Any = None
     chats: Any = None
     confirm_delete: Any = None
-    download: Any = None
     title: Any = None
 
     def to_gradio(self) -> tuple:
         return tuple(gr.skip() if value is None else value for value in
-                     (self.outbox, self.book, self.chats, self.confirm_delete, self.download, self.title))
+                     (self.outbox, self.book, self.chats, self.confirm_delete, self.title))
 
     @classmethod
     def of(cls, book: Book, *records: dict[str, Any], **changes: Any) -> "ListOutputs":
@@ -348,32 +340,27 @@ class ChatList(CopyKeeping):
 
 
 class ChatFiles:
-    """Exports of the shown conversation, as files the page offers for download."""
+    """Exports of the shown conversation, downloaded by the page at once (issue #46, item 2):
+    before, a "Download" box appeared at the sidebar's foot, below the fold with a long list, and
+    went on offering the file of a conversation the person had since left."""
 
     def __init__(self, directory: ChatDirectory):
         self.directory = directory
-        self._files = Path(tempfile.mkdtemp(prefix="rewind-chat-exports-"))
-        atexit.register(shutil.rmtree, self._files, True)
 
     def export(self, kind: str, key: Any, book: Any) -> Any:
-        """The shown conversation as a file: JSON (the whole tree, `to_dict`, with its name) or
-        Markdown (the shown path), from the server's conversation (the event's `ensure` rebuilt
-        it from the browser's record if need be). Gradio serves its own copy; ours goes
-        `SWEEP_AFTER_S` later, whether or not anyone exports again (a timer per export)."""
+        """The shown conversation as a file for the page to download (`DOWNLOAD` in ui/wiring.py):
+        its name, its type and its text. JSON is the whole tree (`to_dict`, with its name),
+        Markdown the shown path; from the server's conversation (the event's `ensure` rebuilt it
+        from the browser's record if need be). Nothing is written to disk."""
         book, chat = checked_book(book), self.directory.find(key)
         data = chat.conversation.snapshot() if chat is not None else None
         if data is None or not said_anything(data):
             gr.Warning("There is no conversation to export yet.")
             return gr.skip()
         title = book.title(book.current) or browser_copy.title_of(data)
-        text = json.dumps({**data, "title": title}, ensure_ascii=False, indent=1) if kind == "json" \
+        json_kind = kind == "json"
+        text = json.dumps({**data, "title": title}, ensure_ascii=False, indent=1) if json_kind \
             else markdown_of(data, title)
         name = re.sub(r"[^A-Za-z0-9]+", "-", title).strip("-")[:40] or "conversation"
-        folder = self._files / secrets.token_hex(8)
-        folder.mkdir()
-        path = folder / f"{name}.{'json' if kind == 'json' else 'md'}"
-        path.write_text(text, encoding="utf-8")
-        removal = threading.Timer(SWEEP_AFTER_S, shutil.rmtree, (folder, True))
-        removal.daemon = True  # the exit handler removes the whole folder
-        removal.start()
-        return gr.update(value=str(path), visible=True)
+        return {"name": f"{name}.{'json' if json_kind else 'md'}", "text": text,
+                "type": "application/json" if json_kind else "text/markdown"}

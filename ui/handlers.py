@@ -162,10 +162,12 @@ class PageEvents:
         shown = self.handlers.chatbot_messages(chat)[0][position]
         if shown.get("metadata"):  # the reply's thinking block
             raise inputs.refused("Only a reply's answer can be edited, not its thinking.")
-        if chat.conversation.messages[index]["role"] == "assistant":
-            yield self.handlers.edit_reply(index, text, key, *values)
-        else:
-            yield from self.handlers.edit(request, index, text, key, *values)
+        if chat.conversation.messages[index]["role"] == "assistant":  # the note under it is not its text
+            yield self.handlers.edit_reply(index, views.without_mark(text) if isinstance(text, str) else text, key,
+                                           *values)
+        else:  # the edit began from the message as shown: its characters escaped (`views.as_typed`)
+            yield from self.handlers.edit(request, index, views.typed_text(text) if isinstance(text, str) else text,
+                                          key, *values)
 
     def on_example(self, event: Any, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         value = event.get("value") if isinstance(event, dict) else None

@@ -137,10 +137,13 @@ PAGE_SCRIPT = """() => {
     }, 250);
     setInterval(() => {  // the reply ended: Send is back (and the box may have been set by the server)
         sendState();
-        const empty = !document.querySelector("#chatbot .message-row");  // nothing to continue, export or delete
+        const rows = document.querySelectorAll("#chatbot .message-row");  // none: nothing to export or delete
+        const empty = !rows.length, last = rows[rows.length - 1];
+        // Continue: only a last reply the model did not end (its note carries the class, ui/views.py)
+        const continuable = !!last && last.classList.contains("bot-row") && !!last.querySelector("sub.continuable");
         for (const id of ["#continue", "#export-json", "#export-markdown", "#delete"]) {
-            const button = document.querySelector(id);
-            if (button && button.disabled !== empty) button.disabled = empty;
+            const button = document.querySelector(id), off = id === "#continue" ? !continuable : empty;
+            if (button && button.disabled !== off) button.disabled = off;
         }
         const began = sentText !== null && userRows() > sentRows;  // its message is in the chat
         if (sentText !== null && (began || !inFlight())) {  // the reply began (or the send was refused)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,12 +17,15 @@ BUSY = "Type your next message: Enter keeps it and sends it when this reply ends
 
 
 def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float], marks: dict[int, str] | None = None,
-                     navs: dict[int, Nav] | None = None) -> tuple[list[dict], list[int | None]]:
+                     navs: dict[int, Nav] | None = None, continuable: set[int] | None = None
+                     ) -> tuple[list[dict], list[int | None]]:
     """Chatbot messages for the history, and for each of them its index in `messages` (None for
     a branch switcher). `marks` (message index -> a note such as "stopped") is shown under that
-    reply; `navs` (message index -> its controls: "‹ 2 / 3 ›", ↻) adds them just above that
-    message, as a message of its own so that editing the message never sees them."""
-    marks, navs = marks or {}, navs or {}
+    reply, with the class `continuable` for the replies in `continuable` (the page enables
+    Continue when the last message shown carries it); `navs` (message index -> its controls:
+    "‹ 2 / 3 ›", ↻) adds them just above that message, as a message of its own so that editing
+    the message never sees them."""
+    marks, navs, continuable = marks or {}, navs or {}, continuable or set()
     shown: list[dict] = []
     index_of: list[int | None] = []
     for index, message in enumerate(messages):
@@ -38,18 +42,57 @@ def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float], m
                 metadata["duration"] = round(thinking_seconds[index], 1)
             shown.append({"role": "assistant", "content": message["reasoning_content"], "metadata": metadata})
             index_of.append(index)
-        if message["role"] == "user" or message["content"] or not message.get("reasoning_content"):
+        if message["role"] == "user":
+            shown.append({"role": "user", "content": as_typed(message["content"])})
+            index_of.append(index)
+        elif message["content"] or not message.get("reasoning_content"):
             shown.append({"role": message["role"], "content": message["content"]})
             index_of.append(index)
         elif index not in marks:  # only a Thinking block, folded: say that no answer came (#46, 5)
             shown.append({"role": "assistant", "content": f"{MARK_OPEN.strip()}{NO_ANSWER}{MARK_CLOSE}"})
             index_of.append(None)  # nothing to edit there
         if index in marks and shown:
-            shown[-1] = {**shown[-1], "content": f"{shown[-1]['content']}{MARK_OPEN}{marks[index]}{MARK_CLOSE}"}
+            opening = CONTINUABLE_MARK_OPEN if index in continuable else MARK_OPEN
+            shown[-1] = {**shown[-1], "content": f"{shown[-1]['content']}{opening}{marks[index]}{MARK_CLOSE}"}
     return shown, index_of
 
 
 MARK_OPEN, MARK_CLOSE = "\n\n<sub>", "</sub>"
+CONTINUABLE_MARK_OPEN = '\n\n<sub class="continuable">'
+TRAILING_MARK = re.compile(r'\n\n<sub(?: class="continuable")?>[^<]*</sub>\Z')
+UNFINISHED = "unfinished: Continue goes on"  # a reply that did not end and was not stopped (its length ran out)
+
+
+# What a person types is shown as typed (#46, 6): the chat renders Markdown, HTML and LaTeX, so a
+# message with `<img ...>`, `**bold**` or `[link](javascript:...)` showed neither its characters nor
+# (the sanitizer at work) anything that ran. Each character Markdown, HTML or the math delimiters
+# act on goes as a numeric character reference, which no parser reads as syntax and the browser
+# shows as the character (a backslash escape would not do: `\[` and `\(` open math here); so do
+# the marks a line starts a heading or a list with, and leading spaces and tabs (an indented code
+# block). Replies stay rendered.
+_LITERAL = set("\\`*_[]|~$<>&")  # (an image needs `[`, so `!` may stay; parentheses too)
+_LINE_START = re.compile(r"^([ \t]*)([#+\-=]|\d+[.)])", re.M)
+_LEADING = re.compile(r"^([ \t]+)", re.M)
+_REFERENCE = re.compile(r"&(#\d+|nbsp|Tab);")
+_LEADING_AS = {" ": "&nbsp;", "\t": "&Tab;"}  # kept as they were typed (no collapse, no code block)
+
+
+def as_typed(text: str) -> str:
+    """`text` as Markdown that renders to exactly its characters (see above)."""
+    escaped = "".join(f"&#{ord(char)};" if char in _LITERAL else char for char in text)
+    escaped = _LINE_START.sub(lambda m: m.group(1) + m.group(2)[:-1] + f"&#{ord(m.group(2)[-1])};", escaped)
+    return _LEADING.sub(lambda m: "".join(_LEADING_AS[char] for char in m.group(1)), escaped)
+
+
+def typed_text(shown: str) -> str:
+    """What `as_typed` was given, from what it made (an edit starts from the text shown): every
+    `&` it wrote opens a reference, and every `&` typed became one."""
+    return _REFERENCE.sub(lambda m: {"nbsp": " ", "Tab": "\t"}.get(m.group(1)) or chr(int(m.group(1)[1:])), shown)
+
+
+def without_mark(text: str) -> str:
+    """A reply's text as edited in the chat, less the note shown under it (#46, 5)."""
+    return TRAILING_MARK.sub("", text)
 NO_ANSWER = "no answer after the thinking (Continue goes on if it was cut short; ↻ writes another)"
 SWITCHER_CLASS = "branch-nav"
 
@@ -97,7 +140,8 @@ def branch_navs(entries: list[Any]) -> dict[int, Nav]:
 
 def path_messages(path: list[Any]) -> tuple[list[dict], list[int | None]]:
     """`chatbot_messages` for a shown path of the history (its nodes), with its marks and controls."""
-    return chatbot_messages([node.message() for node in path], thinking_of(path), reply_marks(path), branch_navs(path))
+    return chatbot_messages([node.message() for node in path], thinking_of(path), reply_marks(path), branch_navs(path),
+                            continuable_replies(path))
 
 
 def thinking_of(path: list[Any]) -> dict[int, float]:
@@ -107,14 +151,24 @@ def thinking_of(path: list[Any]) -> dict[int, float]:
 
 
 def reply_marks(entries: list[Any]) -> dict[int, str]:
-    """Whether each reply was stopped or written by hand, by message index."""
+    """Whether each reply was stopped, written by hand or left unfinished (its length ran out),
+    by message index."""
     marks = {}
     for index, entry in enumerate(entries):
         if entry.role == "assistant" and entry.reply is not None:
-            notes = [note for note, flag in (("stopped", entry.reply.stopped), ("edited", entry.reply.edited)) if flag]
+            reply = entry.reply
+            notes = [note for note, flag in (("stopped", reply.stopped), ("edited", reply.edited),
+                                             (UNFINISHED, not (reply.ended or reply.stopped or reply.edited))) if flag]
             if notes:
                 marks[index] = " · ".join(notes)
     return marks
+
+
+def continuable_replies(entries: list[Any]) -> set[int]:
+    """The replies Continue can extend, by message index: those the model did not end (#46, 5:
+    Continue stayed enabled after a finished reply and then said there was nothing to continue)."""
+    return {index for index, entry in enumerate(entries)
+            if entry.role == "assistant" and entry.reply is not None and not entry.reply.ended}
 
 
 def reply_messages(reasoning: str, answer: str, thought_for: float | None) -> list[dict]:

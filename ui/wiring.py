@@ -72,6 +72,12 @@ SENT_TEXT = "(text, ...rest) => [window.rewindSent ?? text, ...rest]"
 # Import: the file the person picks, read by the page (its text, or null if none was picked)
 PICK_FILE = "async (text, ...rest) => [await window.rewindCopy.pickFile(), ...rest]"
 WITH_LIST = "(probe, ...rest) => [window.rewindCopy.withList(), ...rest]"
+# An export's file, downloaded by the browser at once, named from the conversation's title (#46, 2)
+DOWNLOAD = ("(file) => { if (!file || typeof file.text !== 'string') return; "
+            "const url = URL.createObjectURL(new Blob([file.text], {type: file.type})); "
+            "const link = Object.assign(document.createElement('a'), {href: url, download: file.name}); "
+            "document.body.appendChild(link); link.click(); link.remove(); "
+            "setTimeout(() => URL.revokeObjectURL(url), 60000); }")
 ON_LOAD = "(probe, ...rest) => [window.rewindCopy.onLoad(), ...rest]"
 CHOSEN = ("(chosen, probe, ...rest) => "
           "[chosen, {...window.rewindCopy.probe(), record: window.rewindCopy.record(chosen)}, ...rest]")
@@ -156,8 +162,7 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
 
 def list_outputs(page: dict[str, Any]) -> list[Any]:
     """The chat's outputs, then those of the list (in `ListOutputs`' order)."""
-    return [*outputs_of(page), page["outbox"], page["book"], page["chats"], page["confirm_delete"], page["download"],
-            page["title"]]
+    return [*outputs_of(page), page["outbox"], page["book"], page["chats"], page["confirm_delete"], page["title"]]
 
 
 def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
@@ -177,7 +182,9 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
         .then(lambda: gr.update(visible=False), None, page["cancel_delete"], **QUIET)
     for button, kind in ((page["export_json"], "json"), (page["export_markdown"], "markdown")):
         with_conversation(chat_list, page, button.click) \
-            .then(functools.partial(chat_list.files.export, kind), [key, book], page["download"], api_name=False)
+            .then(functools.partial(chat_list.files.export, kind), [key, book], page["export_file"], api_name=False) \
+            .then(None, page["export_file"], None, js=DOWNLOAD, **QUIET) \
+            .then(lambda: None, None, page["export_file"], **QUIET)  # nothing of it stays on the page
     page["import_file"].click(chat_list.import_text, [page["import_text"], key, book], with_list, js=PICK_FILE,
                               api_name=False, **ONE_RECORD_AT_A_TIME)
     page["list_refresh"].click(chat_list.refresh, [probe, book], [book, page["chats"]], js=WITH_LIST, **QUIET)
