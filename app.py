@@ -90,6 +90,8 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
 def sidebar() -> dict[str, Any]:
     with gr.Sidebar(label="Conversations", open=True, elem_id="sidebar", width=280):
         parts = dict(sidebar_new_chat=gr.Button("Start a new chat", size="sm", elem_id="sidebar-new-chat"),
+                     search=gr.Textbox(placeholder="Search chats", show_label=False, elem_id="chat-search",
+                                       max_lines=1, container=False),  # the page filters the list (no event)
                      chats=gr.Radio(choices=[], label="Kept in this browser", elem_id="chat-list"),
                      title=gr.Textbox(label="Name of this conversation", elem_id="chat-title", max_lines=1),
                      rename=gr.Button("Rename", size="sm", elem_id="rename"))

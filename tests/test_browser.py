@@ -436,6 +436,8 @@ def test_the_list_tells_chats_apart_groups_them_by_day_and_searches_their_messag
         wait_reply(page, send(page, text))
     labels = page.locator("#chat-list label")
     expect(labels).to_have_count(3)
+    page.wait_for_function("""() => [...document.querySelectorAll('#chat-list label')].every((label) =>
+        label.dataset.for === label.querySelector('input').value && label.dataset.preview)""")  # each drawn for its entry
     expect(labels.nth(1)).to_have_text("What is 12 + 30? (2)")  # newest first, numbered from the oldest
     expect(labels.nth(2)).to_have_text("What is 12 + 30?")
     expect(labels.first).to_have_attribute("data-group", "Today")  # the day's heading, over its first entry

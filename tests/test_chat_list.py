@@ -449,3 +449,12 @@ def test_the_chats_trash_button_starts_a_new_chat_and_says_so(make_engine):
     assert new_key != key and browser.current != old_id
     users = [m["content"] for m in handlers.directory.find(new_key).conversation.messages if m["role"] == "user"]
     assert users == ["A new start?"]
+
+
+def test_titles_several_chats_share_are_numbered_from_the_oldest():
+    """Issue #46 (3): an import twice gave two "Pirate chat"; six "What is 33 + 44?" in a row."""
+    from ui.chat_list import distinct_titles
+
+    index = [("d", "Sum"), ("c", "Pirate chat"), ("b", "Sum"), ("a", "Sum"), ("e", "Pirate chat")]  # newest first
+    assert distinct_titles(index) == ["Sum (3)", "Pirate chat (2)", "Sum (2)", "Sum", "Pirate chat"]
+    assert distinct_titles(index[1:]) == distinct_titles(index)[1:]  # an older label stays as a newer one comes

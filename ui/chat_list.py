@@ -51,7 +51,20 @@ def checked_book(value: Any) -> Book:
 
 
 def choices_of(book: Book) -> Any:
-    return gr.update(choices=[(title, chat_id) for chat_id, title in book.index], value=book.current)
+    return gr.update(choices=list(zip(distinct_titles(book.index), [chat_id for chat_id, _ in book.index])),
+                     value=book.current)
+
+
+def distinct_titles(index: list[tuple[str, str]]) -> list[str]:
+    """The list's labels, newest first: a title that several conversations share is numbered from
+    its oldest, "What is 33 + 44? (2)" (#46, 3: six of one title in a row could not be told
+    apart), so a label does not change when a newer one comes."""
+    seen: dict[str, int] = {}
+    labels = []
+    for _, title in reversed(index):
+        seen[title] = seen.get(title, 0) + 1
+        labels.append(title if seen[title] == 1 else f"{title} ({seen[title]})")
+    return labels[::-1]
 
 
 @dataclass

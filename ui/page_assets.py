@@ -158,6 +158,57 @@ PAGE_SCRIPT = """() => {
             if (box()?.value.trim()) document.querySelector("#send")?.click();
         }
     }, 100);
+    // The list (#46, 3): each entry's day group, time and a line of its last message, and a search
+    // over titles and messages, read from this browser's records (the server knows titles only).
+    // Drawn as data attributes the style shows, so Gradio's own list stays as it renders it.
+    const searchable = new Map();  // id -> [rev, lower-case text of its title and messages]
+    const textOf = (id, rec) => {
+        const known = searchable.get(id);
+        if (known && known[0] === rec.rev) return known[1];
+        const messages = Array.isArray(rec.data?.messages) ? rec.data.messages : [];
+        const text = [rec.title || "", ...messages.map((m) => typeof m?.content === "string" ? m.content : "")]
+            .join("\\n").toLowerCase();
+        searchable.set(id, [rec.rev, text]);
+        return text;
+    };
+    const dayGroup = (ms) => {
+        const day = new Date(ms).setHours(0, 0, 0, 0), today = new Date().setHours(0, 0, 0, 0);
+        return day >= today ? "Today" : day >= today - 864e5 ? "Yesterday"
+             : day >= today - 7 * 864e5 ? "Previous 7 days" : "Earlier";
+    };
+    const previewOf = (rec) => {
+        const path = rec.data?.path, messages = rec.data?.messages;
+        const last = Array.isArray(path) && Array.isArray(messages) ? messages[path[path.length - 1]] : null;
+        const text = typeof last?.content === "string" ? last.content.replace(/\s+/g, " ").trim() : "";
+        return text.length > 80 ? text.slice(0, 79) + "…" : text;
+    };
+    const set = (node, name, value) => { if (node.getAttribute(name) !== value) node.setAttribute(name, value); };
+    const drawList = () => {
+        const query = (document.querySelector("#chat-search input, #chat-search textarea")?.value || "")
+            .trim().toLowerCase();
+        let group = null;
+        for (const label of document.querySelectorAll("#chat-list label")) {
+            const id = label.querySelector("input")?.value, rec = id ? window.rewindCopy?.record(id) : null;
+            const hit = !query || (rec ? textOf(id, rec) : label.textContent.toLowerCase()).includes(query);
+            if (label.hidden !== !hit) label.hidden = !hit;
+            const when = rec?.updated ? new Date(rec.updated) : null, heading = when ? dayGroup(rec.updated) : "";
+            set(label, "data-when", when ? (heading === "Today" || heading === "Yesterday"
+                ? when.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"})
+                : when.toLocaleDateString([], {month: "short", day: "numeric"})) : "");
+            set(label, "data-preview", rec ? previewOf(rec) : "");
+            set(label, "data-for", id || "");  // what it was drawn for (Gradio reuses a label for another entry)
+            set(label, "data-group", hit && heading !== group ? heading : "");
+            if (hit) group = heading;
+        }
+    };
+    document.addEventListener("input", (event) => { if (event.target.closest?.("#chat-search")) drawList(); }, true);
+    const redraw = new MutationObserver(drawList);  // Gradio redrew the list: at once (attributes aside)
+    const watch = setInterval(() => {
+        const list = document.querySelector("#chat-list");
+        if (list) { redraw.observe(list, {childList: true, subtree: true, characterData: true}); clearInterval(watch); }
+    }, 200);
+    setInterval(drawList, 1000);  // a record written (its time, its last message): drawn again (cached text)
+
     document.addEventListener("click", (event) => {  // "‹ 2 / 3 ›" and ↻ under a message
         const button = event.target.closest?.("button.branch-step");
         if (!button || button.disabled) return;
@@ -184,6 +235,14 @@ CSS = """
 .branch-step.prev::before { content: "‹" / ""; }  /* drawn, not read: the button's name is its text */
 .branch-step.next::before { content: "›" / ""; }
 .branch-step.regen::before { content: "↻" / ""; }
+/* the list: a day's heading above its first entry, each entry's time and last message (#46, 3) */
+#chat-list label[data-group]:not([data-group=""])::before { content: attr(data-group); display: block; width: 100%;
+  font-size: 0.75em; font-weight: 600; opacity: 0.7; margin: 0.4em 0 0.1em; }
+#chat-list label { flex-wrap: wrap; }
+#chat-list label[data-when]:not([data-when=""])::after { content: attr(data-when) " · " attr(data-preview);
+  display: block; width: 100%; font-size: 0.75em; opacity: 0.65; overflow: hidden; text-overflow: ellipsis;
+  white-space: nowrap; }
+#chat-list label[hidden] { display: none !important; }
 /* Gradio's footer ends in a separator before its hidden "Stop Recording": a stray "·" (#32, 9) */
 footer .divider:last-child { display: none !important; }
 /* the chat's trash button: messages scroll under an opaque chip, not through the icon (#32, 9) */
