@@ -43,7 +43,7 @@ from typing import Iterator
 
 import torch
 
-import chat.scheduler
+import chat.drafting
 
 from benchmarks.models import Words, build_bench_tokenizer
 from chat import ChatEngine
@@ -76,17 +76,17 @@ def timed_reply(stream) -> tuple[float, int]:
 @contextmanager
 def guessing_wrong(truth: list[int], vocabulary: int) -> Iterator[None]:
     """Every guess a wrong first token (the one after the right one), then more of it."""
-    own = chat.scheduler.Drafter.propose
+    own = chat.drafting.Drafter.propose
 
     def wrong(self, sequence, limit):
         right = truth[len(sequence)] if len(sequence) < len(truth) else 0
         return [(right + 1) % vocabulary] * limit
 
-    chat.scheduler.Drafter.propose = wrong
+    chat.drafting.Drafter.propose = wrong
     try:
         yield
     finally:
-        chat.scheduler.Drafter.propose = own
+        chat.drafting.Drafter.propose = own
 
 
 def one_reply(model, tokenizer, mode: str, scenario: str, tokens: int, passage: str, compile: str,

@@ -18,7 +18,7 @@ from chat.detokenizer import IncrementalDecoder
 from chat.history import ReplyVersion
 from chat.reasoning import Delta, ReasoningSplitter
 from chat.runtime import Runtime
-from chat.scheduler import CacheWork, GenerationRequest
+from chat.requests import CacheWork, GenerationRequest
 from chat.sources import Reply, ReplyRequest, TurnStats
 
 

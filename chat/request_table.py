@@ -20,12 +20,10 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Collection, Iterator
+from typing import Collection, Iterator
 
 from cache_sessions.session import CacheSession
-
-if TYPE_CHECKING:
-    from chat.scheduler import GenerationRequest
+from chat.requests import GenerationRequest
 
 
 class RequestTable:
@@ -39,7 +37,7 @@ class RequestTable:
         self.drafts: list[GenerationRequest] = []
         self._elsewhere: Counter[CacheSession] = Counter()  # replies made in another process
 
-    def everyone(self) -> list["GenerationRequest"]:
+    def everyone(self) -> list[GenerationRequest]:
         with self.lock:
             return [*self.waiting, *self.prefilling, *self.decoding, *self.paused, *self.drafts]
 
@@ -49,7 +47,7 @@ class RequestTable:
             return {request.session for request in (*self.waiting, *self.prefilling, *self.decoding, *self.paused,
                                                     *self.drafts)} | set(self._elsewhere)
 
-    def has_work(self, besides: Collection["GenerationRequest"] = ()) -> bool:
+    def has_work(self, besides: Collection[GenerationRequest] = ()) -> bool:
         """Whether any request could go on, `besides` those (waiting on the disk)."""
         with self.lock:
             return bool(self.waiting or self.decoding or self.paused or any(r not in besides for r in self.prefilling)
@@ -72,7 +70,7 @@ class RequestTable:
                 if not self._elsewhere[session]:
                     del self._elsewhere[session]
 
-    def admit(self, rows: int, may_pause: bool = True) -> list["GenerationRequest"]:
+    def admit(self, rows: int, may_pause: bool = True) -> list[GenerationRequest]:
         """Give the `rows` to clients (see the module's docstring): waiting requests start
         prefilling, paused ones decode again, and with `may_pause` a client below its share takes
         a decode row from the client holding the most. Returns the requests stopped while they
@@ -97,7 +95,7 @@ class RequestTable:
                     self.prefilling.append(chosen)
         return stopped
 
-    def _pause_for(self, chosen: "GenerationRequest", held: Counter, rows: int) -> bool:
+    def _pause_for(self, chosen: GenerationRequest, held: Counter, rows: int) -> bool:
         """With every row taken: pause the newest decode row of the client holding the most, if
         `chosen`'s client is below its share and that one above it. Whether a row was freed."""
         clients = {request.flow for request in (*self.waiting, *self.paused, *self.prefilling, *self.decoding)}
@@ -115,18 +113,18 @@ class RequestTable:
         self.paused.append(victim)
         return True
 
-    def start_decoding(self, request: "GenerationRequest") -> None:
+    def start_decoding(self, request: GenerationRequest) -> None:
         with self.lock:
             self.prefilling.remove(request)
             self.decoding.append(request)
 
-    def remove(self, requests: list["GenerationRequest"]) -> None:
+    def remove(self, requests: list[GenerationRequest]) -> None:
         """Out of the table, from whichever list holds them."""
         with self.lock:
             for request in requests:
                 (self.decoding if request in self.decoding else self.prefilling).remove(request)
 
-    def take_everyone(self) -> list["GenerationRequest"]:
+    def take_everyone(self) -> list[GenerationRequest]:
         """Every request, out of the table (a fault of the scheduler itself ends them all)."""
         with self.lock:
             everyone = [*self.waiting, *self.prefilling, *self.decoding, *self.paused, *self.drafts]

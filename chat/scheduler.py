@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import queue
 import threading
 import time
 import weakref
@@ -41,100 +40,22 @@ from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from cache_sessions.branches import BranchKeep
 from cache_sessions.owner import CacheOwner
-from cache_sessions.prefixes import PrefixStore
-from cache_sessions.session import CacheSession, PrefillResult, common_prefix_length
+from cache_sessions.session import CacheSession, common_prefix_length
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ALONE
-from chat.drafting import Drafter, DraftPolicy
+from chat.drafting import DraftPolicy
+from chat.guessing import StepGuesses, choose_tokens
 from chat.loop import Loop
 from chat.options import GenerationOptions
 from chat.prompt_shares import PromptShares
 from chat.request_table import RequestTable
+from chat.requests import CacheWork, GenerationRequest
 from chat.sampling import TokenChooser
 from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR, StepBudget
 from chat.worker import ModelWorker
 
 T = TypeVar("T")
-_END = object()
 PREFILL_ORDERS = ("shortest", "arrival")
-
-
-@dataclass(frozen=True)
-class CacheWork:
-    """What a reply asks of the cache beside its prompt: the shared system-prompt prefix, the
-    branch it replaces (kept to switch back to), and the messages the cache holds after it."""
-
-    prefix_store: PrefixStore | None = None
-    shared_prefix_length: int = 0
-    keep: BranchKeep | None = None
-    labels: tuple[Hashable, ...] = ()
-    references: tuple[tuple[int, ...], ...] = ()  # earlier versions of the reply (their tokens): guesses
-
-
-class GenerationRequest:
-    """One reply being made: submitted by a turn, served by the scheduler. Iterate `tokens()`,
-    then call `finish()`, which stops it first if it still runs."""
-
-    def __init__(self, session: CacheSession, prompt_ids: Sequence[int], options: GenerationOptions,
-                 stop: threading.Event, work: CacheWork, client: Hashable | None = None, draft: bool = False):
-        """`client`: who asked (the app's key for an address or a person; None: unknown), so one
-        client's requests share one client's part of the prompt budget (chat/prompt_shares.py).
-        `draft`: a prompt prepared ahead (the message being typed), prefilled at idle priority and
-        never decoded (issue #45: see `DecodeScheduler.prepare`)."""
-        self.session, self.options, self.stop, self.work, self.draft = session, options, stop, work, draft
-        self.flow: Hashable = client if client is not None else self  # unknown: a flow of its own
-        self.prompt_ids = list(prompt_ids)
-        self.sequence = list(prompt_ids)  # prompt, then each token as it is chosen
-        self.prefill: PrefillResult | None = None  # set once it was admitted and rolled back
-        self.chooser: TokenChooser | None = None
-        self.drafter: Drafter | None = None  # its guesses, where its rows are drafted (chat/drafting.py)
-        self.error: BaseException | None = None
-        self.submitted_at = time.perf_counter()
-        self.started_at: float | None = None  # its rollback and prefill began (it waited until then)
-        self.joined_at: float | None = None  # its first decode step
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.token_count = 0
-        self.cache_tokens = self.cache_bytes = 0  # the session when it ended (read on the loop)
-        self._tokens: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = threading.Event()
-
-    @property
-    def started(self) -> bool:
-        """Whether it was admitted (its cache rolled back); one stopped while waiting was not."""
-        return self.prefill is not None
-
-    @property
-    def next_input(self) -> int:
-        return self.sequence[-1]
-
-    def tokens(self) -> Iterator[int]:
-        while (item := self._tokens.get()) is not _END:
-            yield item
-
-    def finish(self) -> list[int]:
-        """Stop it if it still runs, wait until it left the batch, and return the sequence."""
-        if not self._done.is_set():
-            self.stop.set()
-            self._done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.sequence
-
-    # ---- called by the scheduler, on the compute thread --------------------------------------
-    def _emit(self, token_id: int) -> None:
-        now = time.perf_counter()
-        self.first_token_at = self.first_token_at or now
-        self.last_token_at = now
-        self.token_count += 1
-        self.sequence.append(token_id)
-        self._tokens.put(token_id)
-
-    def _end(self, error: BaseException | None = None) -> None:
-        self.error = self.error or error
-        self._tokens.put(_END)
-        self._done.set()
 
 
 @dataclass(frozen=True)
@@ -203,6 +124,7 @@ class DecodeScheduler:
         self.caches = CacheOwner(model, self.loop, self.in_use, **cache_settings)
         self.packed = packed_steps and self.caches.packs
         self.guessing = DraftPolicy(draft)
+        self.guesses = StepGuesses(self.guessing, self.caches)
         self.step_budget, self.clock = StepBudget(step_gap_factor, alone_step_s), time.perf_counter
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
@@ -317,7 +239,7 @@ class DecodeScheduler:
             decoding = list(self._requests.decoding)
             started, graph_steps = self.clock(), self._graph_steps()
             if self.packed:
-                guesses = self._guesses(decoding)
+                guesses = self.guesses.propose(decoding, self._graph_ready(len(decoding)))
                 fed, logits = self._forward_packed(decoding, pieces, guesses)
             else:
                 guesses = [[] for _ in decoding]
@@ -325,14 +247,12 @@ class DecodeScheduler:
             for request in fed:
                 self._piece_fed(request)
             if logits is not None:
-                ended, taken = _choose_tokens(decoding, logits, guesses)
+                ended, taken = choose_tokens(decoding, logits, guesses)
                 with self._requests.lock:
                     self._counters.step(decoding)
                     self._counters.guessed += sum(len(guess) for guess in guesses)
                     self._counters.guesses_taken += taken
-                for request, guess in zip(decoding, guesses):
-                    if guess and not self._give_back_guesses(request) and request not in ended:
-                        ended.append(request)
+                ended += self.guesses.give_back(decoding, guesses, ended)
                 # the whole step, choosing and giving back included: what a guess really costs
                 extra = sum(len(piece) for _, piece in pieces) + sum(len(guess) for guess in guesses)
                 self.guessing.record_step(self.clock() - started, len(decoding), extra,
@@ -438,46 +358,20 @@ class DecodeScheduler:
             work = request.work
             request.started_at = time.perf_counter()
             request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
-            if self.guessing.enabled and self.packed and not request.draft and request.session.takes_back_recent():
-                request.drafter = Drafter(request.prompt_ids, len(request.prompt_ids), work.references,
-                                          self.guessing.seen)
+            if self.packed:
+                self.guesses.begin(request)
             request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
                                                 work.shared_prefix_length)
 
-    def _guesses(self, decoding: list[GenerationRequest]) -> list[list[int]]:
-        """Each decode row's guesses of its next tokens, to verify this step (chat/drafting.py): as
-        many as the policy finds worth their cost, never past the reply's token limit."""
+    def _graph_ready(self, rows: int) -> bool:
+        """Whether a compiled graph would take a step of `rows` single tokens."""
         compiled = self.caches.compiled
-        graph_ready = compiled is not None and compiled.bucket(len(decoding)) is not None
-        guesses = []
-        for request in decoding:
-            drafter, chooser = request.drafter, request.chooser
-            if drafter is None or chooser is None or request.stop.is_set():
-                guesses.append([])
-                continue
-            left = chooser.max_new_tokens - request.token_count - 1  # the last token is never fed
-            guess = drafter.propose(request.sequence, min(self.guessing.max_draft, left))
-            length = self.guessing.length(drafter.acceptance(), len(decoding), graph_ready) if guess else 0
-            guesses.append(guess[:length])
-        return guesses
+        return compiled is not None and compiled.bucket(rows) is not None
 
     def _graph_steps(self) -> int:
         """Steps the compiled graphs ran so far (a step that ran one is timed apart)."""
         compiled = self.caches.compiled
         return compiled.steps if compiled is not None else 0
-
-    def _give_back_guesses(self, request: GenerationRequest) -> bool:
-        """After a step with guesses: the cache gives back what it was fed past the reply's last
-        token but one (the guesses not taken, and the place of the last one taken). False: it
-        could not, or the row failed (it ends with that error; its states are released)."""
-        if request.error is not None:
-            return False
-        try:
-            self.caches.take_back(request.session, len(request.session.token_ids) - (len(request.sequence) - 1))
-        except BaseException as error:
-            request.error = error
-            return False
-        return True
 
     def _forward_packed(self, decoding: list[GenerationRequest], pieces: list[tuple[GenerationRequest, list[int]]],
                         guesses: list[list[int]]) -> tuple[list[GenerationRequest], torch.Tensor | None]:
@@ -580,37 +474,3 @@ def _remaining_prefill(request: GenerationRequest) -> int:
     held = len(request.session.token_ids) if request.started else common_prefix_length(
         request.session.token_ids, request.prompt_ids)
     return max(0, len(request.prompt_ids) - 1 - held)
-
-
-def _choose_tokens(rows: list[GenerationRequest], logits: torch.Tensor, guesses: list[list[int]]
-                   ) -> tuple[list[GenerationRequest], int]:
-    """Each row's next tokens from its own logits (one row of logits after each token it fed),
-    emitted to its reader: the token chosen after its next input, then, while each chosen token
-    is the guess fed after it, the one chosen after that guess (chat/drafting.py). Returns the rows
-    that ended (an end token, the limit, a stop, or a failure of their own: the others go on), and
-    how many guesses were taken."""
-    ended: list[GenerationRequest] = []
-    offset = taken = 0
-    for request, guess in zip(rows, guesses):
-        chooser = request.chooser
-        assert chooser is not None
-        row_logits, offset = logits[offset:offset + len(guess) + 1], offset + len(guess) + 1
-        matched = 0
-        for position in range(len(guess) + 1):
-            try:
-                token = chooser.choose(request.sequence, row_logits[position:position + 1])
-            except BaseException as error:  # this row's own fault
-                request.error = error
-                ended.append(request)
-                break
-            request._emit(token)
-            if chooser.ends(token, request.token_count) or request.stop.is_set():
-                ended.append(request)
-                break
-            if position == len(guess) or token != guess[position]:
-                break
-            matched += 1
-        if guess and request.drafter is not None:
-            request.drafter.record(len(guess), matched)
-        taken += matched
-    return ended, taken

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from reference import check_exact, render_ids, scratch_greedy_reply
 from tiny_models import SLIDING_WINDOW, scripted_reply_model
 
+import chat.drafting
 import chat.scheduler
 from chat.drafting import DraftPolicy, Drafter, NgramIndex, expected_tokens
 from chat.engine import ChatEngine
@@ -84,7 +85,7 @@ def test_guesses_taken_in_part_leave_the_reply_and_the_cache_as_without(models, 
             right = right[:wrong_at] + [(right[wrong_at] + 1) % len(tokenizer)] + right[wrong_at + 1:]
         return right
 
-    monkeypatch.setattr(chat.scheduler.Drafter, "propose", propose)
+    monkeypatch.setattr(chat.drafting.Drafter, "propose", propose)
     list(conversation.send("guess this", **GREEDY))
     guessed, taken = guess_counts(engine)
     assert 0 < taken < guessed  # some taken, some given back

@@ -1,0 +1,97 @@
+"""The scheduler's side of draft-and-verify decoding (chat/drafting.py says what and why): which
+rows guess and how many tokens, how a row's logits turn into tokens (each chosen by the reply's
+own sampler, guessed or not), and the cache giving back what was not taken."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from chat.drafting import Drafter, DraftPolicy
+from chat.requests import GenerationRequest
+
+if TYPE_CHECKING:
+    from cache_sessions.owner import CacheOwner
+
+
+class StepGuesses:
+    def __init__(self, policy: DraftPolicy, caches: "CacheOwner"):
+        self.policy, self.caches = policy, caches
+
+    def begin(self, request: GenerationRequest) -> None:
+        """A reply's first turn: its guesses, where they can be given back exactly (not a
+        prepared prompt, not recurrent states)."""
+        if self.policy.enabled and not request.draft and request.session.takes_back_recent():
+            request.drafter = Drafter(request.prompt_ids, len(request.prompt_ids), request.work.references,
+                                      self.policy.seen)
+
+    def propose(self, decoding: list[GenerationRequest], graph_ready: bool) -> list[list[int]]:
+        """Each decode row's guesses of its next tokens, to verify this step: as many as the
+        policy finds worth their cost (`graph_ready`: a compiled graph would take the step
+        without them), never past the reply's token limit."""
+        guesses = []
+        for request in decoding:
+            drafter, chooser = request.drafter, request.chooser
+            if drafter is None or chooser is None or request.stop.is_set():
+                guesses.append([])
+                continue
+            left = chooser.max_new_tokens - request.token_count - 1  # the last token is never fed
+            guess = drafter.propose(request.sequence, min(self.policy.max_draft, left))
+            length = self.policy.length(drafter.acceptance(), len(decoding), graph_ready) if guess else 0
+            guesses.append(guess[:length])
+        return guesses
+
+    def give_back(self, decoding: list[GenerationRequest], guesses: list[list[int]],
+                  ended: list[GenerationRequest]) -> list[GenerationRequest]:
+        """After a step with guesses: each such row's cache gives back what it was fed past the
+        reply's last token but one (the guesses not taken, and the place of the last one taken).
+        Returns the rows that could not (or failed) and are not in `ended` yet: they end with
+        that error, their states released."""
+        failed = []
+        for request, guess in zip(decoding, guesses):
+            if not guess:
+                continue
+            if request.error is None:
+                try:
+                    self.caches.take_back(request.session, len(request.session.token_ids) - (len(request.sequence) - 1))
+                    continue
+                except BaseException as error:
+                    request.error = error
+            if request not in ended:
+                failed.append(request)
+        return failed
+
+
+def choose_tokens(rows: list[GenerationRequest], logits: torch.Tensor, guesses: list[list[int]]
+                  ) -> tuple[list[GenerationRequest], int]:
+    """Each row's next tokens from its own logits (one row of logits after each token it fed),
+    emitted to its reader: the token chosen after its next input, then, while each chosen token
+    is the guess fed after it, the one chosen after that guess. Returns the rows that ended (an
+    end token, the limit, a stop, or a failure of their own: the others go on), and how many
+    guesses were taken."""
+    ended: list[GenerationRequest] = []
+    offset = taken = 0
+    for request, guess in zip(rows, guesses):
+        chooser = request.chooser
+        assert chooser is not None
+        row_logits, offset = logits[offset:offset + len(guess) + 1], offset + len(guess) + 1
+        matched = 0
+        for position in range(len(guess) + 1):
+            try:
+                token = chooser.choose(request.sequence, row_logits[position:position + 1])
+            except BaseException as error:  # this row's own fault
+                request.error = error
+                ended.append(request)
+                break
+            request._emit(token)
+            if chooser.ends(token, request.token_count) or request.stop.is_set():
+                ended.append(request)
+                break
+            if position == len(guess) or token != guess[position]:
+                break
+            matched += 1
+        if guess and request.drafter is not None:
+            request.drafter.record(len(guess), matched)
+        taken += matched
+    return ended, taken
