@@ -17,6 +17,11 @@ Module map:
   served.py        replies from an OpenAI-compatible server
   remote.py        replies from a ZeroGPU worker process
   scheduler.py     the one loop: cache commands, then one packed forward a step (decode rows and prefill chunks)
+  requests.py      a reply being made (GenerationRequest) and the cache work it asks for
+  request_table.py the scheduler's one record of its requests: waiting, prefilling, decoding, paused
+  prompt_shares.py who gets a step's prompt budget: fair by tokens owed, per client
+  drafting.py      guessed tokens to verify: where guesses come from, how many a row feeds (--draft)
+  guessing.py      the step's side of guessing: which rows guess, choosing their tokens, giving back
   step_budget.py   how many prompt tokens a step may carry beside decode rows, from timed steps
   sampling.py      the next token of one row: transformers' logits processors, greedy or seeded sampling
   detokenizer.py   streamed token ids to text deltas, whole characters only
@@ -25,7 +30,7 @@ Module map:
   worker.py        the compute thread every forward pass runs on
   host.py          settings for a shared host, made before torch loads (OpenMP's wait policy)
   loading.py       from_pretrained with automatic device and dtype; the "demo" model
-  weights.py       how the weights are held: as loaded, or int8 (weights and inputs, CPU)
+  weights.py       how the weights are held: as loaded, packed, or int8 (its prompt product timed on this host)
   demo.py          where the trained demo model lies; the tests' tokenizer, trained in code
   models.py        the table of model shapes built in code (demo, tests, benchmarks)
   errors.py        errors a UI can show, one family (ChatError)
