@@ -276,6 +276,10 @@ def test_on_a_phone_a_retry_keeps_everything_in_view_and_the_list_folds_away(bro
         button.scroll_into_view_if_needed()
         assert in_view(button)
     assert all(min(box["width"], box["height"]) >= 40 for box in (button.bounding_box() for button in buttons.all()))
+    # finger-sized (#46, 8): the chat's trash button and a reply's Thinking expander were 18 px
+    for selector in ("#chatbot button[aria-label='Clear']", "#chatbot .thought-group .title"):
+        box = page.locator(selector).first.bounding_box()
+        assert box is not None and min(box["width"], box["height"]) >= 40, (selector, box)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "readme-phone.png"))  # docs/screenshot-phone.png
 
@@ -287,6 +291,9 @@ def test_on_a_phone_a_retry_keeps_everything_in_view_and_the_list_folds_away(bro
         expect(toggle).to_be_in_viewport(ratio=1.0)
         expect(page.locator("#sidebar-new-chat")).to_be_in_viewport(ratio=1.0)
         assert not overlaps(toggle, page.locator("#sidebar-new-chat"))
+        heights = {button.inner_text(): button.bounding_box()["height"] for button in
+                   page.locator("#sidebar button:visible").all()}  # the list's buttons were 26 px (#46, 8)
+        assert len(heights) >= 5 and all(height >= 40 for height in heights.values()), heights
         pick()
         expect(page.locator(".sidebar")).not_to_have_class(re.compile(r"\bopen\b"))  # the chat is in view
     expect(page.locator("#chatbot")).to_contain_text("What is 10 + 10?")

@@ -255,6 +255,10 @@ footer .divider:last-child { display: none !important; }
   #chatbot .message-buttons button, #chatbot .message-buttons-left button, #chatbot .message-buttons-right button {
     min-width: 40px; min-height: 40px; }
   #continue, #new-chat, #dark-mode { min-height: 40px; }
+  /* #46, 8: the chat's trash button and a reply's Thinking expander were 18 px, the list's buttons 26 */
+  #chatbot .icon-button-wrapper.top-panel button { min-width: 40px; min-height: 40px; }
+  #chatbot .thought-group .title { min-height: 40px; }
+  #sidebar button { min-height: 40px; }
 }
 /* Gradio's "•••" waiting bubble belongs after the user's message, until the reply's first text.
    Its node is reused as the list grows and can land between earlier messages (seen under an
