@@ -147,6 +147,19 @@ class Drafter:
         return (taken + PRIOR_WEIGHT * earlier) / (taken + refused + PRIOR_WEIGHT)
 
 
+class _Recent:
+    """A cost's recent samples and their median, worked out when one is added: `length` reads it
+    for every row of every step, a step adds one."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=_SAMPLES)
+        self.median = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds)
+        self.median = median(self.samples)
+
+
 class DraftPolicy:
     """How many guesses a decoding row feeds this step (see the module's docstring), and, for
     "auto", what steps cost on this machine: a step of decode rows alone (by row count, eager or
@@ -161,8 +174,8 @@ class DraftPolicy:
         self.mode, self.max_draft = mode, max_draft
         self.seen = {source: [0, 0] for source in SOURCES}  # every reply's guesses by source (`Drafter`)
         self.lengths = sorted({0, *(2 ** i for i in range(max_draft.bit_length()) if 2 ** i <= max_draft), max_draft})
-        self._plain: dict[tuple[int, bool], deque[float]] = {}  # (rows, compiled) -> seconds of a step of them alone
-        self._extra: dict[int, deque[float]] = {}  # extra tokens (a power of two, rounded up) -> seconds added
+        self._plain: dict[tuple[int, bool], _Recent] = {}  # (rows, compiled) -> seconds of a step of them alone
+        self._extra: dict[int, _Recent] = {}  # extra tokens (a power of two, rounded up) -> seconds added
 
     @property
     def enabled(self) -> bool:
@@ -174,10 +187,10 @@ class DraftPolicy:
         if self.mode != "auto" or not rows:
             return
         if not extra_tokens:
-            self._plain.setdefault((rows, compiled), deque(maxlen=_SAMPLES)).append(seconds)
+            self._plain.setdefault((rows, compiled), _Recent()).add(seconds)
         elif (plain := self._plain.get((rows, False))) is not None:
             bucket = 1 << (extra_tokens - 1).bit_length()
-            self._extra.setdefault(bucket, deque(maxlen=_SAMPLES)).append(max(0.0, seconds - median(plain)))
+            self._extra.setdefault(bucket, _Recent()).add(max(0.0, seconds - plain.median))
 
     def length(self, acceptance: float, rows: int, compiled: bool) -> int:
         """The most guesses worth feeding: `acceptance` the row's (`Drafter.acceptance`), `rows` the
@@ -191,7 +204,7 @@ class DraftPolicy:
         if eager is None:  # an eager step of these rows alone is timed first (where the graph is
             # ready, the eager step's cost is not known: the graph serves)
             return 0 if compiled or not self._plain else FIRST_GUESS
-        share = median(eager) / rows  # this row's part of the step's fixed cost
+        share = eager.median / rows  # this row's part of the step's fixed cost
 
         def rate(k: int) -> float:
             return expected_tokens(acceptance, k) / (share + self.added_s(k))
@@ -199,7 +212,7 @@ class DraftPolicy:
         best = max(self.lengths, key=rate)
         if compiled:
             graph = self._plain.get((rows, True))
-            if graph is None or rate(best) <= rows / median(graph):
+            if graph is None or rate(best) <= rows / graph.median:
                 return 0
         return best
 
@@ -207,8 +220,8 @@ class DraftPolicy:
         """What `tokens` extra tokens add to an eager step, as timed (0 where never timed: worth a try)."""
         if tokens <= 0:
             return 0.0
-        samples = self._extra.get(1 << (tokens - 1).bit_length())
-        return median(samples) if samples else 0.0
+        timed = self._extra.get(1 << (tokens - 1).bit_length())
+        return timed.median if timed is not None else 0.0
 
 
 def expected_tokens(acceptance: float, guesses: int) -> float:
