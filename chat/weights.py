@@ -40,13 +40,14 @@ benchmark reports how often, on the trained demo model.
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+
+from cache_sessions.resident import recurrent_mixers
 
 WEIGHT_FORMATS = ("full", "packed", "int8")
 
@@ -212,19 +213,11 @@ def set_prompt_kernel(model: PreTrainedModel) -> str:
     they fold every token's error into their state, and "bf16" moved the tiny test model's logits
     by up to 1.0 against 0.1 with attention alone, so they keep "fp32". Returns the kernel set."""
     layers = [module for module in model.modules() if isinstance(module, Int8Linear)]
+    named = set(getattr(model.config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
     kernel = "fp32"
-    if layers and not _has_recurrent_layers(model):
+    if layers and not named and not recurrent_mixers(model):  # (the mixers packed steps run per row)
         widest = max(layers, key=lambda module: module.in_features * module.out_features)
         kernel = str(choose_prompt_kernel(widest).get("chosen", "fp32"))
     for module in layers:
         module.prompt_kernel = kernel
     return kernel
-
-
-def _has_recurrent_layers(model: PreTrainedModel) -> bool:
-    """Layers that fold tokens into a state: their forward takes the cache as `cache_params`
-    (transformers' linear-attention and state-space mixers), or the config names them."""
-    kinds = set(getattr(model.config, "layer_types", None) or ())
-    return bool(kinds - {"full_attention", "sliding_attention"}) or any(
-        "cache_params" in inspect.signature(module.forward).parameters for module in model.modules()
-        if hasattr(module, "layer_idx"))
