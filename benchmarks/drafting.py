@@ -34,7 +34,6 @@ import random
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -46,22 +45,12 @@ import torch
 import chat.drafting
 
 from benchmarks.models import Words, build_bench_tokenizer
+from benchmarks.report import cpu_flags
 from chat import ChatEngine
 from chat.drafting import DRAFT_MODES
 from chat.models import build_model, parameter_count, script_reply
 
 SCENARIOS = ("retry", "retry-sampled", "quote", "fresh", "wrong")
-
-
-def cpu_flags() -> str:
-    """The vector extensions `lscpu` reports (what decides which kernels are fast)."""
-    try:
-        flags = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    line = next((line for line in flags.splitlines() if line.startswith("Flags:")), "")
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "fma")
-    return " ".join(flag for flag in line.split()[1:] if flag in wanted) or "none of avx2/avx512/amx"
 
 
 def timed_reply(stream) -> tuple[float, int]:
@@ -144,6 +133,52 @@ def demo_runs(count: int) -> dict[str, dict]:
                    "taken_over_guessed": run["taken"] / max(1, run["guessed"])} for mode, run in runs.items()}
 
 
+def scenario_table(cells: dict[str, dict[str, list[dict]]]) -> dict[str, dict]:
+    """Per scenario: whether every mode gave the reply drafting-off gave, and each mode's median
+    tokens a second, its ratio to off, the share of guesses taken and the tokens a step."""
+    table = {}
+    for scenario, modes in cells.items():
+        replies = {mode: [run["reply"] for run in runs] for mode, runs in modes.items()}
+        speed = {mode: statistics.median(run["tokens_per_s"] for run in runs) for mode, runs in modes.items()}
+        table[scenario] = {
+            "same_reply": all(replies[mode] == replies["off"] for mode in replies), "tokens_per_s": speed,
+            "over_off": {mode: speed[mode] / speed["off"] for mode in speed},
+            "taken_over_guessed": {mode: (sum(r["taken"] for r in runs) / max(1, sum(r["guessed"] for r in runs)))
+                                   for mode, runs in modes.items()},
+            "tokens_per_step": {mode: statistics.median(r["tokens"] / max(1, r["steps"]) for r in runs)
+                                for mode, runs in modes.items()}}
+    return table
+
+
+def demo_table(count: int) -> dict:
+    """`demo_runs`, summed up as the table's rows are."""
+    runs = demo_runs(count)
+    return {"conversations": runs["off"]["conversations"], "reply_tokens": runs["off"]["reply_tokens"],
+            "same_replies": all(run["replies"] == runs["off"]["replies"] for run in runs.values()),
+            "tokens_per_s": {mode: run["tokens_per_s"] for mode, run in runs.items()},
+            "over_off": {mode: run["tokens_per_s"] / runs["off"]["tokens_per_s"] for mode, run in runs.items()},
+            "taken_over_guessed": {mode: run["taken_over_guessed"] for mode, run in runs.items()}}
+
+
+def print_tables(result: dict) -> None:
+    args, table, demo = result["args"], result["table"], result["demo"]
+    print(f"{args['model']}, {args['tokens']} tokens a reply, medians of {args['repeats']}; CPU flags: "
+          f"{result['cpu_flags']}; load {result['load_before'][0]:.1f} -> {result['load_after'][0]:.1f}")
+    print("| scenario | same reply | off tok/s | ngram | auto | guesses taken (ngram / auto) | tokens a step (auto) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for scenario, row in table.items():
+        speed, ratio, taken = row["tokens_per_s"], row["over_off"], row["taken_over_guessed"]
+        print(f"| {scenario} | {row['same_reply']} | {speed['off']:.1f} | {speed['ngram']:.1f} ({ratio['ngram']:.2f}x) "
+              f"| {speed['auto']:.1f} ({ratio['auto']:.2f}x) | {taken['ngram']:.2f} / {taken['auto']:.2f} "
+              f"| {row['tokens_per_step']['auto']:.2f} |")
+    if demo:
+        speed, ratio, taken = demo["tokens_per_s"], demo["over_off"], demo["taken_over_guessed"]
+        print(f"demo model, {demo['conversations']} held-out conversations ({demo['reply_tokens']} reply tokens), "
+              f"same replies: {demo['same_replies']}: off {speed['off']:.0f} tok/s, ngram {speed['ngram']:.0f} "
+              f"({ratio['ngram']:.2f}x, {taken['ngram']:.2f} taken), auto {speed['auto']:.0f} ({ratio['auto']:.2f}x, "
+              f"{taken['auto']:.2f} taken)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bench-full", help="a row of chat/models.py")
@@ -178,46 +213,13 @@ def main(argv: list[str] | None = None) -> dict:
                                 passage, args.compile, args.weights, truth)
                 run.pop("sequence")
                 cells.setdefault(scenario, {}).setdefault(mode, []).append(run)
-    table = {}
-    for scenario, modes in cells.items():
-        replies = {mode: [run["reply"] for run in runs] for mode, runs in modes.items()}
-        same = all(replies[mode] == replies["off"] for mode in replies)
-        speed = {mode: statistics.median(run["tokens_per_s"] for run in runs) for mode, runs in modes.items()}
-        table[scenario] = {
-            "same_reply": same, "tokens_per_s": speed,
-            "over_off": {mode: speed[mode] / speed["off"] for mode in speed},
-            "taken_over_guessed": {mode: (sum(r["taken"] for r in runs) / max(1, sum(r["guessed"] for r in runs)))
-                                   for mode, runs in modes.items()},
-            "tokens_per_step": {mode: statistics.median(r["tokens"] / max(1, r["steps"]) for r in runs)
-                                for mode, runs in modes.items()}}
-    demo = {}
-    if args.demo:
-        runs = demo_runs(args.demo)
-        demo = {"conversations": runs["off"]["conversations"], "reply_tokens": runs["off"]["reply_tokens"],
-                "same_replies": all(run["replies"] == runs["off"]["replies"] for run in runs.values()),
-                "tokens_per_s": {mode: run["tokens_per_s"] for mode, run in runs.items()},
-                "over_off": {mode: run["tokens_per_s"] / runs["off"]["tokens_per_s"] for mode, run in runs.items()},
-                "taken_over_guessed": {mode: run["taken_over_guessed"] for mode, run in runs.items()}}
-    result = {"args": vars(args), "model": args.model, "parameters": parameter_count(model), "demo": demo,
+    result = {"args": vars(args), "model": args.model, "parameters": parameter_count(model),
+              "demo": demo_table(args.demo) if args.demo else {},
               "cpu_flags": cpu_flags(), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "torch": torch.__version__, "load_before": load_before, "load_after": os.getloadavg(),
               "command": "python -m benchmarks.drafting " + " ".join(sys.argv[1:] if argv is None else argv),
-              "table": table}
-    print(f"{args.model}, {args.tokens} tokens a reply, medians of {args.repeats}; CPU flags: {result['cpu_flags']}; "
-          f"load {load_before[0]:.1f} -> {result['load_after'][0]:.1f}")
-    print("| scenario | same reply | off tok/s | ngram | auto | guesses taken (ngram / auto) | tokens a step (auto) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for scenario, row in table.items():
-        speed, ratio, taken = row["tokens_per_s"], row["over_off"], row["taken_over_guessed"]
-        print(f"| {scenario} | {row['same_reply']} | {speed['off']:.1f} | {speed['ngram']:.1f} ({ratio['ngram']:.2f}x) "
-              f"| {speed['auto']:.1f} ({ratio['auto']:.2f}x) | {taken['ngram']:.2f} / {taken['auto']:.2f} "
-              f"| {row['tokens_per_step']['auto']:.2f} |")
-    if demo:
-        speed, ratio, taken = demo["tokens_per_s"], demo["over_off"], demo["taken_over_guessed"]
-        print(f"demo model, {demo['conversations']} held-out conversations ({demo['reply_tokens']} reply tokens), "
-              f"same replies: {demo['same_replies']}: off {speed['off']:.0f} tok/s, ngram {speed['ngram']:.0f} "
-              f"({ratio['ngram']:.2f}x, {taken['ngram']:.2f} taken), auto {speed['auto']:.0f} ({ratio['auto']:.2f}x, "
-              f"{taken['auto']:.2f} taken)")
+              "table": scenario_table(cells)}
+    print_tables(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result

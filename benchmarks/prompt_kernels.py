@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.drafting import cpu_flags
+from benchmarks.report import cpu_flags
 from chat.models import build_model, parameter_count
 from chat.weights import Int8Linear, apply_weight_format, prompt_kernel_choice
 

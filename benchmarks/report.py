@@ -1,9 +1,11 @@
-"""What the benchmarks share: timing a `generate` stream, peak memory, and writing the result."""
+"""What the benchmarks share: timing a `generate` stream, peak memory, the CPU's vector extensions,
+and writing the result."""
 
 from __future__ import annotations
 
 import json
 import resource
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -30,6 +32,17 @@ class TokenClock(BaseStreamer):
 
 def decode_rate(times: list[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+
+
+def cpu_flags() -> str:
+    """The vector extensions `lscpu` reports (what decides which kernels are fast)."""
+    try:
+        flags = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    line = next((line for line in flags.splitlines() if line.startswith("Flags:")), "")
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "fma")
+    return " ".join(flag for flag in line.split()[1:] if flag in wanted) or "none of avx2/avx512/amx"
 
 
 def peak_rss_bytes() -> int:
