@@ -34,6 +34,8 @@ Module map:
   demo.py          where the trained demo model lies; the tests' tokenizer, trained in code
   models.py        the table of model shapes built in code (demo, tests, benchmarks)
   errors.py        errors a UI can show, one family (ChatError)
+  store.py         the server's store of signed-in people's records (SQLite or PostgreSQL), merged as the browser merges
+  shares.py        shared snapshots of a conversation's path, reached by an unguessable id, revoked by their maker
 """
 
 __version__ = "0.20.0"
