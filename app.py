@@ -17,6 +17,8 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 from chat import ChatEngine, ModelLoadError, remote, saved
+from chat.shares import Shares
+from chat.store import default_url, open_database
 from ui.browser_copy import SCRIPT as BROWSER_COPY_SCRIPT, Book
 from ui.waiting import WaitingBodies, WaitingBook
 from ui.chat_list import ChatList
@@ -26,10 +28,11 @@ from ui.handlers import ChatHandlers, PageEvents
 from ui.inputs import Limits, StrictBlocks
 from ui.operator import Metrics, routes
 from ui.security import SecurityHeaders
+from ui.sharing import SCRIPT as SHARES_SCRIPT, Sharing
 from ui import gradio_limits, gradio_tuning, views
 from ui.outputs import Settings
 from ui.page_assets import CSS, LATEX, PAGE_SCRIPT, SETTINGS_SCRIPT
-from ui.wiring import wire_api_twins, wire_conversation, wire_list, wire_load
+from ui.wiring import wire_api_twins, wire_conversation, wire_list, wire_load, wire_sharing
 
 try:  # Hugging Face ZeroGPU: generation must run inside `spaces.GPU`
     import spaces
@@ -50,12 +53,13 @@ DEMO_PLACEHOLDER = ("The `demo` model is a toy trained here on two CPU cores: tw
 
 
 EXPORTS_KEPT_S = 600  # Gradio's copies of exports and uploads are deleted this long after they were made
-PAGE_HEAD = BROWSER_COPY_SCRIPT + SETTINGS_SCRIPT  # the page's own scripts: its copy of the conversations, its settings
+# the page's own scripts: its copy of the conversations, its settings, the links it shared
+PAGE_HEAD = BROWSER_COPY_SCRIPT + SETTINGS_SCRIPT + SHARES_SCRIPT
 
 
 def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
-          placeholder: str = "Ask anything.") -> gr.Blocks:
-    chat_list = ChatList(handlers)
+          placeholder: str = "Ask anything.", sharing: Sharing | None = None) -> gr.Blocks:
+    chat_list = ChatList(handlers, sharing)
     directory = handlers.directory
     with StrictBlocks(title="rewind-chat", fill_height=True, delete_cache=(EXPORTS_KEPT_S, EXPORTS_KEPT_S)) as demo:
         # the browser's copy (ui/browser_copy.py): the page's book of it, what the server sends
@@ -79,6 +83,8 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
         events = PageEvents(handlers)
         wire_conversation(handlers, events, chat_list, page)
         wire_list(chat_list, page)
+        if sharing is not None:
+            wire_sharing(sharing, chat_list, page)
         wire_api_twins(handlers, page)
         wire_load(chat_list, page, demo)
         demo.unload(events.on_unload)
@@ -106,7 +112,11 @@ def sidebar() -> dict[str, Any]:
                       delete=gr.Button("Delete this conversation", size="sm", variant="stop", elem_id="delete"),
                       confirm_delete=gr.Button("Yes, delete it for good", size="sm", variant="stop", visible=False,
                                                elem_id="confirm-delete"),
-                      cancel_delete=gr.Button("Cancel", size="sm", visible=False, elem_id="cancel-delete"))
+                      cancel_delete=gr.Button("Cancel", size="sm", visible=False, elem_id="cancel-delete"),
+                      share=gr.Button("Share a link to this chat", size="sm", elem_id="share"))
+        parts["shared_links"] = gr.HTML("", elem_id="shared-links")  # drawn by the page (ui/sharing.py)
+        parts |= dict(share_made=gr.JSON(visible=False), revoke_request=gr.JSON(visible=False),
+                      revoke_done=gr.JSON(visible=False), revoke_go=gr.Button(visible="hidden", elem_id="revoke-go"))
     return parts
 
 
@@ -240,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     limits = Limits(max_new_tokens=config.max_new_tokens, max_message_chars=config.max_message_chars,
                     max_system_chars=config.max_system_chars)
     metrics = Metrics(directory)
+    database = open_database(config.store_url or default_url())
+    sharing = Sharing(directory, Shares(database))
     demo = build(ChatHandlers(engine, directory, limits=limits, metrics=metrics), model_label=label,
-                 max_new_tokens=config.max_new_tokens, **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
+                 max_new_tokens=config.max_new_tokens, sharing=sharing,
+                 **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
     demo.queue(default_concurrency_limit=config.streams, max_size=256)
     largest, waiting = waiting_book(config)
     gradio_tuning.poll_queue_every(demo)  # two costs of Gradio's that slow decoding down (see there)
@@ -258,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 css=CSS, js=PAGE_SCRIPT, head=PAGE_HEAD, max_file_size=saved.MAX_JSON_BYTES,
                 app_kwargs={"middleware": [Middleware(SecurityHeaders, trust_proxy_headers=bool(config.proxies)),
                                            Middleware(WaitingBodies, book=waiting, largest_bytes=largest)],
-                            "routes": routes(directory, metrics),
+                            "routes": routes(directory, metrics) + sharing.routes(),
                             "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
     waiting.alive = lambda event_id: event_id in demo._queue.event_ids_to_events  # queued, not yet ended
     print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",

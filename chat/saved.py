@@ -57,6 +57,16 @@ def to_dict(history: History) -> dict[str, Any]:
             "path": [index_of[node.uid] for node in history.entries], "system_prompt": history.system_prompt}
 
 
+def path_only(data: dict[str, Any]) -> dict[str, Any]:
+    """The shown path of `to_dict` data as a conversation of its own, without the other branches
+    (a shared link's snapshot: what was on screen and nothing else)."""
+    messages = [data["messages"][index] for index in data["path"]]
+    kept = [{**message, "parent": i - 1 if i else None, "shown": 0 if i < len(messages) - 1 else None}
+            for i, message in enumerate(messages)]
+    return {"format": FORMAT, "version": VERSION, "messages": kept, "shown": 0 if kept else None,
+            "path": list(range(len(kept))), "system_prompt": data.get("system_prompt")}
+
+
 def reply_fields(reply: ReplyVersion) -> dict[str, Any]:
     """An assistant message's fields besides its place in the tree."""
     item: dict[str, Any] = dict(content=reply.content, reasoning_content=reply.reasoning_content,

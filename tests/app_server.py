@@ -23,7 +23,9 @@ class AppServer:
     def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None, port: int | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
-        env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False",
+        # each app its own store (shared links, accounts), beside its log
+        store = f"sqlite:///{Path(log_path).resolve().parent / f'store-{self.port}.sqlite3'}"
+        env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", STORE_URL=store,
                    HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", GRADIO_HEARTBEAT_INTERVAL="1", **(env or {}))
         self.log = open(log_path, "w")
         self.process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(self.port), *args],

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chat import saved
+from chat.shares import is_share_id
 
 MAX_CHATS = 50
 MAX_TITLE_CHARS = 80
@@ -126,6 +127,7 @@ class Probe:
     index: list[tuple[str, str]] | None = None  # the list (on load and when another tab changed it)
     record: dict[str, Any] | None = None  # the shown record (on load, opening one, rebuilding one)
     pending_prompt: tuple[str, str] | None = None  # (record id, text): a system prompt typed, not applied (on load)
+    share: str | None = None  # a shared link's id, from the address (on load: "Continue in a new chat")
 
 
 def checked_probe(value: Any) -> Probe:
@@ -141,7 +143,8 @@ def checked_probe(value: Any) -> Probe:
                  notices=[checked_title(text) for text in notices[:MAX_NOTICES] if isinstance(text, str)],
                  index=checked_index(value["index"]) if "index" in value else None,
                  record=checked_record(value.get("record")),
-                 pending_prompt=checked_pending(value.get("pending")))
+                 pending_prompt=checked_pending(value.get("pending")),
+                 share=value["share"] if is_share_id(value.get("share")) else None)
 
 
 def checked_pending(value: Any) -> tuple[str, str] | None:
@@ -324,7 +327,10 @@ window.rewindCopy = (() => {
     onLoad: () => { prune(); const listed = index(); shownList = JSON.stringify(listed);
                     let pending = null;
                     try { pending = JSON.parse(sessionStorage.getItem("rewind-chat:pending-prompt")); } catch {}
-                    return {...probe(), index: listed, record: live(current()), pending}; },
+                    // opened from a shared link's "Continue in a new chat": copied once (a reload does not copy again)
+                    const share = new URLSearchParams(location.search).get("share");
+                    if (share) history.replaceState(null, "", location.pathname + location.hash);
+                    return {...probe(), index: listed, record: live(current()), pending, share}; },
     pickFile: () => new Promise((resolve) => {  // Import: the chosen file's text (one byte over the
       // limit at most: the server says it is too large), or null when none was chosen
       const input = Object.assign(document.createElement("input"), {type: "file", accept: ".json,application/json"});

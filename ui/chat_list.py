@@ -196,18 +196,28 @@ class ChatList(CopyKeeping):
     """The list's own events: the page's load, another tab's change, open, New chat, rename,
     delete, import (and, through `files`, export)."""
 
-    def __init__(self, handlers: ChatHandlers):
+    def __init__(self, handlers: ChatHandlers, sharing: Any = None):
         super().__init__(handlers)
         self.files = ChatFiles(handlers.directory)
+        self.sharing = sharing  # ui/sharing.py's Sharing: a shared link's snapshot, to continue in a new chat
 
-    def load(self, probe: Any, book: Any) -> tuple:
+    def load(self, request: gr.Request, probe: Any, book: Any) -> tuple:
         """Page load: the conversation this tab showed, from the browser's record (nothing made on
-        the server until the next event), and the list. An event of this page that began first
-        (a quick first message) is left as it is."""
+        the server until the next event), and the list; or, opened from a shared link's "Continue
+        in a new chat", a copy of its snapshot as a new entry. An event of this page that began
+        first (a quick first message) is left as it is."""
         said, book = checked_probe(probe), checked_book(book)
         if book.current is not None or book.revs:
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
         self._hear(said, book)
+        if said.share is not None and self.sharing is not None:
+            found = self.sharing.snapshot(said.share)
+            if found is not None:
+                return self._opened(request, found[1], found[0], None, book,
+                                    "A copy of the shared conversation: yours to go on with. Its cache is computed "
+                                    "at your next message.", refused="That shared conversation cannot be opened",
+                                    textbox=gr.update(placeholder=views.READY))
+            gr.Warning("That shared link leads nowhere: it was revoked, or never made.")
         outputs = self.handlers.empty()
         outputs.textbox = gr.update(placeholder=views.READY)
         if said.record is not None and said.record["id"] == said.current:
@@ -302,18 +312,30 @@ class ChatList(CopyKeeping):
             if not isinstance(text, str):
                 raise saved.SavedConversationError("the page sent no file's text")
             data = saved.loads(text)
+        except ChatError as error:
+            gr.Warning(f"That file cannot be imported: {error}")
+            return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
+        return self._opened(request, data, data.get("title") if isinstance(data, dict) else None, key, book,
+                            "Imported: its cache is computed at the next message.",
+                            refused="That file cannot be imported")
+
+    def _opened(self, request: gr.Request, data: Any, title: Any, key: Any, book: Book, stats: str, *,
+                refused: str, **changes: Any) -> tuple:
+        """Saved data (an Import, a shared link's snapshot), checked whole (`engine.restore`), shown
+        as a new entry of the list under `title` if it has one."""
+        try:
             new_key, chat = self.directory.restore(data, page=page_of(request), client=client_of(request))
         except (ChatError, OSError) as error:
-            gr.Warning(f"That file cannot be imported: {error}")
+            gr.Warning(f"{refused}: {error}")
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
         left = self._leave(key, book)
         book.current = browser_copy.new_id()
-        if title := browser_copy.checked_title(data.get("title")):  # the name it was exported with
+        if title := browser_copy.checked_title(title):  # the name it was exported or shared with
             book.renamed.add(book.current)
             book.put_first(book.current, title)
         written = self._write(book, new_key, chat)
-        outputs = self.handlers.view(new_key, chat, stats="Imported: its cache is computed at the next message.",
-                                     system_prompt=chat.conversation.system_prompt or "")  # its own (#32, 2)
+        outputs = self.handlers.view(new_key, chat, stats=stats, system_prompt=chat.conversation.system_prompt or "",
+                                     **changes)  # its own system prompt (#32, 2)
         return (*outputs.to_gradio(), *ListOutputs.of(book, *left, *([written] if written else [])).to_gradio())
 
     # ---- moving between conversations --------------------------------------------------------------

@@ -101,6 +101,10 @@ class AppConfig:
                                            "the private networks its proxy connects from)")
     page_states: int = _setting(1000, "PAGE_STATES", "closed pages whose Gradio state is kept (for an hour at most, "
                                 "about 200 KB each); a page past it gets its conversation back from its browser")
+    store_url: str | None = _setting(None, ("STORE_URL", "DATABASE_URL"), "the store of shared links and "
+                                     "signed-in people's conversations: an SQLAlchemy URL (postgresql+psycopg://... "
+                                     "when several replicas serve one address); default SQLite in /data on a Space "
+                                     "with persistent storage, else in ~/.local/share/rewind-chat")
     max_checkpoints: int = _setting(EngineConfig.max_checkpoints, "MAX_CHECKPOINTS",
                                     "snapshots per conversation for layers that cannot be cropped")
 

@@ -208,6 +208,9 @@ PAGE_SCRIPT = """() => {
         if (list) { redraw.observe(list, {childList: true, subtree: true, characterData: true}); clearInterval(watch); }
     }, 200);
     setInterval(drawList, 1000);  // a record written (its time, its last message): drawn again (cached text)
+    // the links this browser shared (ui/sharing.py): drawn once their box is on the page, again if Gradio redraws it
+    setInterval(() => { const box = document.querySelector("#shared-links");
+                        if (box && !box.querySelector(".shared-list")) window.rewindShares?.draw(); }, 300);
 
     document.addEventListener("click", (event) => {  // "‹ 2 / 3 ›" and ↻ under a message
         const button = event.target.closest?.("button.branch-step");
@@ -226,6 +229,11 @@ PAGE_SCRIPT = """() => {
 # event's first input (API clients send their own; this runs only in a page).
 TARGET_INPUT = "(target, ...settings) => [window.rewindBranchTarget ?? target, ...settings]"
 CSS = """
+#shared-links .shared-link { display: flex; align-items: center; gap: 8px; justify-content: space-between;
+                             padding: 4px 0; }
+#shared-links .shared-link a { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+#shared-links button.revoke { min-height: 32px; padding: 0 10px; border-radius: 6px;
+                              border: 1px solid var(--border-color-primary); background: var(--button-secondary-background-fill); }
 /* a refusal is one toast: Gradio's "Error" badge over each of the event's outputs stays hidden */
 [data-testid="status-tracker"]:has(.error) { display: none !important; }
 .branch-nav { font-size: 0.85em; opacity: 0.85; white-space: nowrap; }

@@ -17,6 +17,8 @@ from ui.chat_list import ChatList
 from ui.handlers import ChatHandlers, PageEvents
 from ui.outputs import ChatOutputs, Settings
 from ui.page_assets import TARGET_INPUT
+from ui import sharing as share_script
+from ui.sharing import Sharing
 
 
 def streamed(handler: Callable[..., Iterator[ChatOutputs]]) -> Callable[..., Iterator[tuple]]:
@@ -188,6 +190,17 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     page["import_file"].click(chat_list.import_text, [page["import_text"], key, book], with_list, js=PICK_FILE,
                               api_name=False, **ONE_RECORD_AT_A_TIME)
     page["list_refresh"].click(chat_list.refresh, [probe, book], [book, page["chats"]], js=WITH_LIST, **QUIET)
+
+
+def wire_sharing(sharing: Sharing, chat_list: ChatList, page: dict[str, Any]) -> None:
+    """Share (a link to the path on screen) and Revoke (from the page's list of its links)."""
+    with_conversation(chat_list, page, page["share"].click) \
+        .then(sharing.share, [page["key"], page["book"]], page["share_made"], api_name=False) \
+        .then(None, page["share_made"], None, js=share_script.MADE, **QUIET) \
+        .then(lambda: None, None, page["share_made"], **QUIET)
+    page["revoke_go"].click(sharing.revoke, [page["revoke_request"]], page["revoke_done"], js=share_script.REVOKE_INPUT,
+                            api_name=False) \
+        .then(None, page["revoke_done"], None, js=share_script.REVOKED, **QUIET)
 
 
 def wire_load(chat_list: ChatList, page: dict[str, Any], demo: gr.Blocks) -> None:
