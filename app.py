@@ -18,7 +18,8 @@ from starlette.middleware import Middleware
 
 from chat import ChatEngine, ModelLoadError, remote, saved
 from chat.shares import Shares
-from chat.store import default_url, open_database
+from chat.store import Records, SignOuts, default_url, open_database
+from ui.accounts import AccountCopy, SignedOutSessions, sign_in_configured
 from ui.browser_copy import SCRIPT as BROWSER_COPY_SCRIPT, Book
 from ui.waiting import WaitingBodies, WaitingBook
 from ui.chat_list import ChatList
@@ -58,8 +59,11 @@ PAGE_HEAD = BROWSER_COPY_SCRIPT + SETTINGS_SCRIPT + SHARES_SCRIPT
 
 
 def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
-          placeholder: str = "Ask anything.", sharing: Sharing | None = None) -> gr.Blocks:
-    chat_list = ChatList(handlers, sharing)
+          placeholder: str = "Ask anything.", sharing: Sharing | None = None,
+          account_copy: AccountCopy | None = None) -> gr.Blocks:
+    """The page. With `account_copy` (OAuth configured: a Space with `hf_oauth: true`), a Sign in
+    button, and signed-in people's conversations kept in the store too (ui/accounts.py)."""
+    chat_list = ChatList(handlers, sharing, account_copy)
     directory = handlers.directory
     with StrictBlocks(title="rewind-chat", fill_height=True, delete_cache=(EXPORTS_KEPT_S, EXPORTS_KEPT_S)) as demo:
         # the browser's copy (ui/browser_copy.py): the page's book of it, what the server sends
@@ -68,7 +72,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
                     book=gr.State(Book(), delete_callback=Closes(directory, parked=True)),
                     outbox=gr.JSON(visible=False), probe=gr.JSON(visible=False), need=gr.JSON(visible=False),
                     event=gr.JSON(visible=False), applied_prompt=gr.JSON(visible=False))
-        page |= sidebar()
+        page |= sidebar(sign_in=account_copy is not None)
         gr.Markdown(f"## rewind-chat · {model_label}\n"
                     "One KV cache per conversation, rolled back instead of recomputed: "
                     "regenerate, undo, edit, stop and branches reuse everything before the change.",
@@ -93,8 +97,11 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
     return demo
 
 
-def sidebar() -> dict[str, Any]:
+def sidebar(sign_in: bool = False) -> dict[str, Any]:
     with gr.Sidebar(label="Conversations", open=True, elem_id="sidebar", width=280):
+        if sign_in:  # signed in, the list follows the person to their other browsers
+            gr.LoginButton(value="Sign in to keep your chats on every device", logout_value="Sign out ({})",
+                           size="sm", elem_id="sign-in")
         parts = dict(sidebar_new_chat=gr.Button("Start a new chat", size="sm", elem_id="sidebar-new-chat"),
                      search=gr.Textbox(placeholder="Search chats", show_label=False, elem_id="chat-search",
                                        max_lines=1, container=False),  # the page filters the list (no event)
@@ -252,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     metrics = Metrics(directory)
     database = open_database(config.store_url or default_url())
     sharing = Sharing(directory, Shares(database))
+    account_copy = AccountCopy(Records(database)) if sign_in_configured() else None
     demo = build(ChatHandlers(engine, directory, limits=limits, metrics=metrics), model_label=label,
-                 max_new_tokens=config.max_new_tokens, sharing=sharing,
+                 max_new_tokens=config.max_new_tokens, sharing=sharing, account_copy=account_copy,
                  **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
     demo.queue(default_concurrency_limit=config.streams, max_size=256)
     largest, waiting = waiting_book(config)
@@ -270,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
                 state_session_capacity=config.page_states,
                 css=CSS, js=PAGE_SCRIPT, head=PAGE_HEAD, max_file_size=saved.MAX_JSON_BYTES,
                 app_kwargs={"middleware": [Middleware(SecurityHeaders, trust_proxy_headers=bool(config.proxies)),
-                                           Middleware(WaitingBodies, book=waiting, largest_bytes=largest)],
+                                           Middleware(WaitingBodies, book=waiting, largest_bytes=largest),
+                                           # (inside Gradio's session middleware: it sees the session)
+                                           *([Middleware(SignedOutSessions, sign_outs=SignOuts(database))]
+                                             if account_copy is not None else [])],
                             "routes": routes(directory, metrics) + sharing.routes(),
                             "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
     waiting.alive = lambda event_id: event_id in demo._queue.event_ids_to_events  # queued, not yet ended

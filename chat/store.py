@@ -58,6 +58,11 @@ SHARES = sa.Table(
     sa.Column("nbytes", sa.BigInteger, nullable=False),
     sa.Column("created", sa.Float, nullable=False),
 )
+SIGNED_OUT = sa.Table(
+    "signed_out", METADATA,  # sign-ins ended: their session cookies, replayed, sign no one in
+    sa.Column("fingerprint", sa.String(64), primary_key=True),
+    sa.Column("until", sa.Float, nullable=False),  # when the sign-in would have expired anyway
+)
 
 
 class StoreError(ChatError):
@@ -248,3 +253,24 @@ class AccountLock:
 
     def __exit__(self, *exc: Any) -> bool | None:
         return self._transaction.__exit__(*exc)
+
+
+class SignOuts:
+    """Sign-ins that ended. A session cookie is signed, not stored: a copy of one taken before its
+    person signed out would still verify. Its sign-in's fingerprint is kept here until it would
+    have expired, and a session that carries it is treated as signed out (ui/accounts.py)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def end(self, fingerprint: str, until: float) -> None:
+        with self.engine.begin() as connection:
+            connection.execute(SIGNED_OUT.delete().where(SIGNED_OUT.c.until < time.time()))
+            if connection.execute(sa.select(SIGNED_OUT.c.fingerprint)
+                                  .where(SIGNED_OUT.c.fingerprint == fingerprint)).first() is None:
+                connection.execute(SIGNED_OUT.insert().values(fingerprint=fingerprint, until=until))
+
+    def ended(self, fingerprint: str) -> bool:
+        with self.engine.connect() as connection:
+            return connection.execute(sa.select(SIGNED_OUT.c.fingerprint)
+                                      .where(SIGNED_OUT.c.fingerprint == fingerprint)).first() is not None

@@ -132,7 +132,7 @@ def test_a_reload_rebuilds_the_conversation_from_the_browsers_record(make_engine
     handlers.directory.close(key)  # the server forgot it (restart, expiry)
 
     book = Book()  # a new page (a reload)
-    loaded = chat_list.load(None, browser.probe(record=browser.records[browser.current],
+    loaded = chat_list.load(None, None, browser.probe(record=browser.records[browser.current],
                                           index=[[browser.current, "First question?"]]), book)
     users = [m["content"] for m in loaded[CHAT] if m["role"] == "user" and "branch-nav" not in m["content"]]
     assert users[0] == "First, edited?" and any("2 / 2" in m["content"] for m in loaded[CHAT])
@@ -427,7 +427,7 @@ def test_a_reload_keeps_a_system_prompt_typed_and_not_yet_applied(make_engine):
                            ({"id": "another-record-id", "text": "Be terse."}, "Be brief."),  # another chat's
                            ({"id": browser.current, "text": "x" * 10_000}, "Be brief."),  # over the limit
                            (None, "Be brief.")):
-        loaded = chat_list.load(None, browser.probe(record=record, index=[[browser.current, "First question?"]],
+        loaded = chat_list.load(None, None, browser.probe(record=record, index=[[browser.current, "First question?"]],
                                               pending=pending), Book())
         assert loaded[SYSTEM_PROMPT] == shown and loaded[APPLIED] == {"prompt": "Be brief."}
 

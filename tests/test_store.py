@@ -223,3 +223,23 @@ def test_anonymous_shares_are_bounded(engine):
     with pytest.raises(StoreError, match="no more links"):
         shares.create(owner=None, client="addr:2", title="t", snapshot=conversation("x" * 3_000))
     shares.create(owner="hf:a", client="hf:a", title="t", snapshot=conversation("x" * 3_000))  # accounts: by count
+
+
+def test_a_signed_in_load_gets_only_its_own_accounts_records_it_lacks(engine):
+    from ui.accounts import AccountCopy
+
+    copy = AccountCopy(Records(engine))
+    copy.keep("hf:a", record("chat-0001", 2, "A's first"))
+    copy.keep("hf:a", record("chat-0002", 1, "A's second"))
+    copy.keep("hf:a", {"id": "chat-0002", "rev": 2, "deleted": True})
+    copy.keep("hf:b", record("chat-0009", 1, "B's"))
+    copy.keep("hf:a", {"id": "chat-0001", "rev": 3, "title": "Renamed", "renamed": True})
+    copy.keep(None, record("chat-0003", 1, "signed out: kept nowhere here"))
+    copy.keep("hf:a", {**record("chat-0004", 1, "a draft"), "draft": True})  # drafts stay in the browser
+    # whatever ids the browser says it has, only the account's own come back
+    missing = copy.missing_from("hf:a", {"chat-0009": 0, "chat-0003": 0})
+    assert [(r["id"], r["rev"], r.get("deleted", False)) for r in missing] == [("chat-0001", 3, False),
+                                                                               ("chat-0002", 2, True)]
+    assert missing[0]["title"] == "Renamed" and missing[0]["data"] == conversation("A's first")
+    assert copy.missing_from("hf:a", {"chat-0001": 3, "chat-0002": 2}) == []
+    assert [r["id"] for r in copy.missing_from("hf:b", {})] == ["chat-0009"]

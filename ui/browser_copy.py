@@ -47,6 +47,7 @@ class Book:
     renamed: set[str] = field(default_factory=set)  # ids whose name the user chose
     saved: tuple[str, int] | None = None  # (server key, conversation revision) the shown record was written from
     drafted: dict[str, int] = field(default_factory=dict)  # record id -> revision of this page's latest draft of it
+    account: str | None = None  # signed in: the account its records are kept for too (from the OAuth session)
 
     def title(self, chat_id: str | None) -> str:
         return next((title for entry, title in self.index if entry == chat_id), "")
@@ -128,6 +129,7 @@ class Probe:
     record: dict[str, Any] | None = None  # the shown record (on load, opening one, rebuilding one)
     pending_prompt: tuple[str, str] | None = None  # (record id, text): a system prompt typed, not applied (on load)
     share: str | None = None  # a shared link's id, from the address (on load: "Continue in a new chat")
+    revs: dict[str, int] = field(default_factory=dict)  # every record's id and revision, tombstones too (on load)
 
 
 def checked_probe(value: Any) -> Probe:
@@ -144,7 +146,14 @@ def checked_probe(value: Any) -> Probe:
                  index=checked_index(value["index"]) if "index" in value else None,
                  record=checked_record(value.get("record")),
                  pending_prompt=checked_pending(value.get("pending")),
-                 share=value["share"] if is_share_id(value.get("share")) else None)
+                 share=value["share"] if is_share_id(value.get("share")) else None,
+                 revs=checked_revs(value.get("revs")))
+
+
+def checked_revs(value: Any) -> dict[str, int]:
+    """The browser's record ids and revisions (it keeps MAX_CHATS and their tombstones: a few more)."""
+    items = list(value.items())[:4 * MAX_CHATS] if isinstance(value, dict) else []
+    return {chat_id: rev for chat_id, rev in items if checked_id(chat_id) and checked_rev(rev) is not None}
 
 
 def checked_pending(value: Any) -> tuple[str, str] | None:
@@ -330,7 +339,8 @@ window.rewindCopy = (() => {
                     // opened from a shared link's "Continue in a new chat": copied once (a reload does not copy again)
                     const share = new URLSearchParams(location.search).get("share");
                     if (share) history.replaceState(null, "", location.pathname + location.hash);
-                    return {...probe(), index: listed, record: live(current()), pending, share}; },
+                    const revs = Object.fromEntries(all().map((rec) => [rec.id, rec.rev]));  // what a signed-in load lacks
+                    return {...probe(), index: listed, record: live(current()), pending, share, revs}; },
     pickFile: () => new Promise((resolve) => {  // Import: the chosen file's text (one byte over the
       // limit at most: the server says it is too large), or null when none was chosen
       const input = Object.assign(document.createElement("input"), {type: "file", accept: ".json,application/json"});

@@ -24,6 +24,7 @@ import gradio as gr
 from chat import ChatError
 from chat import saved
 from ui import browser_copy, views
+from ui.accounts import AccountCopy, account_of
 from ui.browser_copy import Book, Probe, checked_probe, checked_record, outbox, said_anything
 from ui.directory import BrowserChat, ChatDirectory
 from ui.handlers import ChatHandlers
@@ -94,9 +95,16 @@ class CopyKeeping:
     (`ensure`, `recover`), a streaming reply is drafted into the browser's copy (`drafting`), and
     the copy is brought up to date (`sync`)."""
 
-    def __init__(self, handlers: ChatHandlers):
+    def __init__(self, handlers: ChatHandlers, account_copy: AccountCopy | None = None):
         self.handlers = handlers
         self.directory = handlers.directory
+        self.account_copy = account_copy  # a signed-in page's records go to the store too (ui/accounts.py)
+
+    def _keep(self, book: Book, record: dict[str, Any] | None) -> dict[str, Any] | None:
+        """`record`, to give the browser; kept in the account's store too when the page is signed in."""
+        if self.account_copy is not None:
+            self.account_copy.keep(book.account, record)
+        return record
 
     def ensure(self, probe: Any, key: Any, book: Any) -> tuple:
         """Before an event: whether the server must rebuild the shown conversation from the
@@ -189,33 +197,38 @@ class CopyKeeping:
             return None
         written = browser_copy.record(book, book.current, data)
         book.saved = (key, chat.conversation.revision)
-        return written
+        return self._keep(book, written)
 
 
 class ChatList(CopyKeeping):
     """The list's own events: the page's load, another tab's change, open, New chat, rename,
     delete, import (and, through `files`, export)."""
 
-    def __init__(self, handlers: ChatHandlers, sharing: Any = None):
-        super().__init__(handlers)
+    def __init__(self, handlers: ChatHandlers, sharing: Any = None, account_copy: AccountCopy | None = None):
+        super().__init__(handlers, account_copy)
         self.files = ChatFiles(handlers.directory)
         self.sharing = sharing  # ui/sharing.py's Sharing: a shared link's snapshot, to continue in a new chat
 
-    def load(self, request: gr.Request, probe: Any, book: Any) -> tuple:
+    def load(self, request: gr.Request, profile: gr.OAuthProfile | None, probe: Any, book: Any) -> tuple:
         """Page load: the conversation this tab showed, from the browser's record (nothing made on
         the server until the next event), and the list; or, opened from a shared link's "Continue
-        in a new chat", a copy of its snapshot as a new entry. An event of this page that began
-        first (a quick first message) is left as it is."""
+        in a new chat", a copy of its snapshot as a new entry. Signed in: the account's records
+        this browser lacks come with it. An event of this page that began first (a quick first
+        message) is left as it is."""
         said, book = checked_probe(probe), checked_book(book)
         if book.current is not None or book.revs:
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
         self._hear(said, book)
+        from_account = self._from_account(book, account_of(profile), said)
+        for record in from_account:  # the account's is newer than what this browser showed
+            if said.record is not None and record["id"] == said.record["id"]:
+                said.record = None if record.get("deleted") else record
         if said.share is not None and self.sharing is not None:
             found = self.sharing.snapshot(said.share)
             if found is not None:
-                return self._opened(request, found[1], found[0], None, book,
-                                    "A copy of the shared conversation: yours to go on with. Its cache is computed "
-                                    "at your next message.", refused="That shared conversation cannot be opened",
+                return self._opened(request, found[1], found[0], None, book, *from_account,
+                                    stats="A copy of the shared conversation: yours to go on with. Its cache is "
+                                    "computed at your next message.", refused="That shared conversation cannot be opened",
                                     textbox=gr.update(placeholder=views.READY))
             gr.Warning("That shared link leads nowhere: it was revoked, or never made.")
         outputs = self.handlers.empty()
@@ -228,9 +241,25 @@ class ChatList(CopyKeeping):
                 pending = said.pending_prompt
                 if pending and pending[0] == book.current and len(pending[1]) <= self.handlers.limits.max_system_chars:
                     outputs.system_prompt = pending[1]  # typed before the reload, still not applied (#32, 4)
-        listed = ListOutputs.of(book)
-        listed.outbox = None  # nothing to write
+        listed = ListOutputs.of(book, *from_account)
+        if not from_account:
+            listed.outbox = None  # nothing to write
         return (*outputs.to_gradio(), *listed.to_gradio())
+
+    def _from_account(self, book: Book, account: str | None, said: Probe) -> list[dict[str, Any]]:
+        """Signed in: the page's account, and the records of it this browser lacks (listed too)."""
+        book.account = account
+        if account is None or self.account_copy is None:
+            return []
+        missing = self.account_copy.missing_from(account, said.revs)
+        for record in reversed(missing):
+            if record.get("deleted"):
+                book.forget(record["id"])
+            else:
+                book.put_first(record["id"], record["title"])
+                if record["renamed"]:
+                    book.renamed.add(record["id"])
+        return missing
 
     def refresh(self, probe: Any, book: Any) -> tuple:
         """Another tab changed the list (or this one kept a copy): show it as the browser has it."""
@@ -285,7 +314,7 @@ class ChatList(CopyKeeping):
         if not text:  # one is open (#46, 5: this said "open a conversation first")
             gr.Warning("A name cannot be empty: type one, then Rename.")
             return gr.skip(), gr.skip(), gr.skip()
-        return outbox(book, browser_copy.rename(book, book.current, text)), book, choices_of(book)
+        return outbox(book, self._keep(book, browser_copy.rename(book, book.current, text))), book, choices_of(book)
 
     def delete(self, key: Any, book: Any) -> tuple:
         """Confirmed: the shown conversation leaves the list (a tombstone, so no tab brings it back)
@@ -293,7 +322,7 @@ class ChatList(CopyKeeping):
         book = checked_book(book)
         self.directory.close(key)
         listed = book.current is not None and any(entry == book.current for entry, _ in book.index)
-        records = [browser_copy.tombstone(book, book.current)] if listed and book.current else []
+        records = [self._keep(book, browser_copy.tombstone(book, book.current))] if listed and book.current else []
         book.current, book.saved = None, None
         outputs = self.handlers.empty()
         outputs.stats = "Deleted." if records else ""
@@ -316,11 +345,11 @@ class ChatList(CopyKeeping):
             gr.Warning(f"That file cannot be imported: {error}")
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
         return self._opened(request, data, data.get("title") if isinstance(data, dict) else None, key, book,
-                            "Imported: its cache is computed at the next message.",
+                            stats="Imported: its cache is computed at the next message.",
                             refused="That file cannot be imported")
 
-    def _opened(self, request: gr.Request, data: Any, title: Any, key: Any, book: Book, stats: str, *,
-                refused: str, **changes: Any) -> tuple:
+    def _opened(self, request: gr.Request, data: Any, title: Any, key: Any, book: Book, *also: dict[str, Any],
+                stats: str, refused: str, **changes: Any) -> tuple:
         """Saved data (an Import, a shared link's snapshot), checked whole (`engine.restore`), shown
         as a new entry of the list under `title` if it has one."""
         try:
@@ -336,7 +365,7 @@ class ChatList(CopyKeeping):
         written = self._write(book, new_key, chat)
         outputs = self.handlers.view(new_key, chat, stats=stats, system_prompt=chat.conversation.system_prompt or "",
                                      **changes)  # its own system prompt (#32, 2)
-        return (*outputs.to_gradio(), *ListOutputs.of(book, *left, *([written] if written else [])).to_gradio())
+        return (*outputs.to_gradio(), *ListOutputs.of(book, *also, *left, *([written] if written else [])).to_gradio())
 
     # ---- moving between conversations --------------------------------------------------------------
     def _leave(self, key: Any, book: Book) -> list[dict[str, Any]]:

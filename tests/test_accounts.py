@@ -1,0 +1,91 @@
+"""Conversations that follow the person (issue #47): signing in with a stand-in for Hugging Face's
+OpenID provider (tests/oidc_provider.py), the account's records kept on the server, another
+browser of the same person finding them, another person finding nothing, and a forged session
+cookie signing no one in. Each page of `browser` is a browser of its own (no storage shared)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app_server import AppServer
+from oidc_provider import Provider
+from test_browser import CHROMIUM, browser, open_chat, send, wait_loaded, wait_reply  # noqa: F401 (fixtures)
+from playwright.sync_api import Page, expect  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def provider():
+    provider = Provider()
+    provider.add_user("1001", "alice")
+    provider.add_user("1002", "bob")
+    yield provider
+    provider.close()
+
+
+@pytest.fixture(scope="module")
+def space_app(tmp_path_factory, provider):
+    server = AppServer(log_path=tmp_path_factory.mktemp("log") / "app.log", env=provider.environment())
+    yield server
+    server.close()
+
+
+def signed_in(browser, app: AppServer, provider: Provider, user: str) -> Page:
+    page = open_chat(browser, app.url)
+    provider.signing_in = user
+    page.click("#sign-in")
+    expect(page.locator("#sign-in")).to_have_text(f"Sign out ({provider.users[user]['preferred_username']})")
+    wait_loaded(page)
+    return page
+
+
+def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(browser, space_app, provider):
+    laptop = signed_in(browser, space_app, provider, "1001")
+    wait_reply(laptop, send(laptop, "What is 21 + 21?"))
+    answer = laptop.locator("#chatbot .message-row.bot-row").last.inner_text()
+
+    phone = signed_in(browser, space_app, provider, "1001")
+    chats = phone.locator("#chat-list label")
+    expect(chats).to_have_count(1)
+    chats.first.click()
+    expect(phone.locator("#chatbot .message-row.user-row").first).to_have_text("What is 21 + 21?")
+    assert phone.locator("#chatbot .message-row.bot-row").last.inner_text() == answer
+    wait_reply(phone, send(phone, "plus 8"))
+    expect(phone.locator("#chatbot .message-row.user-row")).to_have_count(2)
+
+    # the laptop, reloaded, has the phone's turn too
+    laptop.reload()
+    wait_loaded(laptop)
+    laptop.locator("#chat-list label").first.click()
+    expect(laptop.locator("#chatbot .message-row.user-row")).to_have_count(2)
+
+    other = signed_in(browser, space_app, provider, "1002")
+    expect(other.locator("#chat-list label")).to_have_count(0)
+    anonymous = open_chat(browser, space_app.url)
+    expect(anonymous.locator("#chat-list label")).to_have_count(0)
+    expect(anonymous.locator("#sign-in")).to_have_text("Sign in to keep your chats on every device")
+
+    # a session cookie with one character changed signs no one in
+    cookie = next(c for c in laptop.context.cookies() if c["name"] == "session")
+    forged = browser.new_context(viewport={"width": 1200, "height": 1000})
+    value = cookie["value"]
+    forged.add_cookies([{**cookie, "value": value[:-3] + ("A" if value[-3] != "A" else "B") + value[-2:]}])
+    forged_page = forged.new_page()
+    forged_page.goto(space_app.url)
+    wait_loaded(forged_page)
+    expect(forged_page.locator("#sign-in")).to_have_text("Sign in to keep your chats on every device")
+    expect(forged_page.locator("#chat-list label")).to_have_count(0)
+
+    # signed out, the laptop's cookie as it was before (copied, then replayed) signs no one in
+    laptop.click("#sign-in")
+    expect(laptop.locator("#sign-in")).to_have_text("Sign in to keep your chats on every device")
+    replayed = browser.new_context(viewport={"width": 1200, "height": 1000})
+    replayed.add_cookies([cookie])
+    replayed_page = replayed.new_page()
+    replayed_page.goto(space_app.url)
+    wait_loaded(replayed_page)
+    expect(replayed_page.locator("#sign-in")).to_have_text("Sign in to keep your chats on every device")
+    expect(replayed_page.locator("#chat-list label")).to_have_count(0)
+    for page in (laptop, phone, other, anonymous, forged_page, replayed_page):
+        page.close()
+    forged.close()
+    replayed.close()

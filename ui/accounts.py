@@ -1,0 +1,98 @@
+"""Signed-in people's conversations follow them (issue #47): the browser's records, kept in the store too.
+
+Signing in is Gradio's OAuth with Hugging Face (a Space with `hf_oauth: true`): the account is
+the OAuth session's subject, read from the session cookie Gradio signs, never from anything the
+page sends. A signed-in page writes every record it gives the browser (a conversation's latest
+state, a rename, a tombstone) to the account's records in the store as well (chat/store.py merges
+them as the browser does); at its load it gets the account's records its browser lacks or holds
+older. The browser's copy stays: it is the page's cache and its offline view. Anonymous use is
+unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any, Awaitable, Callable
+
+import gradio as gr
+
+from chat.store import Records, SignOuts, StoreError
+
+MAX_SENT_AT_LOAD = 50  # as many as a browser keeps (ui/browser_copy.py MAX_CHATS), newest first
+
+
+def sign_in_configured(environ: dict[str, str] | None = None) -> bool:
+    """Gradio's own condition for real OAuth: a Space (`SYSTEM=spaces`) whose OAuth is enabled.
+    Elsewhere Gradio would sign in a mock user from this machine's Hugging Face token."""
+    environ = os.environ if environ is None else environ
+    return environ.get("SYSTEM") == "spaces" and bool(environ.get("OAUTH_CLIENT_ID"))
+
+
+def account_of(profile: Any) -> str | None:
+    """The account an OAuth profile (injected by Gradio from the signed session) names."""
+    subject = profile.get("sub") if isinstance(profile, dict) else None
+    return f"hf:{subject}" if isinstance(subject, str) and subject else None
+
+
+class AccountCopy:
+    def __init__(self, records: Records):
+        self.records = records
+
+    def keep(self, account: str | None, record: dict[str, Any] | None) -> None:
+        """Write what the browser is given to `account`'s records (nothing when signed out)."""
+        if account is None or record is None or record.get("draft"):
+            return
+        try:
+            if record.get("deleted"):
+                self.records.delete(account, record["id"], record["rev"])
+            elif "data" not in record:
+                self.records.rename(account, record["id"], record["rev"], record["title"])
+            else:
+                self.records.put(account, record)
+        except StoreError as error:
+            gr.Warning(f"{error} This browser still keeps it.")
+
+    def missing_from(self, account: str, revs: dict[str, int]) -> list[dict[str, Any]]:
+        """The account's records the browser lacks or holds older (`revs`: its record ids and
+        revisions, tombstones included), newest first: live ones whole, deleted ones as tombstones."""
+        missing = []
+        for entry in self.records.listed(account):
+            if revs.get(entry["id"], -1) >= entry["rev"]:
+                continue
+            if entry.get("deleted"):
+                missing.append(entry)
+            elif (record := self.records.get(account, entry["id"])) is not None:
+                record.pop("updated", None)
+                missing.append(record)
+            if len(missing) >= MAX_SENT_AT_LOAD:
+                break
+        return missing
+
+
+def fingerprint(oauth_info: Any) -> str | None:
+    """One sign-in's mark: a hash of the access token it was given (never the token itself)."""
+    token = oauth_info.get("access_token") if isinstance(oauth_info, dict) else None
+    return hashlib.sha256(token.encode()).hexdigest() if isinstance(token, str) and token else None
+
+
+class SignedOutSessions:
+    """ASGI middleware inside Gradio's session middleware: `/logout` ends the sign-in for good (its
+    fingerprint goes to the store, shared by every replica), and a request whose session carries
+    an ended sign-in (a cookie copied before its person signed out, and replayed) has it removed
+    before anything reads it: it is anonymous."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], sign_outs: SignOuts):
+        self.app, self.sign_outs = app, sign_outs
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        session = scope.get("session") if scope["type"] in ("http", "websocket") else None
+        info = session.get("oauth_info") if isinstance(session, dict) else None
+        if info is not None and (mark := fingerprint(info)) is not None:
+            if scope["path"].rstrip("/").endswith("/logout"):
+                expires = info.get("expires_at")
+                self.sign_outs.end(mark, float(expires) if isinstance(expires, (int, float)) else time.time() + 86_400)
+            elif self.sign_outs.ended(mark):
+                session.pop("oauth_info", None)
+        await self.app(scope, receive, send)
