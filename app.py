@@ -102,7 +102,8 @@ def sidebar(sign_in: bool = False) -> dict[str, Any]:
         if sign_in:  # signed in, the list follows the person to their other browsers
             gr.LoginButton(value="Sign in to keep your chats on every device", logout_value="Sign out ({})",
                            size="sm", elem_id="sign-in")
-        parts = dict(sidebar_new_chat=gr.Button("Start a new chat", size="sm", elem_id="sidebar-new-chat"),
+        parts = dict(claim=gr.Button("", size="sm", visible=False, elem_id="claim"), claim_ids=gr.JSON(visible=False))
+        parts |= dict(sidebar_new_chat=gr.Button("Start a new chat", size="sm", elem_id="sidebar-new-chat"),
                      search=gr.Textbox(placeholder="Search chats", show_label=False, elem_id="chat-search",
                                        max_lines=1, container=False),  # the page filters the list (no event)
                      chats=gr.Radio(choices=[], label="Kept in this browser", elem_id="chat-list"),

@@ -30,7 +30,10 @@ def space_app(tmp_path_factory, provider):
 
 
 def signed_in(browser, app: AppServer, provider: Provider, user: str) -> Page:
-    page = open_chat(browser, app.url)
+    return sign_in(open_chat(browser, app.url), provider, user)
+
+
+def sign_in(page: Page, provider: Provider, user: str) -> Page:
     provider.signing_in = user
     page.click("#sign-in")
     expect(page.locator("#sign-in")).to_have_text(f"Sign out ({provider.users[user]['preferred_username']})")
@@ -39,14 +42,22 @@ def signed_in(browser, app: AppServer, provider: Provider, user: str) -> Page:
 
 
 def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(browser, space_app, provider):
-    laptop = signed_in(browser, space_app, provider, "1001")
+    laptop = open_chat(browser, space_app.url)
+    wait_reply(laptop, send(laptop, "What is 3 + 4?"))  # before signing in: this browser's only
+    sign_in(laptop, provider, "1001")
+    claim = laptop.locator("#claim")
+    expect(claim).to_have_text("Keep this browser's chat in your account")  # asked, not assumed
+    claim.click()
+    expect(claim).to_be_hidden()
+    laptop.click("#new-chat")
     wait_reply(laptop, send(laptop, "What is 21 + 21?"))
     answer = laptop.locator("#chatbot .message-row.bot-row").last.inner_text()
 
     phone = signed_in(browser, space_app, provider, "1001")
     chats = phone.locator("#chat-list label")
-    expect(chats).to_have_count(1)
-    chats.first.click()
+    expect(chats).to_have_count(2)
+    expect(phone.locator("#claim")).to_be_hidden()  # nothing of this browser's own to keep
+    chats.filter(has_text="21 + 21").click()
     expect(phone.locator("#chatbot .message-row.user-row").first).to_have_text("What is 21 + 21?")
     assert phone.locator("#chatbot .message-row.bot-row").last.inner_text() == answer
     wait_reply(phone, send(phone, "plus 8"))
@@ -55,7 +66,7 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
     # the laptop, reloaded, has the phone's turn too
     laptop.reload()
     wait_loaded(laptop)
-    laptop.locator("#chat-list label").first.click()
+    laptop.locator("#chat-list label").filter(has_text="21 + 21").click()
     expect(laptop.locator("#chatbot .message-row.user-row")).to_have_count(2)
 
     other = signed_in(browser, space_app, provider, "1002")

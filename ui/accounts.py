@@ -18,6 +18,8 @@ from typing import Any, Awaitable, Callable
 
 import gradio as gr
 
+from chat import saved
+from chat.errors import ChatError
 from chat.store import Records, SignOuts, StoreError
 
 MAX_SENT_AT_LOAD = 50  # as many as a browser keeps (ui/browser_copy.py MAX_CHATS), newest first
@@ -53,6 +55,24 @@ class AccountCopy:
                 self.records.put(account, record)
         except StoreError as error:
             gr.Warning(f"{error} This browser still keeps it.")
+
+    def unclaimed(self, account: str, live_ids: list[str]) -> list[str]:
+        """Of the browser's live records, those the account does not hold (chats made before signing in)."""
+        held = {entry["id"] for entry in self.records.listed(account)}
+        return [chat_id for chat_id in live_ids if chat_id not in held]
+
+    def claim(self, account: str, records: list[dict[str, Any]]) -> tuple[int, list[str]]:
+        """The browser's records (each checked whole, as an Import) kept in `account`. Returns
+        how many were kept and what refused the others."""
+        kept, refused = 0, []
+        for record in records:
+            try:
+                saved.from_dict(record["data"])
+                self.records.put(account, record)
+                kept += 1
+            except ChatError as error:
+                refused.append(f"“{record['title'] or 'a chat'}”: {error}")
+        return kept, refused
 
     def missing_from(self, account: str, revs: dict[str, int]) -> list[dict[str, Any]]:
         """The account's records the browser lacks or holds older (`revs`: its record ids and

@@ -48,6 +48,7 @@ class Book:
     saved: tuple[str, int] | None = None  # (server key, conversation revision) the shown record was written from
     drafted: dict[str, int] = field(default_factory=dict)  # record id -> revision of this page's latest draft of it
     account: str | None = None  # signed in: the account its records are kept for too (from the OAuth session)
+    unclaimed: list[str] = field(default_factory=list)  # signed in: this browser's chats the account lacks (at load)
 
     def title(self, chat_id: str | None) -> str:
         return next((title for entry, title in self.index if entry == chat_id), "")

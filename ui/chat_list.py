@@ -251,6 +251,7 @@ class ChatList(CopyKeeping):
         book.account = account
         if account is None or self.account_copy is None:
             return []
+        book.unclaimed = self.account_copy.unclaimed(account, [chat_id for chat_id, _ in book.index])
         missing = self.account_copy.missing_from(account, said.revs)
         for record in reversed(missing):
             if record.get("deleted"):
@@ -260,6 +261,34 @@ class ChatList(CopyKeeping):
                 if record["renamed"]:
                     book.renamed.add(record["id"])
         return missing
+
+    def offer_claim(self, book: Any) -> tuple:
+        """After a signed-in load: offer to keep this browser's chats (made before signing in, or
+        signed out) in the account; asked, not assumed."""
+        book = checked_book(book)
+        count = len(book.unclaimed) if book.account else 0
+        if not count:
+            return gr.update(visible=False), None
+        chats = "chat" if count == 1 else f"{count} chats"
+        return gr.update(visible=True, value=f"Keep this browser's {chats} in your account"), list(book.unclaimed)
+
+    def claim(self, profile: gr.OAuthProfile | None, records: Any, book: Any) -> tuple:
+        """The records the page read for `offer_claim`'s ids, kept in the account (the account is
+        the session's, whatever the page sent; only ids offered to this page are taken)."""
+        book, account = checked_book(book), account_of(profile)
+        if account is None or account != book.account or self.account_copy is None:
+            gr.Warning("Sign in first: your chats are kept in the account you are signed in with.")
+            return gr.skip(), gr.skip()
+        offered = set(book.unclaimed)
+        taken = [record for record in map(checked_record, records if isinstance(records, list) else [])
+                 if record is not None and record["id"] in offered]
+        kept, refused = self.account_copy.claim(account, taken)
+        book.unclaimed = [chat_id for chat_id in book.unclaimed if chat_id not in {r["id"] for r in taken}]
+        for problem in refused[:3]:
+            gr.Warning(f"Not kept: {problem}")
+        if kept:
+            gr.Info(f"{kept} {'chat is' if kept == 1 else 'chats are'} now kept in your account too.")
+        return gr.update(visible=False), book
 
     def refresh(self, probe: Any, book: Any) -> tuple:
         """Another tab changed the list (or this one kept a copy): show it as the browser has it."""

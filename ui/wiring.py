@@ -81,6 +81,9 @@ DOWNLOAD = ("(file) => { if (!file || typeof file.text !== 'string') return; "
             "document.body.appendChild(link); link.click(); link.remove(); "
             "setTimeout(() => URL.revokeObjectURL(url), 60000); }")
 ON_LOAD = "(probe, ...rest) => [window.rewindCopy.onLoad(), ...rest]"
+# Keeping this browser's chats in the account: the records of the ids the server offered
+CLAIMED_RECORDS = ("(ids, book) => [(Array.isArray(ids) ? ids : []).map((id) => window.rewindCopy.record(id))"
+                   ".filter(Boolean), book]")
 CHOSEN = ("(chosen, probe, ...rest) => "
           "[chosen, {...window.rewindCopy.probe(), record: window.rewindCopy.record(chosen)}, ...rest]")
 APPLY = "(box) => { window.rewindCopy.apply(box); }"
@@ -210,8 +213,12 @@ def wire_load(chat_list: ChatList, page: dict[str, Any], demo: gr.Blocks) -> Non
     message box's placeholder, set by `ChatList.load`) only once the settings are back: a setting
     changed from then on is never drawn over by the values the restore read at load."""
     restored = remember_settings(page, chat_list.handlers.limits.max_system_chars, demo)
-    restored.then(chat_list.load, [page["probe"], page["book"]], list_outputs(page), js=ON_LOAD, api_name=False,
-                  show_progress="hidden", **ONE_RECORD_AT_A_TIME)
+    loaded = restored.then(chat_list.load, [page["probe"], page["book"]], list_outputs(page), js=ON_LOAD,
+                           api_name=False, show_progress="hidden", **ONE_RECORD_AT_A_TIME)
+    if chat_list.account_copy is not None:  # signed in: offer to keep this browser's chats in the account
+        loaded.then(chat_list.offer_claim, [page["book"]], [page["claim"], page["claim_ids"]], **QUIET)
+        page["claim"].click(chat_list.claim, [page["claim_ids"], page["book"]], [page["claim"], page["book"]],
+                            js=CLAIMED_RECORDS, api_name=False, **ONE_RECORD_AT_A_TIME)
 
 
 def remember_settings(page: dict[str, Any], max_system_chars: int, demo: gr.Blocks) -> Any:
