@@ -90,6 +90,21 @@ class SessionManager:
             slot.last_used = self._clock()
             return slot.owner
 
+    def rekey(self, key: str | None) -> str | None:
+        """Move a session to a new key, open as it was (another page takes it over; the old key
+        finds nothing from now on, and `on_close` is told it stopped being valid). None if `key`
+        holds nothing."""
+        with self._lock:
+            slot = self._slots.pop(key, None) if isinstance(key, str) else None
+            if slot is None:
+                return None
+            new_key = secrets.token_urlsafe(18)
+            slot.last_used = self._clock()
+            self._slots[new_key] = slot
+        if self._on_close is not None:
+            self._on_close(key)
+        return new_key
+
     def close(self, key: str | None) -> None:
         with self._lock:
             slot = self._slots.pop(key, None) if isinstance(key, str) else None

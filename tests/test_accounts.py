@@ -5,11 +5,13 @@ cookie signing no one in. Each page of `browser` is a browser of its own (no sto
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from app_server import AppServer
 from oidc_provider import Provider
-from test_browser import CHROMIUM, browser, open_chat, send, wait_loaded, wait_reply  # noqa: F401 (fixtures)
+from test_browser import CHROMIUM, browser, open_chat, send, stats_text, wait_loaded, wait_reply  # noqa: F401 (fixtures)
 from playwright.sync_api import Page, expect  # noqa: E402
 
 
@@ -50,6 +52,8 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
     claim.click()
     expect(claim).to_be_hidden()
     laptop.click("#new-chat")
+    expect(laptop.locator("#chatbot .message-row.user-row")).to_have_count(0)  # the new chat is on screen
+    expect(laptop.locator("#stats")).to_have_text("")
     wait_reply(laptop, send(laptop, "What is 21 + 21?"))
     answer = laptop.locator("#chatbot .message-row.bot-row").last.inner_text()
 
@@ -62,6 +66,9 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
     assert phone.locator("#chatbot .message-row.bot-row").last.inner_text() == answer
     wait_reply(phone, send(phone, "plus 8"))
     expect(phone.locator("#chatbot .message-row.user-row")).to_have_count(2)
+    # the phone went on with the laptop's server conversation, its cache and all: no rebuild
+    reused, prompt = map(int, re.search(r"Prompt: (\d+) of (\d+) tokens from the cache", stats_text(phone)).groups())
+    assert reused > 0.5 * prompt, stats_text(phone)
 
     # the laptop, reloaded, has the phone's turn too
     laptop.reload()

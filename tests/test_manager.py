@@ -217,3 +217,25 @@ def test_idle_sessions_expire_on_a_timer_without_any_call(make_engine):
     engine.caches.enforce_budget()  # a round of the loop: the close it was told of has been applied
     assert manager.expired == 1 and chat.conversation.session.nbytes() == 0
     manager.stop_timer()
+
+
+def test_a_session_taken_over_keeps_its_cache_under_a_new_key_and_the_old_key_finds_nothing(make_engine):
+    """Another device of a signed-in person takes a conversation over (ui/directory.py): the
+    conversation and its cache move, nothing is closed, the old key is told gone."""
+    from ui.directory import ChatDirectory
+
+    engine = make_engine("full")
+    directory = ChatDirectory(engine, max_per_client=4)
+    key, chat, _ = directory.chat(None, "", page="laptop", client="10.0.0.1")
+    stream = streaming(chat.conversation, max_new_tokens=4, do_sample=False)
+    assert directory.take_over(key, page="phone") is None  # not while its reply runs
+    list(stream)
+    held = list(chat.conversation.session.token_ids)
+    new_key = directory.take_over(key, page="phone", client="10.0.0.2")
+    assert new_key not in (None, key) and directory.find(key) is None and directory.find(new_key) is chat
+    assert len(held) > 4 and chat.conversation.session.token_ids == held  # its cache, as it was
+    directory.page_closed("laptop")  # the laptop's tab closes: the phone's conversation stays
+    assert directory.find(new_key) is chat
+    assert directory.take_over(key, page="tablet") is None  # the old key holds nothing to take
+    directory.page_closed("phone")
+    assert directory.find(new_key) is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from typing import Any, Awaitable, Callable
 
@@ -38,14 +39,37 @@ def account_of(profile: Any) -> str | None:
     return f"hf:{subject}" if isinstance(subject, str) and subject else None
 
 
+MAX_LIVE = 10_000  # (account, record) -> server key entries kept; the oldest go first
+
+
 class AccountCopy:
     def __init__(self, records: Records):
         self.records = records
+        # which server conversation holds each signed-in record's latest state: another device of
+        # the same account that opens the record in that state takes it over, cache and all
+        self._live: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
 
-    def keep(self, account: str | None, record: dict[str, Any] | None) -> None:
-        """Write what the browser is given to `account`'s records (nothing when signed out)."""
+    def live_key(self, account: str | None, chat_id: str) -> str | None:
+        with self._lock:
+            return self._live.get((account, chat_id)) if account is not None else None
+
+    def note_live(self, account: str | None, chat_id: str, key: str) -> None:
+        if account is None:
+            return
+        with self._lock:
+            self._live.pop((account, chat_id), None)
+            self._live[(account, chat_id)] = key  # (newest last)
+            while len(self._live) > MAX_LIVE:
+                del self._live[next(iter(self._live))]
+
+    def keep(self, account: str | None, record: dict[str, Any] | None, key: str | None = None) -> None:
+        """Write what the browser is given to `account`'s records (nothing when signed out); `key`:
+        the server conversation it was written from."""
         if account is None or record is None or record.get("draft"):
             return
+        if key is not None and "data" in record:
+            self.note_live(account, record["id"], key)
         try:
             if record.get("deleted"):
                 self.records.delete(account, record["id"], record["rev"])

@@ -100,11 +100,29 @@ class CopyKeeping:
         self.directory = handlers.directory
         self.account_copy = account_copy  # a signed-in page's records go to the store too (ui/accounts.py)
 
-    def _keep(self, book: Book, record: dict[str, Any] | None) -> dict[str, Any] | None:
-        """`record`, to give the browser; kept in the account's store too when the page is signed in."""
+    def _keep(self, book: Book, record: dict[str, Any] | None, key: str | None = None) -> dict[str, Any] | None:
+        """`record`, to give the browser; kept in the account's store too when the page is signed in
+        (`key`: the server conversation it was written from)."""
         if self.account_copy is not None:
-            self.account_copy.keep(book.account, record)
+            self.account_copy.keep(book.account, record, key)
         return record
+
+    def _taken_over(self, request: gr.Request, book: Book, record: dict[str, Any]) -> tuple[str, BrowserChat] | None:
+        """Signed in: the server conversation another page of this account left in exactly the
+        state of `record`, taken over with its cache (issue #47: no rebuild on a second device)."""
+        if self.account_copy is None:
+            return None
+        key = self.account_copy.live_key(book.account, record["id"])
+        chat = self.directory.find(key)
+        if chat is None or chat.busy or chat.conversation.snapshot() != record["data"]:
+            return None
+        new_key = self.directory.take_over(key, page=page_of(request), client=client_of(request))
+        chat = self.directory.find(new_key)
+        if new_key is None or chat is None:
+            return None
+        chat.shown = True
+        self.account_copy.note_live(book.account, record["id"], new_key)
+        return new_key, chat
 
     def ensure(self, probe: Any, key: Any, book: Any) -> tuple:
         """Before an event: whether the server must rebuild the shown conversation from the
@@ -130,7 +148,8 @@ class CopyKeeping:
         if record is None or record["id"] != book.current:
             return gr.skip(), gr.skip()
         try:
-            new_key, chat = self.directory.restore(record["data"], page=page_of(request), client=client_of(request))
+            new_key, chat = self._taken_over(request, book, record) \
+                or self.directory.restore(record["data"], page=page_of(request), client=client_of(request))
         except ChatError as error:
             gr.Warning(f"This conversation could not be opened again: {error}")
             return gr.skip(), gr.skip()
@@ -197,7 +216,7 @@ class CopyKeeping:
             return None
         written = browser_copy.record(book, book.current, data)
         book.saved = (key, chat.conversation.revision)
-        return self._keep(book, written)
+        return self._keep(book, written, key)
 
 
 class ChatList(CopyKeeping):

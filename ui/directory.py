@@ -103,6 +103,26 @@ class ChatDirectory:
         is computed at its next turn."""
         return self._open(BrowserChat(self.engine.restore(data, client=client), client=client), page)
 
+    def take_over(self, key: Any, *, page: str | None = None, client: str | None = None) -> str | None:
+        """Another page of the same person takes over an idle conversation, cache and all (a
+        signed-in person opening it on another device): it moves to a new key held by that page;
+        the page that had it finds nothing under its old key and rebuilds from its record if it
+        goes on. None when there is no such idle conversation."""
+        chat = self.manager.get(key)
+        if chat is None or chat.busy:
+            return None
+        with self._opening:
+            new_key = self.manager.rekey(key)
+            if new_key is None:
+                return None
+            with self._lock:
+                chat.client = client if client is not None else chat.client
+                if chat.client is not None:
+                    self._keys_of_client.setdefault(chat.client, []).append(new_key)
+                if page is not None:
+                    self._keys_of_page.setdefault(page, set()).add(new_key)
+        return new_key
+
     def close(self, key: Any) -> None:
         """Free a conversation (New chat, a closed tab); a reply still running is stopped first."""
         self.manager.close(key)
