@@ -88,7 +88,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
         wire_conversation(handlers, events, chat_list, page)
         wire_list(chat_list, page)
         if sharing is not None:
-            wire_sharing(sharing, chat_list, page)
+            wire_sharing(sharing, chat_list, page, demo)
         wire_api_twins(handlers, page)
         wire_load(chat_list, page, demo)
         demo.unload(events.on_unload)
@@ -124,6 +124,7 @@ def sidebar(sign_in: bool = False) -> dict[str, Any]:
                       share=gr.Button("Share a link to this chat", size="sm", elem_id="share"))
         parts["shared_links"] = gr.HTML("", elem_id="shared-links")  # drawn by the page (ui/sharing.py)
         parts |= dict(share_made=gr.JSON(visible=False), revoke_request=gr.JSON(visible=False),
+                      account_links=gr.JSON(visible=False),
                       revoke_done=gr.JSON(visible=False), revoke_go=gr.Button(visible="hidden", elem_id="revoke-go"))
     return parts
 

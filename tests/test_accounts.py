@@ -6,6 +6,8 @@ cookie signing no one in. Each page of `browser` is a browser of its own (no sto
 from __future__ import annotations
 
 import re
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -76,7 +78,21 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
     laptop.locator("#chat-list label").filter(has_text="21 + 21").click()
     expect(laptop.locator("#chatbot .message-row.user-row")).to_have_count(2)
 
+    # a link the laptop shares is the account's: the phone lists it and revokes it
+    laptop.click("#share")
+    expect(laptop.locator("#shared-links .shared-link")).to_have_count(1)
+    url = laptop.locator("#shared-links .shared-link a").first.get_attribute("href")
+    assert urllib.request.urlopen(url).status == 200
+    phone.reload()
+    wait_loaded(phone)
+    expect(phone.locator("#shared-links .shared-link")).to_have_count(1)
+    phone.locator("#shared-links button.revoke").click()
+    expect(phone.locator("#shared-links .shared-link")).to_have_count(0)
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(url)
+
     other = signed_in(browser, space_app, provider, "1002")
+    expect(other.locator("#shared-links .shared-link")).to_have_count(0)
     expect(other.locator("#chat-list label")).to_have_count(0)
     anonymous = open_chat(browser, space_app.url)
     expect(anonymous.locator("#chat-list label")).to_have_count(0)

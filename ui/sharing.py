@@ -24,6 +24,7 @@ from chat import saved
 from chat.errors import ChatError
 from chat.shares import Shares, is_share_id
 from ui import browser_copy
+from ui.accounts import account_of
 from ui.chat_list import checked_book
 from ui.directory import ChatDirectory
 from ui.shared import client_of
@@ -38,8 +39,9 @@ class Sharing:
     def __init__(self, directory: ChatDirectory, shares: Shares):
         self.directory, self.shares = directory, shares
 
-    def share(self, request: gr.Request, key: Any, book: Any) -> Any:
-        """The shown path as a snapshot; the page keeps what comes back ({"id", "key", "title", "created"})."""
+    def share(self, request: gr.Request, profile: gr.OAuthProfile | None, key: Any, book: Any) -> Any:
+        """The shown path as a snapshot; the page keeps what comes back ({"id", "key", "title",
+        "created"}). Signed in, the link is the account's too: listed and revoked on any device."""
         book, chat = checked_book(book), self.directory.find(key)
         data = chat.conversation.snapshot() if chat is not None else None
         if data is None or not browser_copy.said_anything(data):
@@ -47,7 +49,8 @@ class Sharing:
             return gr.skip()
         title = book.title(book.current) or browser_copy.title_of(data)
         try:
-            share_id, revoke_key = self.shares.create(owner=None, client=client_of(request) or "unknown",
+            owner = account_of(profile)
+            share_id, revoke_key = self.shares.create(owner=owner, client=owner or client_of(request) or "unknown",
                                                       title=title, snapshot=saved.path_only(data))
         except ChatError as error:
             gr.Warning(str(error))
@@ -56,14 +59,16 @@ class Sharing:
                 "not shared). Your links are under Shared links, where you can revoke them.")
         return {"id": share_id, "key": revoke_key, "title": title, "created": time.time()}
 
-    def revoke(self, asked: Any) -> Any:
-        """Revoke {"id", "key"} (the key the share gave this browser). Says which link is gone, or
-        was already: the page then drops it from its list."""
+    def revoke(self, profile: gr.OAuthProfile | None, asked: Any) -> Any:
+        """Revoke {"id", "key"} (the key the share gave this browser, or none: the signed-in
+        account's own link). Says which link is gone, or was already: the page then drops it."""
         share_id = asked.get("id") if isinstance(asked, dict) else None
         revoke_key = asked.get("key") if isinstance(asked, dict) else None
-        if not is_share_id(share_id) or not isinstance(revoke_key, str):
+        revoke_key = revoke_key[:200] if isinstance(revoke_key, str) else None
+        owner = account_of(profile)
+        if not is_share_id(share_id) or (revoke_key is None and owner is None):
             return gr.skip()
-        if self.shares.revoke(share_id, key=revoke_key[:200]):
+        if self.shares.revoke(share_id, owner=owner, key=revoke_key):
             gr.Info("Link revoked: it now leads nowhere.")
         elif self.shares.get(share_id) is None:
             gr.Info("That link was already gone.")
@@ -71,6 +76,11 @@ class Sharing:
             gr.Warning("That link could not be revoked from this browser.")
             return gr.skip()
         return {"id": share_id}
+
+    def account_links(self, profile: gr.OAuthProfile | None) -> Any:
+        """The signed-in account's links, made on any device (the page lists them beside its own)."""
+        owner = account_of(profile)
+        return self.shares.listed(owner) if owner is not None else []
 
     def snapshot(self, share_id: Any) -> tuple[str, dict[str, Any]] | None:
         """(title, conversation data) of a link, or None."""
@@ -143,8 +153,11 @@ details { margin-top: 6px; color: #4b5563; }
 SCRIPT = """<script>
 window.rewindShares = (() => {
   const KEY = "rewind-chat:shares";
-  const all = () => { try { const list = JSON.parse(localStorage.getItem(KEY)); return Array.isArray(list) ? list : []; }
-                      catch { return []; } };
+  let account = [];  // signed in: the account's links, made on any device (revoked through the account)
+  const kept = () => { try { const list = JSON.parse(localStorage.getItem(KEY)); return Array.isArray(list) ? list : []; }
+                       catch { return []; } };
+  const all = () => { const own = kept(), ids = new Set(own.map((made) => made.id));
+                      return [...own, ...account.filter((made) => made && typeof made.id === "string" && !ids.has(made.id))]; };
   const save = (list) => { try { localStorage.setItem(KEY, JSON.stringify(list)); } catch {} };
   const link = (id) => new URL("share/" + encodeURIComponent(id), location.origin + location.pathname).href;
   const draw = () => {
@@ -173,16 +186,23 @@ window.rewindShares = (() => {
   };
   return {
     draw, link,
+    fromAccount: (links) => { account = Array.isArray(links) ? links : []; draw(); },
     made: (made) => {
       if (!made || typeof made.id !== "string") return;
-      save([{id: made.id, key: made.key, title: made.title, created: made.created}, ...all()]);
+      save([{id: made.id, key: made.key, title: made.title, created: made.created}, ...kept()]);
       draw();
       navigator.clipboard?.writeText(link(made.id)).catch(() => {});
     },
-    revoked: (done) => { if (done && done.id) { save(all().filter((made) => made.id !== done.id)); draw(); } },
+    revoked: (done) => {
+      if (!done || !done.id) return;
+      save(kept().filter((made) => made.id !== done.id));
+      account = account.filter((made) => made.id !== done.id);
+      draw();
+    },
   };
 })();
 </script>"""
 MADE = "(made) => { window.rewindShares.made(made); }"
 REVOKE_INPUT = "(asked) => [window.rewindRevoke ?? null]"
 REVOKED = "(done) => { window.rewindShares.revoked(done); }"
+FROM_ACCOUNT = "(links) => { window.rewindShares.fromAccount(links); }"

@@ -195,8 +195,12 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     page["list_refresh"].click(chat_list.refresh, [probe, book], [book, page["chats"]], js=WITH_LIST, **QUIET)
 
 
-def wire_sharing(sharing: Sharing, chat_list: ChatList, page: dict[str, Any]) -> None:
-    """Share (a link to the path on screen) and Revoke (from the page's list of its links)."""
+def wire_sharing(sharing: Sharing, chat_list: ChatList, page: dict[str, Any], demo: gr.Blocks) -> None:
+    """Share (a link to the path on screen) and Revoke (from the page's list of its links, and the
+    signed-in account's)."""
+    if chat_list.account_copy is not None:
+        demo.load(sharing.account_links, None, page["account_links"], **QUIET) \
+            .then(None, page["account_links"], None, js=share_script.FROM_ACCOUNT, **QUIET)
     with_conversation(chat_list, page, page["share"].click) \
         .then(sharing.share, [page["key"], page["book"]], page["share_made"], api_name=False) \
         .then(None, page["share_made"], None, js=share_script.MADE, **QUIET) \
