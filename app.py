@@ -111,7 +111,8 @@ def sidebar(sign_in: bool = False) -> dict[str, Any]:
                      rename=gr.Button("Rename", size="sm", elem_id="rename"))
         with gr.Row():
             parts |= dict(export_json=gr.Button("Export JSON", size="sm", elem_id="export-json"),
-                          export_markdown=gr.Button("Export Markdown", size="sm", elem_id="export-markdown"))
+                          export_markdown=gr.Button("Export Markdown", size="sm", elem_id="export-markdown"),
+                          export_all=gr.Button("Export all", size="sm", elem_id="export-all"))
         parts |= dict(export_file=gr.JSON(visible=False),  # the page downloads what an export gives
                       # the page reads the chosen file and sends its text: nothing is uploaded, so no path
                       # a client names is ever opened here (issue #44, item 6)

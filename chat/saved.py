@@ -25,6 +25,7 @@ from chat.history import MAX_NODES, MAX_SIBLINGS, History, Node, ReplyVersion
 
 FORMAT = "rewind-chat.conversation"
 VERSION = 1
+COLLECTION = "rewind-chat.conversations"  # "Export all": {"format", "version", "conversations": [each as above]}
 MAX_DEPTH = 500  # messages on one path
 MAX_MESSAGE_CHARS = 100_000
 MAX_TOTAL_CHARS = 2_000_000
@@ -92,6 +93,22 @@ def to_dict_as_recorded(history: History, path: list[Node], reply: Node | None,
     else:
         copy.record_reply(copied, copy.node("assistant"), version)
     return to_dict(copy)
+
+
+def collection(conversations: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several conversations in one file ("Export all"), each in the format above with its title."""
+    return {"format": COLLECTION, "version": VERSION, "conversations": conversations}
+
+
+def collected(data: Any) -> list[dict[str, Any]] | None:
+    """The conversations of a collection (each still to be checked with `from_dict`), or None if
+    `data` is not one."""
+    if not isinstance(data, dict) or data.get("format") != COLLECTION:
+        return None
+    if data.get("version") != VERSION or not isinstance(data.get("conversations"), list) or set(data) - {
+            "format", "version", "conversations"}:
+        _fail(f"a collection must be {{format, version: {VERSION}, conversations: [...]}}")
+    return data["conversations"]
 
 
 def nests_deeper(value: Any, depth: int) -> bool:

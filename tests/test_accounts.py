@@ -5,6 +5,7 @@ cookie signing no one in. Each page of `browser` is a browser of its own (no sto
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.error
 import urllib.request
@@ -71,6 +72,14 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
     # the phone went on with the laptop's server conversation, its cache and all: no rebuild
     reused, prompt = map(int, re.search(r"Prompt: (\d+) of (\d+) tokens from the cache", stats_text(phone)).groups())
     assert reused > 0.5 * prompt, stats_text(phone)
+
+    # Export all, signed in: every chat of the account, from the server's store
+    with phone.expect_download() as download:
+        phone.click("#export-all")
+    exported = json.loads(open(download.value.path()).read())
+    assert sorted(c["title"] for c in exported["conversations"]) == ["What is 21 + 21?", "What is 3 + 4?"]
+    sums = next(c for c in exported["conversations"] if "21" in c["title"])
+    assert sums["messages"][sums["path"][-2]]["content"] == "plus 8"  # the phone's turn is in it
 
     # the laptop, reloaded, has the phone's turn too
     laptop.reload()

@@ -106,3 +106,34 @@ def test_a_snapshot_holds_the_path_on_screen_and_nothing_else():
     assert [node.content if node.reply is None else node.reply.content for node in history.entries] == \
         ["first", "the version on screen", "second", "its answer"]
     assert "older version" not in str(alone) and "another branch" not in str(alone)
+
+
+def test_export_all_gives_every_chat_and_imports_whole_elsewhere(browser, demo_app, tmp_path):
+    """"Export all" (issue #47): not signed in, the page makes the file of every chat its browser
+    keeps; another browser imports it and lists them all (their branches kept)."""
+    import json
+
+    page = open_chat(browser, demo_app.url)
+    wait_reply(page, send(page, "What is 10 + 5?"))
+    page.click("#new-chat")
+    expect(page.locator("#chatbot .message-row.user-row")).to_have_count(0)
+    expect(page.locator("#stats")).to_have_text("")
+    wait_reply(page, send(page, "What is 7 * 3?"))
+    expect(page.locator("#chat-list label")).to_have_count(2)
+    with page.expect_download() as download:
+        page.click("#export-all")
+    path = tmp_path / "all.json"
+    download.value.save_as(path)
+    exported = json.loads(path.read_text())
+    assert exported["format"] == "rewind-chat.conversations"
+    assert sorted(c["title"] for c in exported["conversations"]) == ["What is 10 + 5?", "What is 7 * 3?"]
+
+    elsewhere = open_chat(browser, demo_app.url)
+    with elsewhere.expect_file_chooser() as chooser:
+        elsewhere.click("#import")
+    chooser.value.set_files(str(path))
+    expect(elsewhere.locator("#chat-list label")).to_have_count(2)
+    elsewhere.locator("#chat-list label").filter(has_text="7 * 3").click()
+    expect(elsewhere.locator("#chatbot .message-row.user-row").first).to_have_text("What is 7 * 3?")
+    page.close()
+    elsewhere.close()

@@ -332,6 +332,7 @@ window.rewindCopy = (() => {
   };
   return {
     apply, probe, record: live,
+    all: () => all().filter((rec) => !rec.deleted && rec.data).sort((a, b) => (b.updated || 0) - (a.updated || 0)),
     withList: () => { prune(); const listed = index(); shownList = JSON.stringify(listed);
                       return {...probe(), index: listed}; },
     onLoad: () => { prune(); const listed = index(); shownList = JSON.stringify(listed);

@@ -225,7 +225,7 @@ class ChatList(CopyKeeping):
 
     def __init__(self, handlers: ChatHandlers, sharing: Any = None, account_copy: AccountCopy | None = None):
         super().__init__(handlers, account_copy)
-        self.files = ChatFiles(handlers.directory)
+        self.files = ChatFiles(handlers.directory, account_copy)
         self.sharing = sharing  # ui/sharing.py's Sharing: a shared link's snapshot, to continue in a new chat
 
     def load(self, request: gr.Request, profile: gr.OAuthProfile | None, probe: Any, book: Any) -> tuple:
@@ -389,12 +389,39 @@ class ChatList(CopyKeeping):
             if not isinstance(text, str):
                 raise saved.SavedConversationError("the page sent no file's text")
             data = saved.loads(text)
+            several = saved.collected(data)
         except ChatError as error:
             gr.Warning(f"That file cannot be imported: {error}")
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
+        if several is not None:
+            return (*ChatOutputs().to_gradio(), *ListOutputs.of(book, *self._collected(book, several)).to_gradio())
         return self._opened(request, data, data.get("title") if isinstance(data, dict) else None, key, book,
                             stats="Imported: its cache is computed at the next message.",
                             refused="That file cannot be imported")
+
+    def _collected(self, book: Book, conversations: list[Any]) -> list[dict[str, Any]]:
+        """An "Export all" file: each conversation checked whole and written to the list as a
+        record of its own (the server makes none until one is opened); the shown chat stays."""
+        records, refused = [], []
+        for number, data in enumerate(conversations[:browser_copy.MAX_CHATS], 1):
+            try:
+                saved.from_dict(data)
+            except ChatError as error:
+                refused.append(f"conversation {number}: {error}")
+                continue
+            chat_id = browser_copy.new_id()
+            title = browser_copy.checked_title(data.get("title"))
+            if title:
+                book.renamed.add(chat_id)
+                book.put_first(chat_id, title)
+            records.append(self._keep(book, browser_copy.record(book, chat_id, data)))
+        for problem in refused[:3]:
+            gr.Warning(f"Not imported: {problem}")
+        skipped = len(conversations) - browser_copy.MAX_CHATS
+        gr.Info(f"Imported {len(records)} conversation{'s' * (len(records) != 1)}"
+                + (f" (this browser keeps {browser_copy.MAX_CHATS}: the last {skipped} were left out)."
+                   if skipped > 0 else "."))
+        return records
 
     def _opened(self, request: gr.Request, data: Any, title: Any, key: Any, book: Book, *also: dict[str, Any],
                 stats: str, refused: str, **changes: Any) -> tuple:
@@ -454,10 +481,23 @@ class ChatList(CopyKeeping):
 class ChatFiles:
     """Exports of the shown conversation, downloaded by the page at once (issue #46, item 2):
     before, a "Download" box appeared at the sidebar's foot, below the fold with a long list, and
-    went on offering the file of a conversation the person had since left."""
+    went on offering the file of a conversation the person had since left. And "Export all"."""
 
-    def __init__(self, directory: ChatDirectory):
-        self.directory = directory
+    def __init__(self, directory: ChatDirectory, account_copy: AccountCopy | None = None):
+        self.directory, self.account_copy = directory, account_copy
+
+    def export_all(self, profile: gr.OAuthProfile | None) -> Any:
+        """Signed in: every conversation of the account, from the store. Otherwise the page makes
+        the file itself from its browser's records (`EXPORT_ALL` in ui/wiring.py): they are there."""
+        account = account_of(profile)
+        if account is None or self.account_copy is None:
+            return {"from_browser": True}
+        conversations = [{**record["data"], "title": record["title"]} for record in self.account_copy.records.all(account)]
+        if not conversations:
+            gr.Warning("There is no conversation to export yet.")
+            return gr.skip()
+        return {"name": "rewind-chat-all.json", "type": "application/json",
+                "text": json.dumps(saved.collection(conversations), ensure_ascii=False, indent=1)}
 
     def export(self, kind: str, key: Any, book: Any) -> Any:
         """The shown conversation as a file for the page to download (`DOWNLOAD` in ui/wiring.py):

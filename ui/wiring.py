@@ -75,12 +75,18 @@ SENT_TEXT = "(text, ...rest) => [window.rewindSent ?? text, ...rest]"
 PICK_FILE = "async (text, ...rest) => [await window.rewindCopy.pickFile(), ...rest]"
 WITH_LIST = "(probe, ...rest) => [window.rewindCopy.withList(), ...rest]"
 # An export's file, downloaded by the browser at once, named from the conversation's title (#46, 2)
-DOWNLOAD = ("(file) => { if (!file || typeof file.text !== 'string') return; "
+DOWNLOAD = DOWNLOAD_FN = ("(file) => { if (!file || typeof file.text !== 'string') return; "
             "const url = URL.createObjectURL(new Blob([file.text], {type: file.type})); "
             "const link = Object.assign(document.createElement('a'), {href: url, download: file.name}); "
             "document.body.appendChild(link); link.click(); link.remove(); "
             "setTimeout(() => URL.revokeObjectURL(url), 60000); }")
 ON_LOAD = "(probe, ...rest) => [window.rewindCopy.onLoad(), ...rest]"
+# "Export all": the account's file from the server, or, not signed in, one the page makes of its records
+EXPORT_ALL = ("(file) => { if (file && file.from_browser) { const conversations = window.rewindCopy.all()"
+              ".map((rec) => ({...rec.data, title: rec.title})); if (!conversations.length) return; "
+              "file = {name: 'rewind-chat-all.json', type: 'application/json', text: JSON.stringify("
+              + json.dumps({"format": "rewind-chat.conversations", "version": 1})[:-1]
+              + ", conversations}, null, 1)}; } (" + DOWNLOAD_FN + ")(file); }")
 # Keeping this browser's chats in the account: the records of the ids the server offered
 CLAIMED_RECORDS = ("(ids, book) => [(Array.isArray(ids) ? ids : []).map((id) => window.rewindCopy.record(id))"
                    ".filter(Boolean), book]")
@@ -190,6 +196,9 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
             .then(functools.partial(chat_list.files.export, kind), [key, book], page["export_file"], api_name=False) \
             .then(None, page["export_file"], None, js=DOWNLOAD, **QUIET) \
             .then(lambda: None, None, page["export_file"], **QUIET)  # nothing of it stays on the page
+    page["export_all"].click(chat_list.files.export_all, None, page["export_file"], api_name=False) \
+        .then(None, page["export_file"], None, js=EXPORT_ALL, **QUIET) \
+        .then(lambda: None, None, page["export_file"], **QUIET)
     page["import_file"].click(chat_list.import_text, [page["import_text"], key, book], with_list, js=PICK_FILE,
                               api_name=False, **ONE_RECORD_AT_A_TIME)
     page["list_refresh"].click(chat_list.refresh, [probe, book], [book, page["chats"]], js=WITH_LIST, **QUIET)
