@@ -25,8 +25,8 @@ class AppServer:
         self.url = f"http://127.0.0.1:{self.port}/"
         # each app its own store (shared links, accounts), beside its log
         store = f"sqlite:///{Path(log_path).resolve().parent / f'store-{self.port}.sqlite3'}"
-        env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", STORE_URL=store,
-                   HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", GRADIO_HEARTBEAT_INTERVAL="1", **(env or {}))
+        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "STORE_URL": store, "HF_HUB_OFFLINE": "1",
+               "PYTHONUNBUFFERED": "1", "GRADIO_HEARTBEAT_INTERVAL": "1", **(env or {})}
         self.log = open(log_path, "w")
         self.process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(self.port), *args],
                                         cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)

@@ -87,18 +87,24 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
     laptop.locator("#chat-list label").filter(has_text="21 + 21").click()
     expect(laptop.locator("#chatbot .message-row.user-row")).to_have_count(2)
 
-    # a link the laptop shares is the account's: the phone lists it and revokes it
-    laptop.click("#share")
-    expect(laptop.locator("#shared-links .shared-link")).to_have_count(1)
-    url = laptop.locator("#shared-links .shared-link a").first.get_attribute("href")
-    assert urllib.request.urlopen(url).status == 200
-    phone.reload()
-    wait_loaded(phone)
+    # the phone shares it; a third browser, not signed in, opens the link; the link is the
+    # account's: the laptop lists it too, and revokes it
+    phone.click("#share")
     expect(phone.locator("#shared-links .shared-link")).to_have_count(1)
-    phone.locator("#shared-links button.revoke").click()
-    expect(phone.locator("#shared-links .shared-link")).to_have_count(0)
+    url = phone.locator("#shared-links .shared-link a").first.get_attribute("href")
+    third = browser.new_page()
+    third.goto(url)
+    expect(third.locator(".message.user .text")).to_have_text(["What is 21 + 21?", "plus 8"])
+    laptop.reload()
+    wait_loaded(laptop)
+    expect(laptop.locator("#shared-links .shared-link")).to_have_count(1)
+    laptop.locator("#shared-links button.revoke").click()
+    expect(laptop.locator("#shared-links .shared-link")).to_have_count(0)
     with pytest.raises(urllib.error.HTTPError):
         urllib.request.urlopen(url)
+    third.reload()
+    expect(third.get_by_text("This link leads nowhere")).to_be_visible()
+    third.close()
 
     other = signed_in(browser, space_app, provider, "1002")
     expect(other.locator("#shared-links .shared-link")).to_have_count(0)
@@ -132,3 +138,52 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
         page.close()
     forged.close()
     replayed.close()
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    from postgres import PostgresServer
+
+    server = PostgresServer()
+    reason = server.start()
+    if reason:
+        pytest.skip(reason)
+    yield server.fresh_database("replicas")
+    server.stop()
+
+
+def test_two_replicas_on_one_postgresql_store_serve_one_person(browser, provider, postgres_url, tmp_path):
+    """docs/deploy.md's two replicas: two app processes on one PostgreSQL database. The person signs
+    in through the first, chats, and the second (another origin: the browser's copy there is
+    empty) lists the chat from the store; signing out through the second ends the sign-in on both."""
+    env = {**provider.environment(), "STORE_URL": postgres_url}
+    first = AppServer(log_path=tmp_path / "first.log", env=env)
+    second = AppServer(log_path=tmp_path / "second.log", env=env)
+    context = browser.new_context(viewport={"width": 1200, "height": 1000})  # (cookies: one host, both ports)
+    try:
+        page = context.new_page()
+        page.goto(first.url)
+        wait_loaded(page)
+        sign_in(page, provider, "1002")
+        wait_reply(page, send(page, "What is 40 + 2?"))
+        other = context.new_page()
+        other.goto(second.url)
+        wait_loaded(other)
+        expect(other.locator("#sign-in")).to_have_text("Sign out (bob)")
+        expect(other.locator("#chat-list label")).to_have_count(1)
+        other.locator("#chat-list label").first.click()
+        expect(other.locator("#chatbot .message-row.user-row").first).to_have_text("What is 40 + 2?")
+        cookie = next(c for c in context.cookies() if c["name"] == "session")
+        other.click("#sign-in")  # signing out through the second replica
+        expect(other.locator("#sign-in")).to_have_text("Sign in to keep your chats on every device")
+        replayed = browser.new_context(viewport={"width": 1200, "height": 1000})
+        replayed.add_cookies([cookie])
+        again = replayed.new_page()
+        again.goto(first.url)
+        wait_loaded(again)
+        expect(again.locator("#sign-in")).to_have_text("Sign in to keep your chats on every device")
+        replayed.close()
+    finally:
+        context.close()
+        first.close()
+        second.close()
