@@ -22,7 +22,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -57,6 +57,12 @@ SHARES = sa.Table(
     sa.Column("snapshot", sa.Text, nullable=False),
     sa.Column("nbytes", sa.BigInteger, nullable=False),
     sa.Column("created", sa.Float, nullable=False),
+)
+PREFERENCES = sa.Table(
+    "preferences", METADATA,  # a signed-in person's settings (the panel's), as the app last checked them
+    sa.Column("owner", sa.String(200), primary_key=True),
+    sa.Column("settings", sa.Text, nullable=False),
+    sa.Column("updated", sa.Float, nullable=False),
 )
 SIGNED_OUT = sa.Table(
     "signed_out", METADATA,  # sign-ins ended: their session cookies, replayed, sign no one in
@@ -253,6 +259,31 @@ class AccountLock:
 
     def __exit__(self, *exc: Any) -> bool | None:
         return self._transaction.__exit__(*exc)
+
+
+class Preferences:
+    """Each account's settings: one small JSON object, the last one written wins."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def get(self, owner: str) -> dict[str, Any] | None:
+        with self.engine.connect() as connection:
+            text = connection.execute(sa.select(PREFERENCES.c.settings).where(PREFERENCES.c.owner == owner)).scalar()
+        return None if text is None else json.loads(text)
+
+    def update(self, owner: str, changes: dict[str, Any], check: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """Merge `changes` into what `owner` keeps, as one transaction (two settings changed at
+        once, on two devices or in two requests, both stay). `check` gets the merged settings
+        and returns what to keep, or raises (nothing is written)."""
+        with AccountLock(self.engine, owner) as (connection, _):
+            text = connection.execute(sa.select(PREFERENCES.c.settings).where(PREFERENCES.c.owner == owner)).scalar()
+            merged = check({**(json.loads(text) if text is not None else {}), **changes})
+            values = dict(settings=json.dumps(merged, ensure_ascii=False), updated=time.time())
+            if text is None:
+                connection.execute(PREFERENCES.insert().values(owner=owner, **values))
+            else:
+                connection.execute(PREFERENCES.update().where(PREFERENCES.c.owner == owner).values(**values))
 
 
 class SignOuts:

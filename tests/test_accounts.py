@@ -14,7 +14,7 @@ import pytest
 
 from app_server import AppServer
 from oidc_provider import Provider
-from test_browser import CHROMIUM, browser, open_chat, send, stats_text, wait_loaded, wait_reply  # noqa: F401 (fixtures)
+from test_browser import CHROMIUM, browser, open_chat, send, stats_text, type_temperature, wait_loaded, wait_reply  # noqa: F401 (fixtures)
 from playwright.sync_api import Page, expect  # noqa: E402
 
 
@@ -60,7 +60,15 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
     wait_reply(laptop, send(laptop, "What is 21 + 21?"))
     answer = laptop.locator("#chatbot .message-row.bot-row").last.inner_text()
 
+    # a setting changed on the laptop follows the person too
+    laptop.get_by_text("Settings", exact=True).click()
+    type_temperature(laptop, "1.3")
+    laptop.get_by_label("Thinking", exact=False).uncheck()
+
     phone = signed_in(browser, space_app, provider, "1001")
+    phone.get_by_text("Settings", exact=True).click()
+    expect(phone.locator("#temperature input[type='number']")).to_have_value("1.3")
+    expect(phone.get_by_label("Thinking", exact=False)).not_to_be_checked()
     chats = phone.locator("#chat-list label")
     expect(chats).to_have_count(2)
     expect(phone.locator("#claim")).to_be_hidden()  # nothing of this browser's own to keep

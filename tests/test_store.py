@@ -243,3 +243,20 @@ def test_a_signed_in_load_gets_only_its_own_accounts_records_it_lacks(engine):
     assert missing[0]["title"] == "Renamed" and missing[0]["data"] == conversation("A's first")
     assert copy.missing_from("hf:a", {"chat-0001": 3, "chat-0002": 2}) == []
     assert [r["id"] for r in copy.missing_from("hf:b", {})] == ["chat-0009"]
+
+
+def test_settings_changed_at_once_on_two_devices_both_stay(engine):
+    from chat.store import Preferences
+
+    preferences = Preferences(engine)
+    names = [f"setting_{i}" for i in range(20)]
+    threads = [threading.Thread(target=preferences.update, args=("hf:a", {name: i}, dict))
+               for i, name in enumerate(names)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert preferences.get("hf:a") == {name: i for i, name in enumerate(names)}
+    with pytest.raises(ValueError):  # a check that refuses writes nothing
+        preferences.update("hf:a", {"setting_0": -1}, lambda merged: (_ for _ in ()).throw(ValueError("no")))
+    assert preferences.get("hf:a")["setting_0"] == 0 and preferences.get("hf:b") is None

@@ -11,6 +11,7 @@ unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -21,7 +22,9 @@ import gradio as gr
 
 from chat import saved
 from chat.errors import ChatError
-from chat.store import Records, SignOuts, StoreError
+from ui.inputs import Limits
+from ui.outputs import Settings
+from chat.store import Preferences, Records, SignOuts, StoreError
 
 MAX_SENT_AT_LOAD = 50  # as many as a browser keeps (ui/browser_copy.py MAX_CHATS), newest first
 
@@ -43,8 +46,9 @@ MAX_LIVE = 10_000  # (account, record) -> server key entries kept; the oldest go
 
 
 class AccountCopy:
-    def __init__(self, records: Records):
+    def __init__(self, records: Records, preferences: Preferences | None = None):
         self.records = records
+        self.preferences = preferences if preferences is not None else Preferences(records.engine)
         # which server conversation holds each signed-in record's latest state: another device of
         # the same account that opens the record in that state takes it over, cache and all
         self._live: dict[tuple[str, str], str] = {}
@@ -79,6 +83,33 @@ class AccountCopy:
                 self.records.put(account, record)
         except StoreError as error:
             gr.Warning(f"{error} This browser still keeps it.")
+
+    def settings(self, account: str | None, limits: Limits) -> Settings | None:
+        """The settings the account last kept, checked against this server's limits (None: none
+        kept, or they no longer pass)."""
+        kept = self.preferences.get(account) if account is not None else None
+        if not isinstance(kept, dict):
+            return None
+        try:
+            return Settings.from_values(tuple(kept.get(name) for name in Settings.names()), limits)
+        except gr.Error:
+            return None
+
+    def keep_setting(self, account: str | None, name: str, value: Any, limits: Limits) -> None:
+        """One setting the person changed, kept for the account: merged into what it keeps, the
+        whole checked (a value out of range is not kept)."""
+        if account is None or name not in Settings.names():
+            return
+
+        def checked(merged: dict[str, Any]) -> dict[str, Any]:
+            defaults = dataclasses.asdict(Settings())
+            values = tuple(merged.get(field, defaults[field]) for field in Settings.names())
+            return dataclasses.asdict(Settings.from_values(values, limits))
+
+        try:
+            self.preferences.update(account, {name: value}, checked)
+        except gr.Error:
+            pass
 
     def unclaimed(self, account: str, live_ids: list[str]) -> list[str]:
         """Of the browser's live records, those the account does not hold (chats made before signing in)."""

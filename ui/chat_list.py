@@ -29,7 +29,7 @@ from ui.browser_copy import Book, Probe, checked_probe, checked_record, outbox, 
 from ui.directory import BrowserChat, ChatDirectory
 from ui.handlers import ChatHandlers
 from ui.shared import client_of, page_of
-from ui.outputs import ChatOutputs
+from ui.outputs import ChatOutputs, Settings
 
 STOP_WAIT_S = 5.0  # how long leaving a conversation waits for its stopped reply to end
 
@@ -280,6 +280,20 @@ class ChatList(CopyKeeping):
                 if record["renamed"]:
                     book.renamed.add(record["id"])
         return missing
+
+    def account_settings(self, profile: gr.OAuthProfile | None) -> tuple:
+        """Signed in: the settings the account keeps, over this browser's (before the page says it
+        is ready, so nothing the person sets is drawn over)."""
+        settings = self.account_copy.settings(account_of(profile), self.handlers.limits) if self.account_copy else None
+        if settings is None:
+            return tuple(gr.skip() for _ in Settings.names())
+        return tuple(getattr(settings, name) for name in Settings.names())
+
+    def keep_setting(self, name: str, profile: gr.OAuthProfile | None, value: Any) -> None:
+        """Signed in: a setting the person changed, kept for the account (every device signs in
+        to it). One setting an event: two changed at once cannot undo each other."""
+        if self.account_copy is not None:
+            self.account_copy.keep_setting(account_of(profile), name, value, self.handlers.limits)
 
     def offer_claim(self, book: Any) -> tuple:
         """After a signed-in load: offer to keep this browser's chats (made before signing in, or

@@ -98,6 +98,7 @@ PROMPT_NOTE = ("(applied, typed) => applied && typeof applied.prompt === 'string
                    "**Not applied yet:** this system prompt starts a new branch at your next message; until then "
                    "Retry, Edit and Continue use the conversation's own (the old one stays a branch).") + " : ''")
 QUIET = dict(queue=False, api_name=False, show_progress="hidden")
+SAVE_SETTINGS = f"(...values) => {{ window.rewindSettings.save({json.dumps(Settings.names())}, values); }}"
 # The events that carry a whole record from the browser (a load, opening one, rebuilding one, an
 # Import) are queued one at a time: checking a large record costs memory and CPU for a while, and
 # unqueued, any number of them ran at once (16 forged loads held 5 GB).
@@ -226,12 +227,28 @@ def wire_load(chat_list: ChatList, page: dict[str, Any], demo: gr.Blocks) -> Non
     message box's placeholder, set by `ChatList.load`) only once the settings are back: a setting
     changed from then on is never drawn over by the values the restore read at load."""
     restored = remember_settings(page, chat_list.handlers.limits.max_system_chars, demo)
+    if chat_list.account_copy is not None:  # signed in: the account's settings, kept in this browser too
+        panel = settings_of(page)
+        restored = restored.then(chat_list.account_settings, None, panel, **QUIET) \
+            .then(None, panel, None, js=SAVE_SETTINGS, **QUIET)
+        for name, component in zip(Settings.names(), panel):  # a change goes to the account, once done with
+            trigger = component.blur if isinstance(component, gr.Textbox) else \
+                component.release if isinstance(component, gr.Slider) else component.input
+            trigger(setting_keeper(chat_list, name), component, None, **QUIET)
     loaded = restored.then(chat_list.load, [page["probe"], page["book"]], list_outputs(page), js=ON_LOAD,
                            api_name=False, show_progress="hidden", **ONE_RECORD_AT_A_TIME)
     if chat_list.account_copy is not None:  # signed in: offer to keep this browser's chats in the account
         loaded.then(chat_list.offer_claim, [page["book"]], [page["claim"], page["claim_ids"]], **QUIET)
         page["claim"].click(chat_list.claim, [page["claim_ids"], page["book"]], [page["claim"], page["book"]],
                             js=CLAIMED_RECORDS, api_name=False, **ONE_RECORD_AT_A_TIME)
+
+
+def setting_keeper(chat_list: ChatList, name: str) -> Callable[..., None]:
+    """An event's function keeping one setting for the signed-in account (Gradio gives it the
+    OAuth profile, found by its type)."""
+    def keep(profile: gr.OAuthProfile | None, value: Any) -> None:
+        chat_list.keep_setting(name, profile, value)
+    return keep
 
 
 def remember_settings(page: dict[str, Any], max_system_chars: int, demo: gr.Blocks) -> Any:
@@ -250,9 +267,8 @@ def remember_settings(page: dict[str, Any], max_system_chars: int, demo: gr.Bloc
     restore = (f"(...values) => {{ window.rewindSettings.restoreTheme(); "
                f"return window.rewindSettings.restore({json.dumps(spec)}, values); }}")
     restored = demo.load(None, panel, panel, js=restore, **QUIET)
-    save = f"(...values) => {{ window.rewindSettings.save({json.dumps(Settings.names())}, values); }}"
     for component in panel:
-        component.input(None, panel, None, js=save, **QUIET)
+        component.input(None, panel, None, js=SAVE_SETTINGS, **QUIET)
     return restored
 
 
