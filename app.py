@@ -19,7 +19,7 @@ from starlette.middleware import Middleware
 from chat import ChatEngine, ModelLoadError, remote, saved
 from chat.shares import Shares
 from chat.store import Records, SignOuts, default_url, open_database
-from ui.accounts import AccountCopy, SignedOutSessions, sign_in_configured
+from ui.accounts import AccountCopy, AccountEvents, SignedOutSessions, sign_in_configured
 from ui.browser_copy import SCRIPT as BROWSER_COPY_SCRIPT, Book
 from ui.waiting import WaitingBodies, WaitingBook
 from ui.chat_list import ChatList
@@ -90,7 +90,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
         if sharing is not None:
             wire_sharing(sharing, chat_list, page, demo)
         wire_api_twins(handlers, page)
-        wire_load(chat_list, page, demo)
+        wire_load(chat_list, page, demo, AccountEvents(account_copy, handlers.limits) if account_copy else None)
         demo.unload(events.on_unload)
         status = gr.JSON(visible=False)
         gr.Button(visible=False).click(events.server_status, None, status, api_name="status", queue=False)

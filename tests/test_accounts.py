@@ -14,7 +14,7 @@ import pytest
 
 from app_server import AppServer
 from oidc_provider import Provider
-from test_browser import CHROMIUM, browser, open_chat, send, stats_text, type_temperature, wait_loaded, wait_reply  # noqa: F401 (fixtures)
+from test_browser import browser, open_chat, send, stats_text, type_temperature, wait_loaded, wait_reply  # noqa: F401 (fixtures)
 from playwright.sync_api import Page, expect  # noqa: E402
 
 

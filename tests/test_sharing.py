@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from test_browser import CHROMIUM, browser, demo_app, open_chat, send, wait_reply  # noqa: F401 (fixtures)
+from test_browser import browser, demo_app, open_chat, send, wait_reply  # noqa: F401 (fixtures)
 from playwright.sync_api import expect  # noqa: E402
 
 from ui import sharing  # noqa: E402

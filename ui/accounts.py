@@ -25,6 +25,7 @@ from chat.errors import ChatError
 from ui.inputs import Limits
 from ui.outputs import Settings
 from chat.store import Preferences, Records, SignOuts, StoreError
+from ui.browser_copy import Book, checked_book, checked_record
 
 MAX_SENT_AT_LOAD = 50  # as many as a browser keeps (ui/browser_copy.py MAX_CHATS), newest first
 
@@ -129,6 +130,22 @@ class AccountCopy:
                 refused.append(f"“{record['title'] or 'a chat'}”: {error}")
         return kept, refused
 
+    def at_load(self, book: Book, revs: dict[str, int]) -> list[dict[str, Any]]:
+        """A signed-in page's load: the account's records its browser lacks or holds older (to
+        write there, and listed), and which of the browser's chats the account lacks (to offer)."""
+        if book.account is None:
+            return []
+        book.unclaimed = self.unclaimed(book.account, [chat_id for chat_id, _ in book.index])
+        missing = self.missing_from(book.account, revs)
+        for record in reversed(missing):
+            if record.get("deleted"):
+                book.forget(record["id"])
+            else:
+                book.put_first(record["id"], record["title"])
+                if record["renamed"]:
+                    book.renamed.add(record["id"])
+        return missing
+
     def missing_from(self, account: str, revs: dict[str, int]) -> list[dict[str, Any]]:
         """The account's records the browser lacks or holds older (`revs`: its record ids and
         revisions, tombstones included), newest first: live ones whole, deleted ones as tombstones."""
@@ -144,6 +161,57 @@ class AccountCopy:
             if len(missing) >= MAX_SENT_AT_LOAD:
                 break
         return missing
+
+
+class AccountEvents:
+    """A signed-in page's own events: the account's settings at load and as they change, and the
+    offer to keep this browser's chats in the account."""
+
+    def __init__(self, account_copy: AccountCopy, limits: Limits):
+        self.account_copy, self.limits = account_copy, limits
+
+    def settings(self, profile: gr.OAuthProfile | None) -> tuple:
+        """The settings the account keeps, over this browser's (before the page says it is ready,
+        so nothing the person sets is drawn over)."""
+        settings = self.account_copy.settings(account_of(profile), self.limits)
+        if settings is None:
+            return tuple(gr.skip() for _ in Settings.names())
+        return tuple(getattr(settings, name) for name in Settings.names())
+
+    def keeper(self, name: str) -> Callable[..., None]:
+        """The event function that keeps setting `name` for the account: one setting an event, so
+        two changed at once cannot undo each other (Gradio gives it the profile, by its type)."""
+        def keep(profile: gr.OAuthProfile | None, value: Any) -> None:
+            self.account_copy.keep_setting(account_of(profile), name, value, self.limits)
+        return keep
+
+    def offer_claim(self, book: Any) -> tuple:
+        """After a signed-in load: offer to keep this browser's chats (made before signing in, or
+        signed out) in the account; asked, not assumed."""
+        book = checked_book(book)
+        count = len(book.unclaimed) if book.account else 0
+        if not count:
+            return gr.update(visible=False), None
+        chats = "chat" if count == 1 else f"{count} chats"
+        return gr.update(visible=True, value=f"Keep this browser's {chats} in your account"), list(book.unclaimed)
+
+    def claim(self, profile: gr.OAuthProfile | None, records: Any, book: Any) -> tuple:
+        """The records the page read for `offer_claim`'s ids, kept in the account (the account is
+        the session's, whatever the page sent; only ids offered to this page are taken)."""
+        book, account = checked_book(book), account_of(profile)
+        if account is None or account != book.account:
+            gr.Warning("Sign in first: your chats are kept in the account you are signed in with.")
+            return gr.skip(), gr.skip()
+        offered = set(book.unclaimed)
+        taken = [record for record in map(checked_record, records if isinstance(records, list) else [])
+                 if record is not None and record["id"] in offered]
+        kept, refused = self.account_copy.claim(account, taken)
+        book.unclaimed = [chat_id for chat_id in book.unclaimed if chat_id not in {r["id"] for r in taken}]
+        for problem in refused[:3]:
+            gr.Warning(f"Not kept: {problem}")
+        if kept:
+            gr.Info(f"{kept} {'chat is' if kept == 1 else 'chats are'} now kept in your account too.")
+        return gr.update(visible=False), book
 
 
 def fingerprint(oauth_info: Any) -> str | None:

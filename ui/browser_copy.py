@@ -96,6 +96,11 @@ class Book:
         return self.revs[chat_id]
 
 
+def checked_book(value: Any) -> Book:
+    """The page's book (a `gr.State`: the server's own), or a new one."""
+    return value if isinstance(value, Book) else Book()
+
+
 def new_id() -> str:
     return secrets.token_urlsafe(12)
 

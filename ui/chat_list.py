@@ -25,11 +25,11 @@ from chat import ChatError
 from chat import saved
 from ui import browser_copy, views
 from ui.accounts import AccountCopy, account_of
-from ui.browser_copy import Book, Probe, checked_probe, checked_record, outbox, said_anything
+from ui.browser_copy import Book, Probe, checked_book, checked_probe, checked_record, outbox, said_anything
 from ui.directory import BrowserChat, ChatDirectory
 from ui.handlers import ChatHandlers
 from ui.shared import client_of, page_of
-from ui.outputs import ChatOutputs, Settings
+from ui.outputs import ChatOutputs
 
 STOP_WAIT_S = 5.0  # how long leaving a conversation waits for its stopped reply to end
 
@@ -45,10 +45,6 @@ def markdown_of(data: dict[str, Any], title: str | None = None) -> str:
             lines += ["<details><summary>Thinking</summary>", "", message["reasoning_content"], "", "</details>", ""]
         lines += [message["content"], ""]
     return "\n".join(lines)
-
-
-def checked_book(value: Any) -> Book:
-    return value if isinstance(value, Book) else Book()
 
 
 def choices_of(book: Book) -> Any:
@@ -238,7 +234,8 @@ class ChatList(CopyKeeping):
         if book.current is not None or book.revs:
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
         self._hear(said, book)
-        from_account = self._from_account(book, account_of(profile), said)
+        book.account = account_of(profile)
+        from_account = self.account_copy.at_load(book, said.revs) if self.account_copy else []
         for record in from_account:  # the account's is newer than what this browser showed
             if said.record is not None and record["id"] == said.record["id"]:
                 said.record = None if record.get("deleted") else record
@@ -264,64 +261,6 @@ class ChatList(CopyKeeping):
         if not from_account:
             listed.outbox = None  # nothing to write
         return (*outputs.to_gradio(), *listed.to_gradio())
-
-    def _from_account(self, book: Book, account: str | None, said: Probe) -> list[dict[str, Any]]:
-        """Signed in: the page's account, and the records of it this browser lacks (listed too)."""
-        book.account = account
-        if account is None or self.account_copy is None:
-            return []
-        book.unclaimed = self.account_copy.unclaimed(account, [chat_id for chat_id, _ in book.index])
-        missing = self.account_copy.missing_from(account, said.revs)
-        for record in reversed(missing):
-            if record.get("deleted"):
-                book.forget(record["id"])
-            else:
-                book.put_first(record["id"], record["title"])
-                if record["renamed"]:
-                    book.renamed.add(record["id"])
-        return missing
-
-    def account_settings(self, profile: gr.OAuthProfile | None) -> tuple:
-        """Signed in: the settings the account keeps, over this browser's (before the page says it
-        is ready, so nothing the person sets is drawn over)."""
-        settings = self.account_copy.settings(account_of(profile), self.handlers.limits) if self.account_copy else None
-        if settings is None:
-            return tuple(gr.skip() for _ in Settings.names())
-        return tuple(getattr(settings, name) for name in Settings.names())
-
-    def keep_setting(self, name: str, profile: gr.OAuthProfile | None, value: Any) -> None:
-        """Signed in: a setting the person changed, kept for the account (every device signs in
-        to it). One setting an event: two changed at once cannot undo each other."""
-        if self.account_copy is not None:
-            self.account_copy.keep_setting(account_of(profile), name, value, self.handlers.limits)
-
-    def offer_claim(self, book: Any) -> tuple:
-        """After a signed-in load: offer to keep this browser's chats (made before signing in, or
-        signed out) in the account; asked, not assumed."""
-        book = checked_book(book)
-        count = len(book.unclaimed) if book.account else 0
-        if not count:
-            return gr.update(visible=False), None
-        chats = "chat" if count == 1 else f"{count} chats"
-        return gr.update(visible=True, value=f"Keep this browser's {chats} in your account"), list(book.unclaimed)
-
-    def claim(self, profile: gr.OAuthProfile | None, records: Any, book: Any) -> tuple:
-        """The records the page read for `offer_claim`'s ids, kept in the account (the account is
-        the session's, whatever the page sent; only ids offered to this page are taken)."""
-        book, account = checked_book(book), account_of(profile)
-        if account is None or account != book.account or self.account_copy is None:
-            gr.Warning("Sign in first: your chats are kept in the account you are signed in with.")
-            return gr.skip(), gr.skip()
-        offered = set(book.unclaimed)
-        taken = [record for record in map(checked_record, records if isinstance(records, list) else [])
-                 if record is not None and record["id"] in offered]
-        kept, refused = self.account_copy.claim(account, taken)
-        book.unclaimed = [chat_id for chat_id in book.unclaimed if chat_id not in {r["id"] for r in taken}]
-        for problem in refused[:3]:
-            gr.Warning(f"Not kept: {problem}")
-        if kept:
-            gr.Info(f"{kept} {'chat is' if kept == 1 else 'chats are'} now kept in your account too.")
-        return gr.update(visible=False), book
 
     def refresh(self, probe: Any, book: Any) -> tuple:
         """Another tab changed the list (or this one kept a copy): show it as the browser has it."""
@@ -408,34 +347,11 @@ class ChatList(CopyKeeping):
             gr.Warning(f"That file cannot be imported: {error}")
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
         if several is not None:
-            return (*ChatOutputs().to_gradio(), *ListOutputs.of(book, *self._collected(book, several)).to_gradio())
+            records = self.files.collected(book, several, self._keep)
+            return (*ChatOutputs().to_gradio(), *ListOutputs.of(book, *records).to_gradio())
         return self._opened(request, data, data.get("title") if isinstance(data, dict) else None, key, book,
                             stats="Imported: its cache is computed at the next message.",
                             refused="That file cannot be imported")
-
-    def _collected(self, book: Book, conversations: list[Any]) -> list[dict[str, Any]]:
-        """An "Export all" file: each conversation checked whole and written to the list as a
-        record of its own (the server makes none until one is opened); the shown chat stays."""
-        records, refused = [], []
-        for number, data in enumerate(conversations[:browser_copy.MAX_CHATS], 1):
-            try:
-                saved.from_dict(data)
-            except ChatError as error:
-                refused.append(f"conversation {number}: {error}")
-                continue
-            chat_id = browser_copy.new_id()
-            title = browser_copy.checked_title(data.get("title"))
-            if title:
-                book.renamed.add(chat_id)
-                book.put_first(chat_id, title)
-            records.append(self._keep(book, browser_copy.record(book, chat_id, data)))
-        for problem in refused[:3]:
-            gr.Warning(f"Not imported: {problem}")
-        skipped = len(conversations) - browser_copy.MAX_CHATS
-        gr.Info(f"Imported {len(records)} conversation{'s' * (len(records) != 1)}"
-                + (f" (this browser keeps {browser_copy.MAX_CHATS}: the last {skipped} were left out)."
-                   if skipped > 0 else "."))
-        return records
 
     def _opened(self, request: gr.Request, data: Any, title: Any, key: Any, book: Book, *also: dict[str, Any],
                 stats: str, refused: str, **changes: Any) -> tuple:
@@ -499,6 +415,32 @@ class ChatFiles:
 
     def __init__(self, directory: ChatDirectory, account_copy: AccountCopy | None = None):
         self.directory, self.account_copy = directory, account_copy
+
+    @staticmethod
+    def collected(book: Book, conversations: list[Any],
+                  keep: Callable[[Book, dict[str, Any]], dict[str, Any] | None]) -> list[dict[str, Any]]:
+        """An "Export all" file: each conversation checked whole and written to the list as a
+        record of its own (the server makes none until one is opened); the shown chat stays."""
+        records, refused = [], []
+        for number, data in enumerate(conversations[:browser_copy.MAX_CHATS], 1):
+            try:
+                saved.from_dict(data)
+            except ChatError as error:
+                refused.append(f"conversation {number}: {error}")
+                continue
+            chat_id = browser_copy.new_id()
+            title = browser_copy.checked_title(data.get("title"))
+            if title:
+                book.renamed.add(chat_id)
+                book.put_first(chat_id, title)
+            records.append(keep(book, browser_copy.record(book, chat_id, data)))
+        for problem in refused[:3]:
+            gr.Warning(f"Not imported: {problem}")
+        skipped = len(conversations) - browser_copy.MAX_CHATS
+        gr.Info(f"Imported {len(records)} conversation{'s' * (len(records) != 1)}"
+                + (f" (this browser keeps {browser_copy.MAX_CHATS}: the last {skipped} were left out)."
+                   if skipped > 0 else "."))
+        return records
 
     def export_all(self, profile: gr.OAuthProfile | None) -> Any:
         """Signed in: every conversation of the account, from the store. Otherwise the page makes

@@ -19,6 +19,7 @@ from ui.outputs import ChatOutputs, Settings
 from ui.page_assets import TARGET_INPUT
 from ui import sharing as share_script
 from ui.sharing import Sharing
+from ui.accounts import AccountEvents
 
 
 def streamed(handler: Callable[..., Iterator[ChatOutputs]]) -> Callable[..., Iterator[tuple]]:
@@ -220,35 +221,27 @@ def wire_sharing(sharing: Sharing, chat_list: ChatList, page: dict[str, Any], de
         .then(None, page["revoke_done"], None, js=share_script.REVOKED, **QUIET)
 
 
-def wire_load(chat_list: ChatList, page: dict[str, Any], demo: gr.Blocks) -> None:
+def wire_load(chat_list: ChatList, page: dict[str, Any], demo: gr.Blocks, accounts: AccountEvents | None = None) -> None:
     """The page's first events: the settings this browser kept, then what this tab showed, from
     the browser's copy (a message typed in the first moment is not drawn over: `ChatList.load`
     leaves a page that already began alone). In that order, so the page says it is ready (the
     message box's placeholder, set by `ChatList.load`) only once the settings are back: a setting
     changed from then on is never drawn over by the values the restore read at load."""
     restored = remember_settings(page, chat_list.handlers.limits.max_system_chars, demo)
-    if chat_list.account_copy is not None:  # signed in: the account's settings, kept in this browser too
+    if accounts is not None:  # signed in: the account's settings, kept in this browser too
         panel = settings_of(page)
-        restored = restored.then(chat_list.account_settings, None, panel, **QUIET) \
+        restored = restored.then(accounts.settings, None, panel, **QUIET) \
             .then(None, panel, None, js=SAVE_SETTINGS, **QUIET)
         for name, component in zip(Settings.names(), panel):  # a change goes to the account, once done with
             trigger = component.blur if isinstance(component, gr.Textbox) else \
                 component.release if isinstance(component, gr.Slider) else component.input
-            trigger(setting_keeper(chat_list, name), component, None, **QUIET)
+            trigger(accounts.keeper(name), component, None, **QUIET)
     loaded = restored.then(chat_list.load, [page["probe"], page["book"]], list_outputs(page), js=ON_LOAD,
                            api_name=False, show_progress="hidden", **ONE_RECORD_AT_A_TIME)
-    if chat_list.account_copy is not None:  # signed in: offer to keep this browser's chats in the account
-        loaded.then(chat_list.offer_claim, [page["book"]], [page["claim"], page["claim_ids"]], **QUIET)
-        page["claim"].click(chat_list.claim, [page["claim_ids"], page["book"]], [page["claim"], page["book"]],
+    if accounts is not None:  # signed in: offer to keep this browser's chats in the account
+        loaded.then(accounts.offer_claim, [page["book"]], [page["claim"], page["claim_ids"]], **QUIET)
+        page["claim"].click(accounts.claim, [page["claim_ids"], page["book"]], [page["claim"], page["book"]],
                             js=CLAIMED_RECORDS, api_name=False, **ONE_RECORD_AT_A_TIME)
-
-
-def setting_keeper(chat_list: ChatList, name: str) -> Callable[..., None]:
-    """An event's function keeping one setting for the signed-in account (Gradio gives it the
-    OAuth profile, found by its type)."""
-    def keep(profile: gr.OAuthProfile | None, value: Any) -> None:
-        chat_list.keep_setting(name, profile, value)
-    return keep
 
 
 def remember_settings(page: dict[str, Any], max_system_chars: int, demo: gr.Blocks) -> Any:
