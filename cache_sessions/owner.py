@@ -245,6 +245,21 @@ class CacheOwner:
         self._measure(session)
         return moved
 
+    def start_from(self, session: CacheSession, source: CacheSession) -> bool:
+        """A new, empty `session` starts from a copy of `source`'s states (a conversation branched
+        off into a new chat: its first turn rolls the copy back to what it shares, as any turn
+        does). False (nothing copied; its first turn computes everything) when `source` holds
+        nothing, `session` already does, or `source` has layers that keep earlier states only at
+        checkpoints (sliding windows, recurrent states), which a copy does not carry: cut back,
+        it would start from nothing, where a new session starts from the shared prefix."""
+        self._on_loop(source)
+        self._on_loop(session)
+        if session.token_ids or not source.token_ids or not source.crops_anywhere():
+            return False
+        copied = session.append_segment(source.cut_segment(0))
+        self._measure(session)
+        return copied
+
     def adopt_state(self, session: CacheSession, returned: CacheSession) -> None:
         """`session` becomes `returned`: the same session, updated in a worker process."""
         self._on_loop(session, used=True)

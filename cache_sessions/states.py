@@ -80,6 +80,11 @@ class CacheStates:
         self.token_ids = self.token_ids[: result.position]
         return result
 
+    def crops_anywhere(self) -> bool:
+        """Whether every layer's states can be cut back to any earlier position (full attention,
+        quantized codes): no checkpoints needed."""
+        return not needs_checkpoints(self._kinds)
+
     def takes_back_recent(self) -> bool:
         """Whether tokens fed after the last checkpoint can be taken back exactly (`take_back`)."""
         return takes_back_recent(self._kinds)

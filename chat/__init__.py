@@ -1,7 +1,7 @@
 """Chat on top of cache sessions.
 
 Module map:
-  engine.py        ChatEngine: a loaded model + tokenizer; makes conversations
+  engine.py        ChatEngine: a loaded model + tokenizer; makes conversations (new, restored, branched off)
   config.py        EngineConfig: the engine's limits, each default once
   runtime.py       Runtime: the narrow part of an engine a conversation uses
   conversation.py  Conversation: plans operations, has its reply source make them, records them

@@ -91,6 +91,19 @@ class ChatEngine:
         history = saved.from_dict(data)
         return Conversation(self.planner, self._source(rebuilt=bool(history.entries), client=client), history)
 
+    def branch_off(self, source: Conversation, data: Any, client: Hashable | None = None) -> Conversation:
+        """A new conversation of `data` (saved data, checked: a path of `source`, "Branch off into
+        a new chat") whose cache starts from a copy of `source`'s, so its first turn computes only
+        what it does not share. While `source` runs a reply nothing is copied (its states are
+        changing): the first turn computes everything, as a restore's does."""
+        history = saved.from_dict(data)
+        conversation = Conversation(self.planner, self._source(client=client), history)
+        copied = not source.is_busy and source.session is not None and conversation.session is not None \
+            and self.runtime.scheduler.call(self.runtime.caches.start_from, conversation.session, source.session)
+        if not copied and history.entries and conversation.session is not None:
+            conversation.session.mark_rebuilt()
+        return conversation
+
     def _source(self, rebuilt: bool = False, client: Hashable | None = None) -> ReplySource:
         local = LocalSource(self.runtime, rebuilt=rebuilt, client=client)
         if self._remote_runner is None:

@@ -330,6 +330,10 @@ class ServedEngine:
     def restore(self, data: Any, client: Hashable | None = None) -> Conversation:
         return Conversation(self.planner, ServedSource(self.runtime), saved.from_dict(data))
 
+    def branch_off(self, source: Conversation, data: Any, client: Hashable | None = None) -> Conversation:
+        """As `ChatEngine.branch_off`: the server's own prefix cache holds what the branch shares."""
+        return self.restore(data, client)
+
     def status(self) -> dict[str, Any]:
         """What an operator reads: where replies come from (the server batches and caches)."""
         return {"backend": "openai", "model": self.model_name, "planning": self.planner.planning,
