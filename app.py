@@ -83,6 +83,8 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
                      branch_go=gr.Button(visible="hidden", elem_id="branch-go"),
                      retry_go=gr.Button(visible="hidden", elem_id="retry-go"),
                      prepare_go=gr.Button(visible="hidden", elem_id="prepare-go"),
+                     fork_target=gr.Textbox(visible="hidden", elem_id="fork-target"),
+                     fork_go=gr.Button(visible="hidden", elem_id="fork-go"),
                      list_refresh=gr.Button(visible="hidden", elem_id="list-refresh"))
         events = PageEvents(handlers)
         wire_conversation(handlers, events, chat_list, page)

@@ -108,6 +108,28 @@ def test_a_snapshot_holds_the_path_on_screen_and_nothing_else():
     assert "older version" not in str(alone) and "another branch" not in str(alone)
 
 
+
+def test_a_snapshot_holds_the_path_on_screen_and_nothing_else():
+    from chat import saved
+
+    def reply(text):
+        return {"role": "assistant", "content": text, "reasoning_content": "", "stopped": False, "edited": False}
+
+    data = {"format": saved.FORMAT, "version": 1, "shown": 0, "system_prompt": None, "path": [0, 2, 3, 4],
+            "messages": [{"parent": None, "role": "user", "content": "first", "shown": 1},
+                         {"parent": 0, "shown": None, **reply("an older version, not on screen")},
+                         {"parent": 0, "shown": 0, **reply("the version on screen")},
+                         {"parent": 2, "role": "user", "content": "second", "shown": 0},
+                         {"parent": 3, "shown": None, **reply("its answer")},
+                         {"parent": None, "role": "user", "content": "another branch", "shown": None}]}
+    saved.from_dict(data)  # (the tree above is well formed)
+    alone = saved.path_only(data)
+    history = saved.from_dict(alone)
+    assert [node.content if node.reply is None else node.reply.content for node in history.entries] == \
+        ["first", "the version on screen", "second", "its answer"]
+    assert "older version" not in str(alone) and "another branch" not in str(alone)
+
+
 def test_export_all_gives_every_chat_and_imports_whole_elsewhere(browser, demo_app, tmp_path):
     """"Export all" (issue #47): not signed in, the page makes the file of every chat its browser
     keeps; another browser imports it and lists them all (their branches kept)."""

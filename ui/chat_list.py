@@ -262,6 +262,39 @@ class ChatList(CopyKeeping):
             listed.outbox = None  # nothing to write
         return (*outputs.to_gradio(), *listed.to_gradio())
 
+    def branch_off(self, request: gr.Request, target: Any, key: Any, book: Any) -> tuple:
+        """"Branch off into a new chat" at the shown message `target` (its place in the chat): a
+        new entry of the list with the path up to that reply, or, at a message of the person,
+        the path before it and the message in the box to send again or change. The new
+        conversation's cache starts from a copy of this one's (`engine.branch_off`)."""
+        book, chat = checked_book(book), self.directory.find(key)
+        place = int(target) if isinstance(target, (int, str)) and str(target).isdigit() else None
+        index_of = self.handlers.chatbot_messages(chat)[1] if chat is not None else []
+        index = index_of[place] if place is not None and place < len(index_of) else None
+        if chat is None or index is None or chat.conversation.messages[index]["role"] == "system":
+            gr.Warning("Choose a message or a reply to branch off from.")
+            return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
+        message = chat.conversation.messages[index]
+        last = index if message["role"] == "assistant" else index - 1
+        data = chat.conversation.snapshot()
+        title = f"{book.title(book.current) or browser_copy.title_of(data)} (branch)"
+        branch = saved.path_only({**data, "path": data["path"][:last + 1]})
+        box = message["content"] if message["role"] == "user" else ""
+        left = self._leave(key, book)
+        if not any(item["role"] == "user" for item in branch["messages"]):  # nothing before it: a New chat
+            outputs = replace(self.handlers.empty(), textbox=gr.update(value=box, placeholder=views.READY))
+            book.current = None
+            return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
+        new_key, new_chat = self.directory.branch_off(chat, branch, page=page_of(request), client=client_of(request))
+        book.current = browser_copy.new_id()
+        book.renamed.add(book.current)
+        book.put_first(book.current, browser_copy.checked_title(title))
+        written = self._write(book, new_key, new_chat)
+        outputs = self.handlers.view(new_key, new_chat, stats="Branched off into a new chat: the one before is in "
+                                     "the list, as it was.", system_prompt=new_chat.conversation.system_prompt or "",
+                                     textbox=gr.update(value=box))
+        return (*outputs.to_gradio(), *ListOutputs.of(book, *left, *([written] if written else [])).to_gradio())
+
     def refresh(self, probe: Any, book: Any) -> tuple:
         """Another tab changed the list (or this one kept a copy): show it as the browser has it."""
         book = checked_book(book)

@@ -103,6 +103,13 @@ class ChatDirectory:
         is computed at its next turn."""
         return self._open(BrowserChat(self.engine.restore(data, client=client), client=client), page)
 
+    def branch_off(self, source: BrowserChat, data: Any, *, page: str | None = None,
+                   client: str | None = None) -> tuple[str, BrowserChat]:
+        """A new conversation of a path of `source` (saved data), its cache a copy of `source`'s
+        where the engine can (`engine.branch_off`)."""
+        return self._open(BrowserChat(self.engine.branch_off(source.conversation, data, client=client), client=client),
+                          page)
+
     def take_over(self, key: Any, *, page: str | None = None, client: str | None = None) -> str | None:
         """Another page of the same person takes over an idle conversation, cache and all (a
         signed-in person opening it on another device): it moves to a new key held by that page;

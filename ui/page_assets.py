@@ -212,6 +212,29 @@ PAGE_SCRIPT = """() => {
     setInterval(() => { const box = document.querySelector("#shared-links");
                         if (box && !box.querySelector(".shared-list")) window.rewindShares?.draw(); }, 300);
 
+    // "Branch off into a new chat" (#46): a button beside each message's own (copy, edit); the
+    // message's place in the chat goes to the server (FORK_INPUT), which knows what it is
+    const addForks = () => document.querySelectorAll("#chatbot .message-buttons .icon-button-wrapper").forEach((bar) => {
+        const row = bar.closest(".message-buttons")?.previousElementSibling;
+        if (bar.querySelector(".fork-here") || !row?.classList.contains("message-row")
+            || row.querySelector(".branch-nav")) return;
+        const button = Object.assign(document.createElement("button"),
+                                     {type: "button", className: "icon-button fork-here", title: "Branch off into a new chat"});
+        button.setAttribute("aria-label", "Branch off into a new chat");
+        button.textContent = "⑂";
+        bar.appendChild(button);
+    });
+    new MutationObserver(addForks).observe(document.body, {subtree: true, childList: true});
+    document.addEventListener("click", (event) => {
+        const button = event.target.closest?.("button.fork-here");
+        if (!button) return;
+        const row = button.closest(".message-buttons")?.previousElementSibling;
+        const place = [...document.querySelectorAll("#chatbot .message-wrap > .message-row")].indexOf(row);
+        if (place < 0) return;
+        window.rewindForkTarget = String(place);
+        document.querySelector("#fork-go")?.click();
+    }, true);
+
     document.addEventListener("click", (event) => {  // "‹ 2 / 3 ›" and ↻ under a message
         const button = event.target.closest?.("button.branch-step");
         if (!button || button.disabled) return;
@@ -228,7 +251,10 @@ PAGE_SCRIPT = """() => {
 # Run in the page as the ‹ › / ↻ event starts: the target the click above stored becomes the
 # event's first input (API clients send their own; this runs only in a page).
 TARGET_INPUT = "(target, ...settings) => [window.rewindBranchTarget ?? target, ...settings]"
+FORK_INPUT = "(target, ...rest) => [window.rewindForkTarget ?? target, ...rest]"
 CSS = """
+#chatbot button.fork-here { font-size: 15px; line-height: 1; min-width: 24px; color: var(--block-label-text-color);
+                            background: transparent; border: none; cursor: pointer; }
 #shared-links .shared-link { display: flex; align-items: center; gap: 8px; justify-content: space-between;
                              padding: 4px 0; }
 #shared-links .shared-link a { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }

@@ -16,7 +16,7 @@ import gradio as gr
 from ui.chat_list import ChatList
 from ui.handlers import ChatHandlers, PageEvents
 from ui.outputs import ChatOutputs, Settings
-from ui.page_assets import TARGET_INPUT
+from ui.page_assets import FORK_INPUT, TARGET_INPUT
 from ui import sharing as share_script
 from ui.sharing import Sharing
 from ui.accounts import AccountEvents
@@ -201,6 +201,9 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     page["export_all"].click(chat_list.files.export_all, None, page["export_file"], api_name=False) \
         .then(None, page["export_file"], None, js=EXPORT_ALL, **QUIET) \
         .then(lambda: None, None, page["export_file"], **QUIET)
+    with_conversation(chat_list, page, page["fork_go"].click) \
+        .then(chat_list.branch_off, [page["fork_target"], key, book], with_list, js=FORK_INPUT, api_name=False,
+              show_progress="hidden")
     page["import_file"].click(chat_list.import_text, [page["import_text"], key, book], with_list, js=PICK_FILE,
                               api_name=False, **ONE_RECORD_AT_A_TIME)
     page["list_refresh"].click(chat_list.refresh, [probe, book], [book, page["chats"]], js=WITH_LIST, **QUIET)

@@ -1,0 +1,48 @@
+"""The list's newer ways in and out, driven in a real browser: "Export all" and its import
+(issue #47), and "Branch off into a new chat" (issue #46)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from test_browser import browser, demo_app, open_chat, send, wait_reply  # noqa: F401 (fixtures)
+from playwright.sync_api import expect  # noqa: E402
+
+
+
+
+
+def fork_button(row):
+    return row.locator("xpath=following-sibling::div[contains(@class, 'message-buttons')][1]"
+                       "//button[contains(@class, 'fork-here')]")
+
+
+def test_branch_off_from_a_reply_or_a_message_into_a_new_chat(browser, demo_app):
+    """Issue #46: "Branch off into a new chat" from any message: at a reply, the path up to it in
+    a new entry of the list (its cache copied: the next turn reuses it); at a message of the
+    person, the path before it, with the message in the box."""
+    page = open_chat(browser, demo_app.url)
+    wait_reply(page, send(page, "What is 2 + 3?"))
+    wait_reply(page, send(page, "plus 4"))
+    answers = page.locator("#chatbot .message-row.bot-row")
+    first_answer = answers.filter(has_text="5").filter(has_not_text="Thinking").first
+    button = fork_button(first_answer)
+    expect(button).to_have_attribute("aria-label", "Branch off into a new chat")
+    button.click()
+    expect(page.locator("#chat-list label")).to_have_count(2)
+    expect(page.locator("#chatbot .message-row.user-row")).to_have_count(1)
+    expect(page.locator("#chat-title input, #chat-title textarea")).to_have_value("What is 2 + 3? (branch)")
+    wait_reply(page, send(page, "times 2"))
+    reused, prompt = map(int, re.search(r"Prompt: (\d+) of (\d+) tokens from the cache",
+                                        page.inner_text("#stats")).groups())
+    assert reused > prompt // 2  # the copy of the first chat's cache, not a rebuild
+    # the first chat is in the list as it was
+    page.locator("#chat-list label").filter(has_text="What is 2 + 3?").filter(has_not_text="(branch)").click()
+    expect(page.locator("#chatbot .message-row.user-row")).to_have_count(2)
+    # at a message of the person: the path before it, the message in the box
+    fork_button(page.locator("#chatbot .message-row.user-row").nth(1)).click()
+    expect(page.locator("#chat-list label")).to_have_count(3)
+    expect(page.locator("#chatbot .message-row.user-row")).to_have_count(1)
+    expect(page.locator("#message textarea")).to_have_value("plus 4")
+    page.close()
