@@ -120,6 +120,7 @@ def sidebar(sign_in: bool = False) -> dict[str, Any]:
                       # a client names is ever opened here (issue #44, item 6)
                       import_file=gr.Button("Import JSON", size="sm", elem_id="import"),
                       import_text=gr.JSON(visible=False),
+                      import_drop=gr.Button(visible="hidden", elem_id="import-drop"),  # a file dropped on the page
                       delete=gr.Button("Delete this conversation", size="sm", variant="stop", elem_id="delete"),
                       confirm_delete=gr.Button("Yes, delete it for good", size="sm", variant="stop", visible=False,
                                                elem_id="confirm-delete"),

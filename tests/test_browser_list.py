@@ -46,3 +46,30 @@ def test_branch_off_from_a_reply_or_a_message_into_a_new_chat(browser, demo_app)
     expect(page.locator("#chatbot .message-row.user-row")).to_have_count(1)
     expect(page.locator("#message textarea")).to_have_value("plus 4")
     page.close()
+
+
+DROP = """(text) => {
+    const data = new DataTransfer();
+    data.items.add(new File([text], "chat.json", {type: "application/json"}));
+    document.querySelector("#chatbot").dispatchEvent(new DragEvent("drop", {dataTransfer: data, bubbles: true,
+                                                                           cancelable: true}));
+}"""
+
+
+def test_a_file_dropped_on_the_page_is_imported(browser, demo_app):
+    """Issue #46: Import also by dropping a file on the page; a file that is not a conversation
+    is refused with the reason, and the list is left as it was."""
+    page = open_chat(browser, demo_app.url)
+    exported = {"format": "rewind-chat.conversation", "version": 1, "title": "Dropped in",
+                "messages": [{"parent": None, "role": "user", "content": "What is 8 + 1?", "shown": 0},
+                             {"parent": 0, "role": "assistant", "content": "8 + 1 = 9.", "reasoning_content": "",
+                              "stopped": False, "edited": False, "shown": None}],
+                "shown": 0, "path": [0, 1], "system_prompt": None}
+    page.evaluate(DROP, "{not json")
+    expect(page.get_by_text("That file cannot be imported").first).to_be_visible()
+    expect(page.locator("#chat-list label")).to_have_count(0)
+    page.evaluate(DROP, json.dumps(exported))
+    expect(page.locator("#chat-list label")).to_have_count(1)
+    expect(page.locator("#chat-list label").first).to_contain_text("Dropped in")
+    expect(page.locator("#chatbot .message-row.user-row").first).to_have_text("What is 8 + 1?")
+    page.close()

@@ -323,6 +323,19 @@ window.rewindCopy = (() => {
     if (copied) refreshList();
   };
   const refreshList = () => document.querySelector("#list-refresh")?.click();
+  // Import by dropping a file anywhere on the page (#46): its text goes as an Import's does
+  const hasFiles = (event) => [...(event.dataTransfer?.types || [])].includes("Files");
+  document.addEventListener("dragover", (event) => { if (hasFiles(event)) event.preventDefault(); }, true);
+  document.addEventListener("drop", (event) => {
+    const file = hasFiles(event) ? event.dataTransfer.files[0] : null;
+    if (!file) return;
+    event.preventDefault();
+    event.stopPropagation();
+    file.slice(0, %(max_json)d + 1).text().then((text) => {
+      window.rewindDropped = text;
+      document.querySelector("#import-drop")?.click();
+    });
+  }, true);
   window.addEventListener("storage", (event) => {  // another tab changed the list
     if (!event.key || !event.key.startsWith(PREFIX)) return;
     const listed = JSON.stringify(index());

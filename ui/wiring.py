@@ -74,6 +74,9 @@ RECORD = "(need, ...rest) => [need && need.id ? window.rewindCopy.record(need.id
 SENT_TEXT = "(text, ...rest) => [window.rewindSent ?? text, ...rest]"
 # Import: the file the person picks, read by the page (its text, or null if none was picked)
 PICK_FILE = "async (text, ...rest) => [await window.rewindCopy.pickFile(), ...rest]"
+# ... or the file dropped on the page (taken once)
+DROPPED_FILE = "(text, ...rest) => { const dropped = window.rewindDropped ?? null; window.rewindDropped = null; " \
+               "return [dropped, ...rest]; }"
 WITH_LIST = "(probe, ...rest) => [window.rewindCopy.withList(), ...rest]"
 # An export's file, downloaded by the browser at once, named from the conversation's title (#46, 2)
 DOWNLOAD = DOWNLOAD_FN = ("(file) => { if (!file || typeof file.text !== 'string') return; "
@@ -204,8 +207,9 @@ def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     with_conversation(chat_list, page, page["fork_go"].click) \
         .then(chat_list.branch_off, [page["fork_target"], key, book], with_list, js=FORK_INPUT, api_name=False,
               show_progress="hidden")
-    page["import_file"].click(chat_list.import_text, [page["import_text"], key, book], with_list, js=PICK_FILE,
-                              api_name=False, **ONE_RECORD_AT_A_TIME)
+    for trigger, pick in ((page["import_file"], PICK_FILE), (page["import_drop"], DROPPED_FILE)):
+        trigger.click(chat_list.import_text, [page["import_text"], key, book], with_list, js=pick, api_name=False,
+                      **ONE_RECORD_AT_A_TIME)
     page["list_refresh"].click(chat_list.refresh, [probe, book], [book, page["chats"]], js=WITH_LIST, **QUIET)
 
 
