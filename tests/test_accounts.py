@@ -14,7 +14,8 @@ import pytest
 
 from app_server import AppServer
 from oidc_provider import Provider
-from test_browser import browser, open_chat, send, stats_text, type_temperature, wait_loaded, wait_reply  # noqa: F401 (fixtures)
+from test_browser import (browser, open_chat, send, start_new_chat, stats_text, type_temperature,  # noqa: F401
+                          wait_loaded, wait_reply)
 from playwright.sync_api import Page, expect  # noqa: E402
 
 
@@ -69,9 +70,7 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
     expect(claim).to_have_text("Keep this browser's chat in your account")  # asked, not assumed
     claim.click()
     expect(claim).to_be_hidden()
-    laptop.click("#new-chat")
-    expect(laptop.locator("#chatbot .message-row.user-row")).to_have_count(0)  # the new chat is on screen
-    expect(laptop.locator("#stats")).to_have_text("")
+    start_new_chat(laptop)
     wait_reply(laptop, send(laptop, "What is 21 + 21?"))
     answer = laptop.locator("#chatbot .message-row.bot-row").last.inner_text()
 

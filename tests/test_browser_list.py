@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from test_browser import browser, demo_app, open_chat, send, wait_reply  # noqa: F401 (fixtures)
+from test_browser import browser, demo_app, open_chat, send, start_new_chat, wait_reply  # noqa: F401 (fixtures)
 from playwright.sync_api import expect  # noqa: E402
 
 
@@ -16,6 +16,35 @@ from playwright.sync_api import expect  # noqa: E402
 def fork_button(row):
     return row.locator("xpath=following-sibling::div[contains(@class, 'message-buttons')][1]"
                        "//button[contains(@class, 'fork-here')]")
+
+
+def test_export_all_gives_every_chat_and_imports_whole_elsewhere(browser, demo_app, tmp_path):
+    """"Export all" (issue #47): not signed in, the page makes the file of every chat its browser
+    keeps; another browser imports it and lists them all (their branches kept)."""
+    import json
+
+    page = open_chat(browser, demo_app.url)
+    wait_reply(page, send(page, "What is 10 + 5?"))
+    start_new_chat(page)
+    wait_reply(page, send(page, "What is 7 * 3?"))
+    expect(page.locator("#chat-list label")).to_have_count(2)
+    with page.expect_download() as download:
+        page.click("#export-all")
+    path = tmp_path / "all.json"
+    download.value.save_as(path)
+    exported = json.loads(path.read_text())
+    assert exported["format"] == "rewind-chat.conversations"
+    assert sorted(c["title"] for c in exported["conversations"]) == ["What is 10 + 5?", "What is 7 * 3?"]
+
+    elsewhere = open_chat(browser, demo_app.url)
+    with elsewhere.expect_file_chooser() as chooser:
+        elsewhere.click("#import")
+    chooser.value.set_files(str(path))
+    expect(elsewhere.locator("#chat-list label")).to_have_count(2)
+    elsewhere.locator("#chat-list label").filter(has_text="7 * 3").click()
+    expect(elsewhere.locator("#chatbot .message-row.user-row").first).to_have_text("What is 7 * 3?")
+    page.close()
+    elsewhere.close()
 
 
 def test_branch_off_from_a_reply_or_a_message_into_a_new_chat(browser, demo_app):
