@@ -72,13 +72,9 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
                     book=gr.State(Book(), delete_callback=Closes(directory, parked=True)),
                     outbox=gr.JSON(visible=False), probe=gr.JSON(visible=False), need=gr.JSON(visible=False),
                     event=gr.JSON(visible=False), applied_prompt=gr.JSON(visible=False))
-        page |= sidebar(sign_in=account_copy is not None)
-        gr.Markdown(f"## rewind-chat · {model_label}\n"
-                    "One KV cache per conversation, rolled back instead of recomputed: "
-                    "regenerate, undo, edit, stop and branches reuse everything before the change.",
-                    elem_id="header")
+        page |= sidebar(max_new_tokens, sign_in=account_copy is not None)
+        gr.Markdown(f"**rewind-chat** · {model_label}", elem_id="header")
         page |= chat_area(placeholder, handlers.limits.max_message_chars)
-        page["panel"] = settings_panel(max_new_tokens)
         page |= dict(branch_target=gr.Textbox(visible="hidden", elem_id="branch-target"),
                      branch_go=gr.Button(visible="hidden", elem_id="branch-go"),
                      retry_go=gr.Button(visible="hidden", elem_id="retry-go"),
@@ -99,13 +95,15 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
     return demo
 
 
-def sidebar(sign_in: bool = False) -> dict[str, Any]:
+def sidebar(max_new_tokens: int, sign_in: bool = False) -> dict[str, Any]:
+    """The list and everything about it, the settings and light/dark: the chat's own column is
+    the conversation and its box only (#46, 4: a page like the chat apps people use)."""
     with gr.Sidebar(label="Conversations", open=True, elem_id="sidebar", width=280):
         if sign_in:  # signed in, the list follows the person to their other browsers
             gr.LoginButton(value="Sign in to keep your chats on every device", logout_value="Sign out ({})",
                            size="sm", elem_id="sign-in")
         parts = dict(claim=gr.Button("", size="sm", visible=False, elem_id="claim"), claim_ids=gr.JSON(visible=False))
-        parts |= dict(sidebar_new_chat=gr.Button("Start a new chat", size="sm", elem_id="sidebar-new-chat"),
+        parts |= dict(new_chat=gr.Button("New chat", size="sm", variant="primary", elem_id="new-chat"),
                      search=gr.Textbox(placeholder="Search chats", show_label=False, elem_id="chat-search",
                                        max_lines=1, container=False),  # the page filters the list (no event)
                      chats=gr.Radio(choices=[], label="Kept in this browser", elem_id="chat-list"),
@@ -130,12 +128,15 @@ def sidebar(sign_in: bool = False) -> dict[str, Any]:
         parts |= dict(share_made=gr.JSON(visible=False), revoke_request=gr.JSON(visible=False),
                       account_links=gr.JSON(visible=False),
                       revoke_done=gr.JSON(visible=False), revoke_go=gr.Button(visible="hidden", elem_id="revoke-go"))
+        parts["panel"] = settings_panel(max_new_tokens)
+        parts["dark"] = gr.Button("Light / dark", size="sm", elem_id="dark-mode")
     return parts
 
 
 def chat_area(placeholder: str, max_message_chars: int) -> dict[str, Any]:
     examples = [{"text": text} for text in EXAMPLES]
-    parts = dict(chatbot=gr.Chatbot(label="Chat", editable="all", height=520, examples=examples,
+    # the chat takes the window's height, the box at its foot (the page's style and script: #46, 4)
+    parts = dict(chatbot=gr.Chatbot(label="Chat", show_label=False, editable="all", height=520, examples=examples,
                                     placeholder=placeholder, sanitize_html=True, elem_id="chatbot",
                                     latex_delimiters=LATEX, buttons=["copy"], feedback_options=None,
                                     group_consecutive_messages=False))
@@ -149,33 +150,40 @@ def chat_area(placeholder: str, max_message_chars: int) -> dict[str, Any]:
                                          elem_id="message", autofocus=True, lines=1, max_lines=8,
                                          elem_classes=[f"limit-{max_message_chars}"]),
                       send=gr.Button("Send", variant="primary", scale=1, min_width=72, elem_id="send"),
-                      stop=gr.Button("Stop", variant="stop", scale=1, min_width=72, elem_id="stop", visible=False))
-    with gr.Row():
-        parts |= dict(continue_button=gr.Button("Continue", size="sm", elem_id="continue"),
-                      new_chat=gr.Button("New chat", size="sm", elem_id="new-chat"),
-                      dark=gr.Button("Light / dark", size="sm", elem_id="dark-mode"))
-    parts["stats"] = gr.Markdown("", elem_id="stats")
+                      stop=gr.Button("Stop", variant="stop", scale=1, min_width=72, elem_id="stop", visible=False),
+                      continue_button=gr.Button("Continue", scale=1, min_width=88, elem_id="continue"))
+    parts["stats"] = gr.Markdown("", elem_id="stats")  # what the last turn cost: small, under the box
     return parts
 
 
 def settings_panel(max_new_tokens: int) -> dict[str, Any]:
+    """Settings as a person reads them; the sampling knobs a developer wants fold away under More."""
     defaults = Settings()
-    with gr.Accordion("Settings", open=False):
-        return dict(
+    with gr.Accordion("Settings", open=False, elem_id="settings"):
+        # the labels name the API's parameters too (Gradio derives them): they stay; `info` says it for people
+        panel = dict(
             system_prompt=gr.Textbox(label="System prompt (changing it starts a new branch; the old one is kept)",
+                                     info="Instructions the assistant follows in this conversation",
                                      value=defaults.system_prompt, elem_id="system-prompt"),
             prompt_note=gr.Markdown("", elem_id="prompt-note"),
-            thinking=gr.Checkbox(label="Thinking (for models whose template supports it)", value=defaults.thinking),
+            thinking=gr.Checkbox(label="Thinking (for models whose template supports it)", value=defaults.thinking,
+                                 info="The model reasons before it answers; the reasoning folds away above the answer"),
             max_new_tokens=gr.Slider(1, max_new_tokens, value=min(defaults.max_new_tokens, max_new_tokens), step=1,
-                                     label="Max new tokens", elem_id="max-new-tokens"),
+                                     label="Max new tokens",
+                                     info="The longest reply, in tokens (about ¾ of a word each)",
+                                     elem_id="max-new-tokens"),
             temperature=gr.Slider(0, 2, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)",
+                                  info="Creativity: 0 always picks the likeliest word; higher varies more",
                                   elem_id="temperature"),
-            top_p=gr.Slider(0.05, 1, value=defaults.top_p, step=0.01, label="Top-p"),
-            top_k=gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k (0 = off)"),
-            repetition_penalty=gr.Slider(0.5, 2, value=defaults.repetition_penalty, step=0.01,
-                                         label="Repetition penalty"),
             prepare_toggle=prepare_switch(),  # the browser's own: not one of `Settings`
         )
+        with gr.Accordion("More (for developers)", open=False, elem_id="more-settings"):
+            panel |= dict(
+                top_p=gr.Slider(0.05, 1, value=defaults.top_p, step=0.01, label="Top-p"),
+                top_k=gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k (0 = off)"),
+                repetition_penalty=gr.Slider(0.5, 2, value=defaults.repetition_penalty, step=0.01,
+                                             label="Repetition penalty"))
+    return panel
 
 
 def prepare_switch() -> gr.Checkbox:
@@ -279,23 +287,30 @@ def main(argv: list[str] | None = None) -> int:
     # Gradio keeps a closed page's state (a copy of the page's components, about 200 KB here) for an
     # hour, up to `state_session_capacity` pages, least recently used first out (10,000 by default:
     # 2 GB); a page whose state went gets its conversation back from the browser's copy.
-    demo.launch(server_name=config.host, server_port=config.port, enable_monitoring=config.monitoring, show_error=True,
-                footer_links=["api"], run_history=False, quiet=True, prevent_thread_lock=True,
-                state_session_capacity=config.page_states,
-                css=CSS, js=PAGE_SCRIPT, head=PAGE_HEAD, max_file_size=saved.MAX_JSON_BYTES,
-                app_kwargs={"middleware": [Middleware(SecurityHeaders, trust_proxy_headers=bool(config.proxies)),
-                                           Middleware(WaitingBodies, book=waiting, largest_bytes=largest),
-                                           # (inside Gradio's session middleware: it sees the session)
-                                           *([Middleware(SignedOutSessions, sign_outs=SignOuts(database))]
-                                             if account_copy is not None else [])],
-                            "routes": routes(directory, metrics) + sharing.routes(),
-                            "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
+    # A stop (SIGTERM: a Space or container stopping) ends like Ctrl-C: Gradio closes and the exit
+    # handlers run, so the cold tier's files (token ids of conversations) and the exports go too.
+    # Set before the launch: the page is served a moment before `launch` returns, and a stop in
+    # that moment killed the process outright (exit -15).
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        demo.launch(server_name=config.host, server_port=config.port, enable_monitoring=config.monitoring,
+                    show_error=True, footer_links=["api"], run_history=False, quiet=True, prevent_thread_lock=True,
+                    state_session_capacity=config.page_states,
+                    css=CSS, js=PAGE_SCRIPT, head=PAGE_HEAD, max_file_size=saved.MAX_JSON_BYTES,
+                    app_kwargs={"middleware": [Middleware(SecurityHeaders,
+                                                          trust_proxy_headers=bool(config.proxies)),
+                                               Middleware(WaitingBodies, book=waiting, largest_bytes=largest),
+                                               # (inside Gradio's session middleware: it sees the session)
+                                               *([Middleware(SignedOutSessions, sign_outs=SignOuts(database))]
+                                                 if account_copy is not None else [])],
+                                "routes": routes(directory, metrics) + sharing.routes(),
+                                "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
+    except KeyboardInterrupt:  # stopped while starting
+        demo.close()
+        return 0
     waiting.alive = lambda event_id: event_id in demo._queue.event_ids_to_events  # queued, not yet ended
     print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",
           flush=True)
-    # A stop (SIGTERM: a Space or container stopping) ends like Ctrl-C: Gradio closes and the exit
-    # handlers run, so the cold tier's files (token ids of conversations) and the exports go too.
-    signal.signal(signal.SIGTERM, _interrupt)
     demo.block_thread()
     return 0
 

@@ -14,8 +14,8 @@ import pytest
 
 from app_server import AppServer
 from oidc_provider import Provider
-from test_browser import (browser, open_chat, send, start_new_chat, stats_text, type_temperature,  # noqa: F401
-                          wait_loaded, wait_reply)
+from test_browser import (browser, open_chat, open_settings, send, start_new_chat, stats_text,  # noqa: F401
+                          type_temperature, wait_loaded, wait_reply)
 from playwright.sync_api import Page, expect  # noqa: E402
 
 
@@ -75,12 +75,12 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
     answer = laptop.locator("#chatbot .message-row.bot-row").last.inner_text()
 
     # a setting changed on the laptop follows the person too
-    laptop.get_by_text("Settings", exact=True).click()
+    open_settings(laptop)
     type_temperature(laptop, "1.3")
     laptop.get_by_label("Thinking", exact=False).uncheck()
 
     phone = signed_in(browser, space_app, provider, "1001")
-    phone.get_by_text("Settings", exact=True).click()
+    open_settings(phone)
     expect(phone.locator("#temperature input[type='number']")).to_have_value("1.3")
     expect(phone.get_by_label("Thinking", exact=False)).not_to_be_checked()
     chats = phone.locator("#chat-list label")

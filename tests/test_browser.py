@@ -70,6 +70,24 @@ def send(page: Page, text: str) -> str:
     return before
 
 
+def open_settings(page: Page) -> None:
+    """Open the Settings panel, in the sidebar (#46, 4): unfolded first where it is folded away
+    (a phone)."""
+    folded = page.locator(".sidebar:not(.open) button[aria-label='Toggle Sidebar']")
+    if folded.count():
+        folded.first.click()
+        page.wait_for_function(SIDEBAR_AT_REST)
+    page.get_by_text("Settings", exact=True).click()
+
+
+def fold_sidebar(page: Page) -> None:
+    """On a phone, fold the sidebar away again (it covers the chat while open)."""
+    opened = page.locator(".sidebar.open button[aria-label='Toggle Sidebar']")
+    if page.viewport_size["width"] <= 700 and opened.count():
+        opened.first.click()
+        page.wait_for_function(SIDEBAR_AT_REST)
+
+
 def start_new_chat(page: Page) -> None:
     """New chat, and wait until its event has answered (no chat of the list is the shown one and
     the chat is empty): a message sent before then raced the New chat's own outputs, which could
@@ -273,7 +291,7 @@ def test_on_a_phone_a_retry_keeps_everything_in_view_and_the_list_folds_away(bro
     expect(page.locator(".sidebar")).not_to_have_class(re.compile(r"\bopen\b"))  # folded away at first
     page.wait_for_function(SIDEBAR_AT_REST)  # mid-slide the toggle crosses the title
     expect(toggle).to_be_in_viewport(ratio=1.0)
-    assert not overlaps(toggle, page.locator("#header h2")) and min(toggle.bounding_box()["width"],
+    assert not overlaps(toggle, page.locator("#header p")) and min(toggle.bounding_box()["width"],
                                                                     toggle.bounding_box()["height"]) >= 40
     wait_reply(page, send(page, "What is 10 + 10?"))
     before = stats_text(page)
@@ -288,21 +306,21 @@ def test_on_a_phone_a_retry_keeps_everything_in_view_and_the_list_folds_away(bro
         button.scroll_into_view_if_needed()
         assert in_view(button)
     assert all(min(box["width"], box["height"]) >= 40 for box in (button.bounding_box() for button in buttons.all()))
-    # finger-sized (#46, 8): the chat's trash button and a reply's Thinking expander were 18 px
-    for selector in ("#chatbot button[aria-label='Clear']", "#chatbot .thought-group .title"):
+    # finger-sized (#46, 8): a reply's Thinking expander was 18 px; and ⑂, branch off (#46)
+    for selector in ("#chatbot .thought-group .title", "#chatbot button.fork-here"):
         box = page.locator(selector).first.bounding_box()
         assert box is not None and min(box["width"], box["height"]) >= 40, (selector, box)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "readme-phone.png"))  # docs/screenshot-phone.png
 
-    for pick in (lambda: page.click("#sidebar-new-chat"),
+    for pick in (lambda: page.click("#new-chat"),
                  lambda: page.locator("#chat-list label").filter(has_text="What is 10 + 10?").click()):
         toggle.click()
         expect(page.locator(".sidebar")).to_have_class(re.compile(r"\bopen\b"))
         page.wait_for_function(SIDEBAR_AT_REST)
         expect(toggle).to_be_in_viewport(ratio=1.0)
-        expect(page.locator("#sidebar-new-chat")).to_be_in_viewport(ratio=1.0)
-        assert not overlaps(toggle, page.locator("#sidebar-new-chat"))
+        expect(page.locator("#new-chat")).to_be_in_viewport(ratio=1.0)
+        assert not overlaps(toggle, page.locator("#new-chat"))
         heights = {button.inner_text(): button.bounding_box()["height"] for button in
                    page.locator("#sidebar button:visible").all()}  # the list's buttons were 26 px (#46, 8)
         assert len(heights) >= 5 and all(height >= 40 for height in heights.values()), heights
@@ -355,7 +373,7 @@ def type_system_prompt(page: Page, text: str) -> None:
 def test_the_settings_and_the_theme_survive_a_reload(browser, demo_app):
     """Issue #20: thinking, temperature... and light/dark were back to their defaults after a reload."""
     page = open_chat(browser, demo_app.url)
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     for _ in range(3):  # under load the panel's first draw was seen to put the typed value back
         type_temperature(page, "1.3")
         page.get_by_label("Thinking", exact=False).uncheck()
@@ -374,7 +392,7 @@ def test_the_settings_and_the_theme_survive_a_reload(browser, demo_app):
     page.wait_for_function("(was) => document.body.classList.contains('dark') !== was", arg=dark)
     page.reload()
     page.wait_for_selector("#message textarea")
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     expect(page.locator("#temperature input[type='number']")).to_have_value("1.3")
     expect(page.get_by_label("Thinking", exact=False)).not_to_be_checked()
     page.wait_for_function("(was) => document.body.classList.contains('dark') !== was", arg=dark)
@@ -406,7 +424,7 @@ def test_a_setting_changed_once_the_page_is_ready_is_kept(browser, demo_app):
     page.add_init_script(SLOW_SETTINGS_RESTORE)
     page.goto(demo_app.url)
     wait_loaded(page)
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     type_temperature(page, "1.3")
     page.wait_for_function("() => window.settingsRestored === true")
     expect(page.locator("#temperature input[type='number']")).to_have_value("1.3")
@@ -608,8 +626,9 @@ def test_on_a_phone_the_input_and_its_button_stay_in_view(browser, endless_app):
     page = browser.new_page(viewport={"width": width, "height": height}, has_touch=True)
     page.goto(endless_app.url)
     wait_loaded(page)
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     set_max_new_tokens(page, 2000)
+    fold_sidebar(page)
     page.evaluate("window.scrollTo(0, 0)")
 
     def in_view(selector: str) -> bool:
@@ -698,7 +717,7 @@ def test_branches_the_list_and_a_reload_lose_nothing(browser, demo_app, tmp_path
 
 def test_new_chat_during_a_reply_keeps_it_in_the_list(browser, endless_app):
     page = open_chat(browser, endless_app.url)
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     set_max_new_tokens(page, 2000)
     send(page, "A long reply I leave for a new chat.")
     expect(page.locator("#stats")).to_contain_text("generating")
@@ -760,7 +779,7 @@ def test_a_reload_during_a_reply_keeps_the_message_and_what_was_written(browser,
     """Issue #20: the message is in the browser's copy before its reply streams and the reply so
     far is kept while it streams, so a reload mid-reply shows both (as a stopped reply)."""
     page = open_chat(browser, endless_app.url)
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     set_max_new_tokens(page, 6)
     wait_reply(page, send(page, "A short first turn."))
     # the whole conversation fits the model's 2,048 positions, no turn dropped (which would make the
@@ -831,7 +850,7 @@ def test_a_changed_system_prompt_shows_as_pending_until_the_next_message(browser
     showed the new one. The page now says the new one is not applied until the next message."""
     page = open_chat(browser, demo_app.url)
     wait_reply(page, send(page, "What is 10 + 10?"))
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     note = page.locator("#prompt-note")
     expect(note).not_to_contain_text("Not applied yet")
     type_system_prompt(page, "You answer in one line.")
@@ -878,7 +897,7 @@ def test_enter_during_a_reply_keeps_it_and_sends_the_message_when_it_ends(browse
     and rebuilt the cache. Now the reply goes on, the message waits in the box (a line says so)
     and is sent as the reply ends, here by Stop."""
     page = open_chat(browser, endless_app.url)
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     set_max_new_tokens(page, 1000)
     send(page, "A long reply to type ahead during.")
     written = page.wait_for_function(DRAFTED_REPLY, arg="A long reply to type ahead during.",
@@ -918,7 +937,7 @@ def test_a_reload_as_a_reply_begins_keeps_what_was_on_screen(browser, endless_ap
     (all of a demo reply) showed an empty "stopped" bubble. The draft now follows each update of
     the chat: a reload just after the first words keeps them."""
     page = open_chat(browser, endless_app.url)
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     set_max_new_tokens(page, 1000)
     send(page, "Reload me as I begin.")
     shown = page.wait_for_function(SHOWN_REPLY, arg="Reload me as I begin.", timeout=60_000).json_value()
@@ -934,7 +953,7 @@ def test_a_typed_system_prompt_survives_a_reload_and_an_import_brings_its_own(br
     """Issue #32, 4: a system prompt typed and not applied yet was lost on reload. Issue #32, 2: an
     import kept the box's prompt, so the next message forked the imported conversation."""
     page = open_chat(browser, demo_app.url)
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     page.fill("#system-prompt textarea", "You are a helpful assistant.")
     wait_reply(page, send(page, "What is 10 + 10?"))
     exported = export_json(page, tmp_path / "conversation.json")
@@ -944,7 +963,7 @@ def test_a_typed_system_prompt_survives_a_reload_and_an_import_brings_its_own(br
     page.reload()
     wait_loaded(page)
     expect(page.locator("#chatbot")).to_contain_text("What is 10 + 10?")
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     expect(page.locator("#system-prompt textarea")).to_have_value("You are terse.")  # still pending
     expect(page.locator("#prompt-note")).to_contain_text("Not applied yet")
 
@@ -960,16 +979,18 @@ def test_a_typed_system_prompt_survives_a_reload_and_an_import_brings_its_own(br
     page.close()
 
 
-def test_the_trash_button_starts_a_new_chat_and_says_so(browser, demo_app):
-    """Issue #32, 5: the chat's trash button blanked the view only (the list still marked the
-    conversation, the next message went on with it, a reload brought it back)."""
+def test_one_new_chat_starts_a_new_chat_and_keeps_the_last_in_the_list(browser, demo_app):
+    """Issue #46, 4: three controls started a new chat ("Start a new chat", "New chat", the chat's
+    trash icon). One is left, at the top of the list; the chat has no trash icon. And #32, 5: the
+    trash icon blanked the view only (the list still marked the conversation, the next message
+    went on with it, a reload brought it back): New chat starts one for good."""
     page = open_chat(browser, demo_app.url)
     wait_reply(page, send(page, "What is 12 + 12?"))
+    expect(page.get_by_role("button", name="New chat", exact=True)).to_have_count(1)
+    expect(page.get_by_role("button", name="Start a new chat")).to_have_count(0)
+    expect(page.locator("#chatbot button[aria-label='Clear']")).to_be_hidden()
     expect(page.locator("#chat-list input:checked")).to_have_count(1)
-    page.locator("#chatbot button[aria-label='Clear']").click()
-    expect(page.locator("#stats")).to_contain_text("Cleared: this is a new chat")
-    expect(messages(page, "user")).to_have_count(0)
-    expect(page.locator("#chat-list input:checked")).to_have_count(0)
+    start_new_chat(page)
     expect(page.locator("#chat-list")).to_contain_text("What is 12 + 12?")  # kept in the list
     wait_reply(page, send(page, "What is 3 + 4?"))
     expect(messages(page, "user")).to_have_count(1)
@@ -978,6 +999,25 @@ def test_the_trash_button_starts_a_new_chat_and_says_so(browser, demo_app):
     expect(page.locator("#chatbot")).to_contain_text("What is 3 + 4?")
     expect(page.locator("#chatbot")).not_to_contain_text("What is 12 + 12?")
     page.close()
+
+
+def test_the_chat_fills_the_window_with_the_box_at_its_foot(browser, demo_app):
+    """Issue #46, 4: the chat area was 520 px at any window size, with white space under it. Now,
+    on a desktop and on a phone, the chat takes what the window leaves and the box and the line
+    under it end inside the window."""
+    for width, height in ((1280, 900), (1280, 1300), (390, 844)):
+        page = browser.new_page(viewport={"width": width, "height": height})
+        page.goto(demo_app.url)
+        wait_loaded(page)
+        wait_reply(page, send(page, "What is 2 + 2?"))
+        page.wait_for_function("""(height) => {
+            const chat = document.querySelector("#chatbot").getBoundingClientRect();
+            const box = document.querySelector("#input-row").getBoundingClientRect();
+            const line = document.querySelector("#stats").getBoundingClientRect();
+            return line.bottom <= height && height - line.bottom < 40 && box.top > chat.bottom
+                && chat.height > 0.55 * height;
+        }""", arg=height)
+        page.close()
 
 
 SMALLEST_CONTROL = """() => {
@@ -1051,12 +1091,12 @@ def test_the_reply_is_prepared_while_the_message_is_typed(browser, demo_app):
     page.press("#message textarea", "Enter")
     wait_reply(page, previous)
     assert "1 computed" in stats_text(page), stats_text(page)
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     page.locator("#prepare-toggle input").uncheck()
     page.wait_for_function("() => localStorage.getItem('rewind-chat:prepare-while-typing') === 'off'")
     page.reload()
     wait_loaded(page)
-    page.get_by_text("Settings", exact=True).click()
+    open_settings(page)
     expect(page.locator("#prepare-toggle input")).not_to_be_checked()
     page.close()
 

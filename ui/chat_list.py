@@ -244,7 +244,8 @@ class ChatList(CopyKeeping):
             if found is not None:
                 return self._opened(request, found[1], found[0], None, book, *from_account,
                                     stats="A copy of the shared conversation: yours to go on with. Its cache is "
-                                    "computed at your next message.", refused="That shared conversation cannot be opened",
+                                    "computed at your next message.",
+                                    refused="That shared conversation cannot be opened",
                                     textbox=gr.update(placeholder=views.READY))
             gr.Warning("That shared link leads nowhere: it was revoked, or never made.")
         outputs = self.handlers.empty()
@@ -481,7 +482,8 @@ class ChatFiles:
         account = account_of(profile)
         if account is None or self.account_copy is None:
             return {"from_browser": True}
-        conversations = [{**record["data"], "title": record["title"]} for record in self.account_copy.records.all(account)]
+        conversations = [{**record["data"], "title": record["title"]}
+                         for record in self.account_copy.records.all(account)]
         if not conversations:
             gr.Warning("There is no conversation to export yet.")
             return gr.skip()

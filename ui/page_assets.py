@@ -17,7 +17,7 @@ PAGE_SCRIPT = """() => {
         const toggle = document.querySelector(".sidebar.open button[aria-label='Toggle Sidebar']");
         if (toggle) setTimeout(() => toggle.click(), 0);
     };
-    document.addEventListener("click", (event) => foldList(event, "#sidebar-new-chat"));
+    document.addEventListener("click", (event) => foldList(event, "#new-chat"));
     document.addEventListener("change", (event) => foldList(event, "#chat-list"));  // (a label's click is two)
     // Gradio names each message by its raw text: for the branch controls, their markup. They are
     // named by what they are instead ("Branches: Previous branch 2 / 3 Next branch").
@@ -212,6 +212,23 @@ PAGE_SCRIPT = """() => {
     setInterval(() => { const box = document.querySelector("#shared-links");
                         if (box && !box.querySelector(".shared-list")) window.rewindShares?.draw(); }, 300);
 
+    // The chat takes the window's height with the box at its foot (#46, 4): its height is what the
+    // window leaves once what is above it (the title) and below it (the box, the line under it) is drawn
+    const fit = () => {
+        const chat = document.querySelector("#chatbot"), last = document.querySelector("#stats");
+        if (!chat || !last) return;
+        const top = chat.getBoundingClientRect().top + window.scrollY;
+        const below = last.getBoundingClientRect().bottom - chat.getBoundingClientRect().bottom;
+        const height = Math.max(240, Math.floor(window.innerHeight - top - below - 12));
+        if (chat.style.getPropertyValue("height") !== `${height}px`) chat.style.setProperty("height", `${height}px`, "important");
+    };
+    window.addEventListener("resize", fit);
+    const sized = new ResizeObserver(fit);
+    const watchSizes = setInterval(() => {
+        const parts = ["#header", "#input-row", "#stats"].map((selector) => document.querySelector(selector));
+        if (parts.every(Boolean)) { parts.forEach((part) => sized.observe(part)); fit(); clearInterval(watchSizes); }
+    }, 100);
+
     // "Branch off into a new chat" (#46): a button beside each message's own (copy, edit); the
     // message's place in the chat goes to the server (FORK_INPUT), which knows what it is
     const addForks = () => document.querySelectorAll("#chatbot .message-buttons .icon-button-wrapper").forEach((bar) => {
@@ -221,7 +238,9 @@ PAGE_SCRIPT = """() => {
         const button = Object.assign(document.createElement("button"),
                                      {type: "button", className: "icon-button fork-here", title: "Branch off into a new chat"});
         button.setAttribute("aria-label", "Branch off into a new chat");
-        button.textContent = "⑂";
+        button.innerHTML = '<svg viewBox="0 0 16 16" width="14" height="14" aria-hidden="true" fill="none" ' +
+            'stroke="currentColor" stroke-width="1.5"><circle cx="4" cy="3" r="1.6"/><circle cx="4" cy="13" r="1.6"/>' +
+            '<circle cx="12" cy="5" r="1.6"/><path d="M4 4.6v6.8M12 6.6c0 3-8 2.4-8 5"/></svg>';
         bar.appendChild(button);
     });
     new MutationObserver(addForks).observe(document.body, {subtree: true, childList: true});
@@ -253,6 +272,14 @@ PAGE_SCRIPT = """() => {
 TARGET_INPUT = "(target, ...settings) => [window.rewindBranchTarget ?? target, ...settings]"
 FORK_INPUT = "(target, ...rest) => [window.rewindForkTarget ?? target, ...rest]"
 CSS = """
+/* #46, 4: one New chat (the list's): the chat's own trash button is not shown */
+#chatbot button[aria-label="Clear"] { display: none !important; }
+#header { min-height: 0; }
+#header p { margin: 0; font-size: 0.95rem; }
+#stats { font-size: 0.8rem; opacity: 0.75; min-height: 0; }
+#stats p { margin: 0; }
+#input-row { align-items: stretch; }
+#continue { min-width: 88px; }
 #chatbot button.fork-here { font-size: 15px; line-height: 1; min-width: 24px; color: var(--block-label-text-color);
                             background: transparent; border: none; cursor: pointer; }
 #shared-links .shared-link { display: flex; align-items: center; gap: 8px; justify-content: space-between;
@@ -306,15 +333,13 @@ footer .divider:last-child { display: none !important; }
 /* the controls under a message are a message of their own: no copy or edit buttons on them */
 .message-row:has(.branch-nav) + .message-buttons { display: none !important; }
 @media (max-width: 640px) {  /* a phone: the chat fills the screen, the input and its button stay in view */
-  #header p { display: none; }
   /* the list's toggle: a whole 40 px circle in view, open or closed, beside the title (not over it) */
   .sidebar .toggle-button { width: 40px !important; height: 40px !important; border-radius: 50% !important; }
   .sidebar:not(.open) .toggle-button { left: auto !important; right: -44px !important; }
   .sidebar.open .toggle-button { left: auto !important; right: 16px !important; top: auto !important;
                                  bottom: 16px !important; }  /* under the thumb, clear of the list */
-  #header { padding-left: 20px; }
-  #header h2 { font-size: 1.05rem; margin: 0; }
-  #chatbot { height: calc(100dvh - 260px) !important; min-height: 160px; }
+  #header { padding-left: 48px; }  /* beside the list's toggle, not under it */
+  #continue:disabled { display: none; }  /* the box keeps the width: Continue shows when a reply can go on */
   #input-row { position: sticky; bottom: 0; z-index: 10; flex-wrap: nowrap !important;
                background: var(--body-background-fill); padding-bottom: 4px; }
   #input-row > * { min-width: 0 !important; }

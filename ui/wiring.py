@@ -184,8 +184,7 @@ def list_outputs(page: dict[str, Any]) -> list[Any]:
 def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     """The list of conversations kept in the browser."""
     key, book, probe, with_list = page["key"], page["book"], page["probe"], list_outputs(page)
-    for button in (page["new_chat"], page["sidebar_new_chat"]):
-        button.click(chat_list.new_chat, [key, book], with_list, api_name=False)
+    page["new_chat"].click(chat_list.new_chat, [key, book], with_list, api_name=False)
     page["chatbot"].clear(chat_list.clear, [key, book], with_list, api_name=False)
     page["chats"].input(chat_list.open, [page["chats"], probe, key, book], with_list, api_name=False, js=CHOSEN,
                         **ONE_RECORD_AT_A_TIME)
