@@ -13,6 +13,9 @@ Module map:
   page_assets.py  the page's script, style and LaTeX delimiters
   chat_list.py  the conversations each browser keeps: list, open, new, rename, delete, export, import
   browser_copy.py  how the browser keeps them: one record per conversation, merged by revision (its script)
+  accounts.py   signed in (Hugging Face OAuth): the records kept in the store too, settings, taking a
+                conversation over on another device, sign-outs that a replayed cookie cannot undo
+  sharing.py    share by link: the snapshot, the read-only page at /share/<id>, revoking
   outputs.py    ChatOutputs (what every handler returns, by name) and Settings (inputs, by name)
   inputs.py     checking what a client sends, by field name, before anything runs; the size limits
   operator.py   /healthz, /status and /metrics (Prometheus) for operators: aggregate numbers only
