@@ -1017,6 +1017,15 @@ def test_the_chat_fills_the_window_with_the_box_at_its_foot(browser, demo_app):
             return line.bottom <= height && height - line.bottom < 40 && box.top > chat.bottom
                 && chat.height > 0.55 * height;
         }""", arg=height)
+        if width < 700:  # #46, 8: scrolled to the end, the list's floating toggle covers neither the chat nor the box
+            page.evaluate("window.scrollTo(0, document.scrollingElement.scrollHeight)")
+            page.wait_for_function(SIDEBAR_AT_REST)
+            toggle = page.locator("button[aria-label='Toggle Sidebar']").first.bounding_box()
+            for part in ("#chatbot", "#input-row"):
+                box = page.locator(part).bounding_box()
+                assert not (toggle["x"] < box["x"] + box["width"] and box["x"] < toggle["x"] + toggle["width"]
+                            and toggle["y"] < box["y"] + box["height"] and box["y"] < toggle["y"] + toggle["height"]), \
+                    (part, toggle, box)
         page.close()
 
 
