@@ -102,3 +102,23 @@ def test_a_file_dropped_on_the_page_is_imported(browser, demo_app):
     expect(page.locator("#chat-list label").first).to_contain_text("Dropped in")
     expect(page.locator("#chatbot .message-row.user-row").first).to_have_text("What is 8 + 1?")
     page.close()
+
+
+def test_a_message_sent_right_after_new_chat_goes_to_the_new_chat(browser, demo_app):
+    """A message sent a moment after New chat (before its answer came) went to the conversation
+    left, and the New chat's answer then drew an empty chat over it. Now it waits for the New
+    chat and goes there; the chat left keeps only its own turn."""
+    page = open_chat(browser, demo_app.url)
+    wait_reply(page, send(page, "What is 1 + 1?"))
+    page.click("#new-chat")
+    page.fill("#message textarea", "What is 2 + 2?")
+    page.press("#message textarea", "Enter")
+    users = page.locator("#chatbot .message-row.user-row")
+    expect(users).to_have_count(1)
+    expect(users.first).to_have_text("What is 2 + 2?")
+    expect(page.locator("#stats")).to_contain_text("Prompt:")
+    expect(page.locator("#chat-list label")).to_have_count(2)
+    page.locator("#chat-list label").filter(has_text="1 + 1").click()
+    expect(users.first).to_have_text("What is 1 + 1?")
+    expect(users).to_have_count(1)
+    page.close()

@@ -327,11 +327,13 @@ class ChatList(CopyKeeping):
         return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
 
     def new_chat(self, key: Any, book: Any, stats: str = "") -> tuple:
-        """New chat: the current conversation stays in the list (a running reply is stopped and kept)."""
+        """New chat: the current conversation stays in the list (a running reply is stopped and kept).
+        The box is left as it is: a message typed while this ran is sent to the new chat once it is
+        there (the page holds it), not emptied by this event's answer."""
         book = checked_book(book)
         left = self._leave(key, book)
         book.current = None
-        outputs = replace(self.handlers.empty(), textbox=gr.update(value="", placeholder=views.READY), stats=stats)
+        outputs = replace(self.handlers.empty(), textbox=gr.update(placeholder=views.READY), stats=stats)
         return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
 
     def clear(self, key: Any, book: Any) -> tuple:

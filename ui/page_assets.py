@@ -55,7 +55,16 @@ PAGE_SCRIPT = """() => {
     // only if it still holds what was sent.
     let sentText = null, sentAt = 0, sentRows = 0, enterHeld = false;
     const userRows = () => document.querySelectorAll("#chatbot .message-row.user-row").length;
-    const inFlight = () => sentText !== null && Date.now() - sentAt < 2000;
+    // A New chat on its way counts as a send in flight: a message sent before its answer came went
+    // to the conversation left, and the answer then drew an empty chat over it. It waits, and goes
+    // to the new chat once the New chat's event ends (it says so: `rewindSwitched`).
+    let switchingAt = 0;
+    window.rewindSwitched = () => { switchingAt = 0; };
+    document.addEventListener("click", (event) => {
+        if (event.target.closest?.("#new-chat")) switchingAt = Date.now();
+    }, true);
+    const inFlight = () => (sentText !== null && Date.now() - sentAt < 2000)
+        || (switchingAt > 0 && Date.now() - switchingAt < 10000);
     const markSent = () => {
         sentText = box().value; sentAt = Date.now(); sentRows = userRows(); window.rewindSent = sentText;
     };

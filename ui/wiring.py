@@ -184,7 +184,8 @@ def list_outputs(page: dict[str, Any]) -> list[Any]:
 def wire_list(chat_list: ChatList, page: dict[str, Any]) -> None:
     """The list of conversations kept in the browser."""
     key, book, probe, with_list = page["key"], page["book"], page["probe"], list_outputs(page)
-    page["new_chat"].click(chat_list.new_chat, [key, book], with_list, api_name=False)
+    page["new_chat"].click(chat_list.new_chat, [key, book], with_list, api_name=False) \
+        .then(None, js="() => { window.rewindSwitched?.(); }", **QUIET)  # a message held meanwhile goes now
     page["chatbot"].clear(chat_list.clear, [key, book], with_list, api_name=False)
     page["chats"].input(chat_list.open, [page["chats"], probe, key, book], with_list, api_name=False, js=CHOSEN,
                         **ONE_RECORD_AT_A_TIME)
