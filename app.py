@@ -277,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     demo = build(ChatHandlers(engine, directory, limits=limits, metrics=metrics), model_label=label,
                  max_new_tokens=config.max_new_tokens, sharing=sharing, account_copy=account_copy,
                  **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
+    # signed in: a sign-out holds on every replica (inside Gradio's session middleware: it sees the session)
+    middleware = [Middleware(SignedOutSessions, sign_outs=SignOuts(database))] if account_copy is not None else []
+    return serve(demo, config, routes(directory, metrics) + sharing.routes(), middleware)
+
+
+def serve(demo: gr.Blocks, config: AppConfig, extra_routes: list[Any], middleware: list[Middleware]) -> int:
+    """Launch the page with this app's routes and middleware, and serve until stopped."""
     demo.queue(default_concurrency_limit=config.streams, max_size=256)
     largest, waiting = waiting_book(config)
     gradio_tuning.poll_queue_every(demo)  # two costs of Gradio's that slow decoding down (see there)
@@ -300,10 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                     app_kwargs={"middleware": [Middleware(SecurityHeaders,
                                                           trust_proxy_headers=bool(config.proxies)),
                                                Middleware(WaitingBodies, book=waiting, largest_bytes=largest),
-                                               # (inside Gradio's session middleware: it sees the session)
-                                               *([Middleware(SignedOutSessions, sign_outs=SignOuts(database))]
-                                                 if account_copy is not None else [])],
-                                "routes": routes(directory, metrics) + sharing.routes(),
+                                               *middleware],
+                                "routes": extra_routes,
                                 "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
     except KeyboardInterrupt:  # stopped while starting
         demo.close()

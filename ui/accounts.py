@@ -112,11 +112,6 @@ class AccountCopy:
         except gr.Error:
             pass
 
-    def unclaimed(self, account: str, live_ids: list[str]) -> list[str]:
-        """Of the browser's live records, those the account does not hold (chats made before signing in)."""
-        held = {entry["id"] for entry in self.records.listed(account)}
-        return [chat_id for chat_id in live_ids if chat_id not in held]
-
     def claim(self, account: str, records: list[dict[str, Any]]) -> tuple[int, list[str]]:
         """The browser's records (each checked whole, as an Import) kept in `account`. Returns
         how many were kept and what refused the others."""
@@ -135,8 +130,10 @@ class AccountCopy:
         write there, and listed), and which of the browser's chats the account lacks (to offer)."""
         if book.account is None:
             return []
-        book.unclaimed = self.unclaimed(book.account, [chat_id for chat_id, _ in book.index])
-        missing = self.missing_from(book.account, revs)
+        listed = self.records.listed(book.account)  # (one read of the account's list serves both)
+        held = {entry["id"] for entry in listed}
+        book.unclaimed = [chat_id for chat_id, _ in book.index if chat_id not in held]  # made before signing in
+        missing = self.missing_from(book.account, revs, listed)
         for record in reversed(missing):
             if record.get("deleted"):
                 book.forget(record["id"])
@@ -146,11 +143,13 @@ class AccountCopy:
                     book.renamed.add(record["id"])
         return missing
 
-    def missing_from(self, account: str, revs: dict[str, int]) -> list[dict[str, Any]]:
+    def missing_from(self, account: str, revs: dict[str, int],
+                     listed: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The account's records the browser lacks or holds older (`revs`: its record ids and
-        revisions, tombstones included), newest first: live ones whole, deleted ones as tombstones."""
+        revisions, tombstones included), newest first: live ones whole, deleted ones as tombstones.
+        `listed`: the account's list, if the caller has just read it."""
         missing = []
-        for entry in self.records.listed(account):
+        for entry in self.records.listed(account) if listed is None else listed:
             if revs.get(entry["id"], -1) >= entry["rev"]:
                 continue
             if entry.get("deleted"):

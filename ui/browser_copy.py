@@ -53,6 +53,15 @@ class Book:
     def title(self, chat_id: str | None) -> str:
         return next((title for entry, title in self.index if entry == chat_id), "")
 
+    def new_entry(self, title: Any = None) -> str:
+        """A new record's id; named `title` (checked) if it has one: a name chosen, as a rename's,
+        not taken from its first message (an imported, shared or branched-off conversation)."""
+        chat_id = new_id()
+        if title := checked_title(title):
+            self.renamed.add(chat_id)
+            self.put_first(chat_id, title)
+        return chat_id
+
     def put_first(self, chat_id: str, title: str) -> None:
         self.index = [(chat_id, title)] + [(entry, name) for entry, name in self.index if entry != chat_id]
         del self.index[MAX_CHATS:]

@@ -270,8 +270,7 @@ class ChatList(CopyKeeping):
         conversation's cache starts from a copy of this one's (`engine.branch_off`)."""
         book, chat = checked_book(book), self.directory.find(key)
         place = int(target) if isinstance(target, (int, str)) and str(target).isdigit() else None
-        index_of = self.handlers.chatbot_messages(chat)[1] if chat is not None else []
-        index = index_of[place] if place is not None and place < len(index_of) else None
+        index = self.handlers.conversation_index(chat, place)
         if chat is None or index is None or chat.conversation.messages[index]["role"] == "system":
             gr.Warning("Choose a message or a reply to branch off from.")
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
@@ -287,9 +286,7 @@ class ChatList(CopyKeeping):
             book.current = None
             return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
         new_key, new_chat = self.directory.branch_off(chat, branch, page=page_of(request), client=client_of(request))
-        book.current = browser_copy.new_id()
-        book.renamed.add(book.current)
-        book.put_first(book.current, browser_copy.checked_title(title))
+        book.current = book.new_entry(title)
         written = self._write(book, new_key, new_chat)
         outputs = self.handlers.view(new_key, new_chat, stats="Branched off into a new chat: the one before is in "
                                      "the list, as it was.", system_prompt=new_chat.conversation.system_prompt or "",
@@ -399,10 +396,7 @@ class ChatList(CopyKeeping):
             gr.Warning(f"{refused}: {error}")
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
         left = self._leave(key, book)
-        book.current = browser_copy.new_id()
-        if title := browser_copy.checked_title(title):  # the name it was exported or shared with
-            book.renamed.add(book.current)
-            book.put_first(book.current, title)
+        book.current = book.new_entry(title)  # the name it was exported or shared with, if any
         written = self._write(book, new_key, chat)
         outputs = self.handlers.view(new_key, chat, stats=stats, system_prompt=chat.conversation.system_prompt or "",
                                      **changes)  # its own system prompt (#32, 2)
@@ -464,11 +458,7 @@ class ChatFiles:
             except ChatError as error:
                 refused.append(f"conversation {number}: {error}")
                 continue
-            chat_id = browser_copy.new_id()
-            title = browser_copy.checked_title(data.get("title"))
-            if title:
-                book.renamed.add(chat_id)
-                book.put_first(chat_id, title)
+            chat_id = book.new_entry(data.get("title"))
             records.append(keep(book, browser_copy.record(book, chat_id, data)))
         for problem in refused[:3]:
             gr.Warning(f"Not imported: {problem}")

@@ -12,7 +12,6 @@ import gradio as gr
 from chat import ChatError, Continue, Edit, Regenerate, Send
 from ui import inputs, views
 from ui.actions import REPLIES, Action, Clear, EditReply, Instant, SelectVersion, SwitchBranch, Undo, made
-from ui.directory import BrowserChat
 from ui.operator import server_status
 from ui.outputs import ChatOutputs
 from ui.replies import ReplyEvents
@@ -137,7 +136,7 @@ class PageEvents:
         """Retry on a reply makes a new sibling of it; on a user message, a new branch there with
         the same text. Either way what followed stays on the old branch."""
         chat = self.directory.find(key)
-        index = self._conversation_index(chat, _event_index(event))
+        index = self.handlers.conversation_index(chat, _event_index(event))
         if chat is None or index is None:
             yield from self.handlers.regenerate(request, key, *values)
             return
@@ -155,7 +154,7 @@ class PageEvents:
     def on_edit(self, event: Any, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         chat = self.directory.find(key)
         position = _event_index(event)
-        index = self._conversation_index(chat, position)
+        index = self.handlers.conversation_index(chat, position)
         if chat is None or index is None or position is None:
             raise inputs.refused("That message cannot be edited.")
         text = event.get("value") if isinstance(event, dict) else None
@@ -172,12 +171,6 @@ class PageEvents:
     def on_example(self, event: Any, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         value = event.get("value") if isinstance(event, dict) else None
         yield from self.handlers.send(request, value.get("text") if isinstance(value, dict) else value, key, *values)
-
-    def _conversation_index(self, chat: BrowserChat | None, shown_index: int | None) -> int | None:
-        if chat is None:
-            return None
-        index_of = self.handlers.chatbot_messages(chat)[1]
-        return index_of[shown_index] if isinstance(shown_index, int) and 0 <= shown_index < len(index_of) else None
 
     def on_unload(self, request: gr.Request) -> None:
         """The tab closed (Gradio's heartbeat stopped): free its conversation now, not in an hour.

@@ -64,6 +64,13 @@ class HandlersBase:
     def chatbot_messages(browser: BrowserChat) -> tuple[list[dict], list[int | None]]:
         return views.path_messages(browser.conversation.history.entries)
 
+    def conversation_index(self, chat: BrowserChat | None, shown_index: int | None) -> int | None:
+        """The conversation's message a message shown in the chat is (None: none, or a branch switcher)."""
+        if chat is None:
+            return None
+        index_of = self.chatbot_messages(chat)[1]
+        return index_of[shown_index] if isinstance(shown_index, int) and 0 <= shown_index < len(index_of) else None
+
 
 def page_of(request: gr.Request | None) -> str | None:
     """Gradio's session hash: it only finds keys this server handed to that page (to free them)."""
