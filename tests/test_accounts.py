@@ -35,6 +35,24 @@ def space_app(tmp_path_factory, provider):
     server.close()
 
 
+def kept_for_account(app: AppServer, account: str, timeout_s: float = 30, **settings) -> None:
+    """Wait until the app's store keeps `settings` for `account` (its settings go to the server as
+    the person leaves each control, each in a request of its own)."""
+    import sqlite3
+    import time
+
+    store = str(app.log.name).rsplit("/", 1)[0] + f"/store-{app.port}.sqlite3"
+    deadline, kept = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        with sqlite3.connect(store) as connection:
+            row = connection.execute("select settings from preferences where owner = ?", (account,)).fetchone()
+        kept = json.loads(row[0]) if row else {}
+        if all(kept.get(name) == value for name, value in settings.items()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the account keeps {kept}, not {settings}")
+
+
 def signed_in(browser, app: AppServer, provider: Provider, user: str) -> Page:
     return sign_in(open_chat(browser, app.url), provider, user)
 
@@ -78,6 +96,7 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
     open_settings(laptop)
     type_temperature(laptop, "1.3")
     laptop.get_by_label("Thinking", exact=False).uncheck()
+    kept_for_account(space_app, "hf:1001", temperature=1.3, thinking=False)  # (each goes as its own request)
 
     phone = signed_in(browser, space_app, provider, "1001")
     open_settings(phone)
