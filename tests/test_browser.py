@@ -1057,6 +1057,7 @@ def test_controls_are_named_and_finger_sized_and_the_list_takes_enter_and_cancel
     stopped = page.locator("#chatbot [aria-label*='stopped']").first
     expect(stopped).to_be_attached()
     assert "<" not in stopped.get_attribute("aria-label")
+    expect(page.locator("#continue")).to_be_enabled()  # (the page enables it under a stopped reply; shown then)
     sizes = page.evaluate(SMALLEST_CONTROL)
     assert {name for name, _ in sizes} >= {"Copy message", "Retry", "Undo", "Continue"}, sizes
     assert all(size >= 40 for _, size in sizes), sizes
