@@ -288,6 +288,7 @@ def serve(demo: gr.Blocks, config: AppConfig, extra_routes: list[Any], middlewar
     largest, waiting = waiting_book(config)
     gradio_tuning.poll_queue_every(demo)  # two costs of Gradio's that slow decoding down (see there)
     gradio_tuning.pass_skipped_outputs_through()
+    gradio_tuning.patient_start_check()  # a busy host answered Gradio's own start check late
     gradio_limits.keep_no_event_values()  # what Gradio would keep that a visitor controls (see there)
     gradio_limits.remove_files_of_failed_uploads()
     # show_error: a refused API input says why (Gradio's own checks of a component's value included)

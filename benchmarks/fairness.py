@@ -17,9 +17,8 @@ Two scenarios, as a shared Space's users would meet them, through the library's 
 Tokens are timed as the scheduler emits them (not as text: a random model's bytes may decode to
 text only at the end). Each `--configs` entry (`prefill_chunk/prefill_chunk_alone` in packed
 steps, the first a cap under the measured step budget; `fixed:` the same without measuring;
-`gathered:` the same on the gathered batch, prefill and decode in separate forwards; or `before`:
-one chunk size while others decode, a whole prefill alone, oldest first, as the scheduler did
-before #30) runs both scenarios `--repeats` times on the same model (medians); ratios
+or `before`: one chunk size while others decode, a whole prefill alone, oldest first, as the
+scheduler did before #30, in packed steps: the gathered batch it ran on then has left the engine) runs both scenarios `--repeats` times on the same model (medians); ratios
 are within one run. The streaming user's worst gap alone is the machine's own noise floor.
 `python -m benchmarks.fairness --help`.
 """
@@ -213,9 +212,8 @@ def gaps(times: list[float]) -> list[float]:
 
 def engine_for(config: str, model, tokenizer, worker: ModelWorker,
                alone_step_s: float = DEFAULT_ALONE_STEP_S) -> ChatEngine:
-    """`before`: the scheduler before #30 (256 tokens a step while others decode, a whole prefill
-    alone, oldest first, on the gathered batch). `gathered:A/B`: chunks as `A/B`, prefill and
-    decode in separate forwards on the gathered batch (before packed steps); `fixed:A/B`: packed,
+    """`before`: the scheduler's choices before #30 (256 tokens a step while others decode, a whole
+    prefill alone, oldest first); `fixed:A/B`:
     `A` prompt tokens a step while others decode; `A/B`: packed, at most `A` while others decode
     and `B` alone, fewer when timed steps say so (chat/step_budget.py); `alone-fixed:A/B`: the
     same with `B` tokens alone always (as before the alone steps were timed)."""
@@ -224,7 +222,6 @@ def engine_for(config: str, model, tokenizer, worker: ModelWorker,
     timed = not kind or kind == "alone-fixed"
     return ChatEngine(model, tokenizer, worker=worker, shared_prefixes=0, prefill_chunk=chunk,
                       prefill_chunk_alone=alone, prefill_order=order,
-                      packed_steps=kind != "gathered" and sizes != "before",
                       step_gap_factor=DEFAULT_GAP_FACTOR if timed and sizes != "before" else None,
                       alone_step_s=alone_step_s if not kind else None)
 
@@ -267,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="before,64/512",
                         help="comma-separated: before, CHUNK/ALONE (packed, measured), alone-fixed:CHUNK/ALONE (measured "
-                        "beside decode rows only), fixed:CHUNK/ALONE, or gathered:CHUNK/ALONE")
+                        "beside decode rows only), or fixed:CHUNK/ALONE")
     parser.add_argument("--model", default="bench-full", help="a row of chat/models.py (bench-full, real-qwen3-0.6b)")
     parser.add_argument("--stream-prompt", type=int, default=3000, help="tokens of the message sent mid-stream")
     parser.add_argument("--long-prompt", type=int, default=4000, help="tokens of the long message")

@@ -30,24 +30,6 @@ from chat.worker import ModelWorker
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
 
 
-class Sampler(threading.Thread):
-    """Samples the batched copy's bytes while a scenario runs (the extra memory of batching)."""
-
-    def __init__(self, engine: ChatEngine):
-        super().__init__(daemon=True)
-        self.engine, self.peak_bytes, self.done = engine, 0, threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        while not self.done.wait(0.005):
-            self.peak_bytes = max(self.peak_bytes, self.engine.caches.stats().batch_bytes)
-
-    def stop(self) -> int:
-        self.done.set()
-        self.join()
-        return self.peak_bytes
-
-
 class Bench:
     def __init__(self, engine: ChatEngine, max_new_tokens: int):
         self.engine, self.max_new_tokens = engine, max_new_tokens
@@ -79,7 +61,6 @@ class Bench:
         since the start (all zeros: at the same moment)."""
         results: list[dict | None] = [None] * len(convs)
         steps_at_start = self.engine.batch_stats().steps
-        sampler = Sampler(self.engine)
         started = time.perf_counter()
 
         def run(index: int) -> None:
@@ -97,10 +78,9 @@ class Bench:
         for thread in threads:
             thread.join()
         wall = time.perf_counter() - started
-        extra = sampler.stop()
         for conv in convs:
             conv.undo()
-        return {"wall_s": wall, "replies": results, "peak_batch_bytes": extra,
+        return {"wall_s": wall, "replies": results,
                 "decode_steps": self.engine.batch_stats().steps - steps_at_start}
 
     @torch.no_grad()
@@ -134,21 +114,21 @@ def summarize(name: str, run: dict, alone: list[dict], alone_wall_s: float, alon
         "ttft_s": [r["ttft_s"] for r in replies], "ttft_alone_s": [a["ttft_s"] for a in alone],
         "batch_step_s": batch_step_s, "ttft_excess_steps": [e / batch_step_s for e in excess],
         "ttft_excess_alone_steps": [e / alone_step_s for e in excess],
-        "same_as_alone": all(same), "same_per_conversation": same, "peak_batch_bytes": run["peak_batch_bytes"],
+        "same_as_alone": all(same), "same_per_conversation": same,
         "own_cache_bytes": sum(r["cache_bytes"] for r in replies), "decode_steps": run["decode_steps"],
     }
 
 
 def markdown(result: dict) -> str:
     lines = ["| scenario | N | wall | vs one alone | tokens/s | decode step | TTFT (max) | TTFT beyond alone, max "
-             "(batch steps / steps alone) | same replies | batched copy (peak) | own caches |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|"]
+             "(batch steps / steps alone) | same replies | own caches |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|:---:|---:|"]
     for row in result["scenarios"]:
         lines.append(f"| {row['scenario']} | {row['conversations']} | {row['wall_s']:.2f} s | "
                      f"{row['wall_vs_alone']:.2f}x | {row['tokens_per_s']:.0f} | {row['batch_step_s'] * 1000:.1f} ms | "
                      f"{max(row['ttft_s']) * 1000:.0f} ms | {max(row['ttft_excess_steps']):.1f} / "
                      f"{max(row['ttft_excess_alone_steps']):.1f} | {'yes' if row['same_as_alone'] else '**no**'} | "
-                     f"{row['peak_batch_bytes'] / 2**20:.1f} MiB | {row['own_cache_bytes'] / 2**20:.1f} MiB |")
+                     f"{row['own_cache_bytes'] / 2**20:.1f} MiB |")
     return "\n".join(lines + [""] + target_table(result["targets"]))
 
 
@@ -210,8 +190,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--counts", default="1,2,4,8", help="conversations at once, comma-separated")
     parser.add_argument("--stagger", type=int, default=10, help="decode steps between staggered arrivals")
     parser.add_argument("--prefill-chunk", type=int, default=None)
-    parser.add_argument("--gathered", action="store_true",
-                        help="decode on the gathered batch copy, as before packed steps (cache_sessions/batch.py)")
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--plot", dest="plot_path", default=None)
     args = parser.parse_args(argv)
@@ -221,7 +199,6 @@ def main(argv: list[str] | None = None) -> dict:
     model = worker.run(build_bench_model, args.arch, len(tokenizer), tokenizer.eos_token_id)
     model.generation_config.eos_token_id = None  # every reply is max_new_tokens long: equal work
     settings: dict[str, Any] = dict(prefill_chunk=args.prefill_chunk) if args.prefill_chunk else {}
-    settings["packed_steps"] = not args.gathered
     engine = ChatEngine(model, tokenizer, shared_prefixes=0, worker=worker, max_batch_size=max(counts), **settings)
     bench = Bench(engine, args.max_new_tokens)
     words = Words(seed=2)
@@ -253,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
             "history_tokens": args.history, "prompt_tokens": [a["prompt_tokens"] for a in alone],
             "max_new_tokens": args.max_new_tokens, "counts": counts, "stagger_steps": args.stagger,
             "max_batch_size": engine.config.max_batch_size, "prefill_chunk": engine.config.prefill_chunk,
-            "packed_steps": engine.scheduler.packed,
+            "packed": engine.scheduler.runner.packs,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
             "command": "python -m benchmarks.multiuser " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -9,11 +9,9 @@ Module map:
   tensors.py      walking nested states: find, move and measure their tensors
   branches.py     which messages a cache holds; keeping and putting back a branch's states
   resident.py     one packed forward for many sessions, each appending to and reading its own cache in place
-  batch.py        the gathered batch packed steps replaced: sessions' caches copied into one batched cache
   prefixes.py     shared prefilled prefixes (system prompts) for new sessions
   owner.py        the one owner of every session's states: applies each change on the loop, pins, budget
   eviction.py     what the budget frees first: kept branches, then idle sessions (cold tier), then prefixes
-  manager.py      sessions found by server-made keys: a count limit and idle expiry
 """
 
 from cache_sessions.checkpoints import Checkpoint, CheckpointStore

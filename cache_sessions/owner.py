@@ -2,8 +2,9 @@
 here, on the engine's loop thread, and nowhere else.
 
 vLLM's split at this scale: the scheduler (chat/scheduler.py) decides what runs each step, this
-owner applies it to the sessions (roll back, prefill, batch and scatter, commit, keep and put
-back branches, move between devices, release), and the model computes. Other threads never
+owner applies it to the sessions (roll back, choose each prompt piece, note what a step fed,
+commit, keep and put back branches, move between devices, release), and the runner
+(chat/runner.py) runs the model: this owner imports no model code. Other threads never
 touch a session's tensors: they ask the loop (`Loop.call` / `Loop.post`) and read only the
 numbers kept here under a lock.
 
@@ -22,18 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Protocol, Sequence, TypeVar
 
-import torch
 from transformers import PreTrainedModel
 
 from cache_sessions.accounts import Accounts
-from cache_sessions.batch import BatchedCache, SingleRow, decode_batch
 from cache_sessions.branches import BranchKeep, BranchMove, keep_before_reply, move_branch
 from cache_sessions.cold import ColdStats, ColdStore
-from cache_sessions.compiled import CompiledDecode
 from cache_sessions.eviction import Eviction
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import PrefixStore
-from cache_sessions.resident import forward_rows, packs
 from cache_sessions.session import CacheSession, PrefillResult
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
 
@@ -55,10 +52,9 @@ class Loop(Protocol):
 class CacheStats:
     sessions: int
     busy: int  # sessions a request holds (the scheduler's record)
-    cache_bytes: int  # sessions, shared prefixes and the batched copy of the decoding rows
+    cache_bytes: int  # sessions and shared prefixes
     budget_bytes: int | None
     shared_prefix_bytes: int
-    batch_bytes: int
     evictions: int  # idle sessions released for the budget
     segments_freed: int  # kept branch states freed for the budget
     cold: ColdStats | None = None  # the cold tier on disk, when there is one
@@ -69,28 +65,21 @@ class CacheOwner:
                  budget_bytes: int | None = None,
                  max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS, prefix_store: PrefixStore | None = None,
                  offload: bool = False, cold_store: ColdStore | None = None,
-                 kv_cache: KVCacheKind = KVCacheKind(), compiled: CompiledDecode | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 kv_cache: KVCacheKind = KVCacheKind(), clock: Callable[[], float] = time.monotonic):
         """`offload`: sessions rest on the CPU and go to the model's device only while a reply
         runs (ZeroGPU, where GPU memory does not survive between calls). `cold_store`: where idle
         sessions go instead of being released when the budget is reached. `kv_cache`: the kind of
-        cache every session's states live in (cache_sessions/kv_cache.py). `compiled`: the
-        compiled graphs a step of decode rows alone takes once they are ready (cache_sessions/compiled.py)."""
+        cache every session's states live in (cache_sessions/kv_cache.py)."""
         self.model, self.loop, self.cold_store, self.kv_cache = model, loop, cold_store, kv_cache
-        self.compiled = compiled
         self.in_use = in_use
         self.budget_bytes, self.max_checkpoints = budget_bytes, max_checkpoints
         self.prefix_store, self.offload = prefix_store, offload
         self.accounts = Accounts(clock)
-        # Whether steps run packed, each session on its own cache (not with linear attention).
-        self.packs = packs([CacheSession(model, kv_cache=kv_cache)])
         self.reset()
 
     def reset(self) -> None:
         """Forget every session (a forked ZeroGPU worker starts with none of the server's)."""
         self.accounts.reset()
-        self._batch: BatchedCache | SingleRow | None = None
-        self._batch_bytes = 0
         self.eviction = Eviction(self.accounts, self._measure, self.in_use, cold_store=self.cold_store,
                                  prefix_store=self.prefix_store)
 
@@ -108,8 +97,8 @@ class CacheOwner:
     def stats(self) -> CacheStats:
         shared = self.prefix_store.nbytes() if self.prefix_store is not None else 0
         sessions, held = self.accounts.totals()
-        return CacheStats(sessions=sessions, busy=len(self.in_use()), cache_bytes=shared + self._batch_bytes + held,
-                          budget_bytes=self.budget_bytes, shared_prefix_bytes=shared, batch_bytes=self._batch_bytes,
+        return CacheStats(sessions=sessions, busy=len(self.in_use()), cache_bytes=shared + held,
+                          budget_bytes=self.budget_bytes, shared_prefix_bytes=shared,
                           evictions=self.eviction.evictions, segments_freed=self.eviction.segments_freed,
                           cold=self.cold_store.stats() if self.cold_store is not None else None)
 
@@ -130,18 +119,6 @@ class CacheOwner:
         return session.prepare(prompt_ids, prefix_store=prefix_store, shared_prefix_length=shared_prefix_length,
                                prefill=False)
 
-    def feed(self, session: CacheSession, token_ids: list[int]) -> None:
-        """A prefill piece in a forward of its own, on the session's cache (models that cannot
-        pack); a failure releases the session (its states cannot be trusted)."""
-        self._on_loop(session)
-        try:
-            session.extend(token_ids)
-        except BaseException:
-            session.release()
-            raise
-        finally:
-            self._measure(session)
-
     def prefill_piece(self, session: CacheSession, prompt_ids: Sequence[int], budget: int,
                       prefix_store: PrefixStore | None, shared_prefix_length: int) -> list[int]:
         """The prompt tokens this session feeds in the next packed step (see `forward_rows`)."""
@@ -157,22 +134,14 @@ class CacheOwner:
         finally:
             self._measure(session)
 
-    def forward_rows(self, rows: list[tuple[CacheSession, list[int]]], logits_of: list[int]) -> torch.Tensor:
-        """One packed forward: every session reads and writes its own cache in place (no batch
-        copy; cache_sessions/resident.py). The logits of the rows `logits_of`. If it raises, the
-        caller ends every row as failed (their states may hold part of the step). Every row's
-        session is a live request's (registered and brought back when it began, never spilled
-        since), so only the thread is checked here, once a step, not each row's books."""
+    def fed(self, rows: list[tuple[CacheSession, list[int]]]) -> None:
+        """A step went through (chat/runner.py ran it): each row's cache now also holds what it
+        fed. Every row's session is a live request's (registered and brought back when it began,
+        never spilled since), so only the thread is checked here, once a step."""
         self._on_loop()
-        logits = None
-        if self.compiled is not None and self.compiled.takes(rows, logits_of):
-            logits = self.compiled.step(rows)
-        if logits is None:
-            logits = forward_rows(self.model, rows, logits_of)
-        for session, fed in rows:
-            session.note_extended(fed)
+        for session, tokens in rows:
+            session.note_extended(tokens)
             self._measure(session)
-        return logits
 
     def take_back(self, session: CacheSession, count: int) -> None:
         """Its last `count` fed tokens out again (guesses a step refused, chat/drafting.py): a
@@ -182,32 +151,6 @@ class CacheOwner:
             session.take_back(count)
         finally:
             self._measure(session)
-
-    def decode_inputs(self, sessions: list[CacheSession], token_ids: list[int]) -> dict[str, Any]:
-        """Model inputs feeding one token to each of `sessions`, on their batch (built anew when
-        the rows changed: the old one's states go back to their sessions first)."""
-        if self._batch is None or self._batch.sessions != sessions:
-            self.scatter()
-            self._batch = decode_batch(self.model, sessions)
-        return self._batch.inputs(token_ids)
-
-    def decoded(self, token_ids: list[int]) -> None:
-        """The forward of `decode_inputs` ran: the rows now hold `token_ids` too."""
-        assert self._batch is not None
-        self._batch.fed(token_ids)
-        self._batch_bytes = self._batch.nbytes()
-
-    def scatter(self) -> None:
-        """Every row's new states back to its own session; no batch is held afterwards."""
-        if self._batch is not None:
-            self._batch.scatter()
-            for session in self._batch.sessions:
-                self._measure(session)
-        self.drop_batch()
-
-    def drop_batch(self) -> None:
-        """A failed forward: the batched states are unusable (their sessions are released)."""
-        self._batch, self._batch_bytes = None, 0
 
     def end(self, session: CacheSession, sequence: Sequence[int] | None, labels: Sequence[Any],
             failed: bool) -> int:

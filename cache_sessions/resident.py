@@ -18,7 +18,7 @@ every token in order, so a packed sequence cannot run through them as one: durin
 each such mixer runs on each row's span with that row's own states: the decoding rows together,
 their bounded states stacked for the call and written back, and each prefill piece alone. The
 rest of the layer stays packed. A model whose recurrent layers' mixers cannot be found (no
-module taking `cache_params`) keeps the gathered batch (cache_sessions/batch.py).
+module taking `cache_params`) runs row by row instead (chat/runner.py).
 """
 
 from __future__ import annotations

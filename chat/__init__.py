@@ -35,6 +35,8 @@ Module map:
   models.py        the table of model shapes built in code (demo, tests, benchmarks)
   errors.py        errors a UI can show, one family (ChatError)
   store.py         the server's store of signed-in people's records (SQLite or PostgreSQL), merged as the browser merges
+  sessions.py      the server's chats found by keys it made (never a client's id): a count limit, idle expiry
+  runner.py        the one model step: every row on its own cache, compiled, packed or row by row
   shares.py        shared snapshots of a conversation's path, reached by an unguessable id, revoked by their maker
 """
 

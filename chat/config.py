@@ -29,9 +29,6 @@ class EngineConfig:
     others decode (what a long prompt can delay them by, per step); `prefill_chunk_alone`: per
     step while none decodes (what a newcomer can wait behind; chat/scheduler.py says why both);
     `prefill_order`: who gets a step's prefill budget first, "shortest" remaining or "arrival".
-    `packed_steps`: one forward a step carries every decode row and the prefill pieces, each
-    session on its own cache (cache_sessions/resident.py; linear-attention mixers run per row
-    there); False: the gathered batch, as measured before it.
     `step_gap_factor`: while others decode, a step carries at most `prefill_chunk` prompt tokens
     and no more than keep it within this many decode steps, as timed on this machine
     (chat/step_budget.py); None: always `prefill_chunk`. `alone_step_s`: while none decodes, a
@@ -60,7 +57,6 @@ class EngineConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE
     prefill_order: str = "shortest"
-    packed_steps: bool = True
     step_gap_factor: float | None = DEFAULT_GAP_FACTOR
     alone_step_s: float | None = DEFAULT_ALONE_STEP_S
     cache_budget_bytes: int | None = None

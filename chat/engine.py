@@ -22,6 +22,7 @@ from chat.plans import Planner
 from chat.runtime import Runtime
 from chat.scheduler import DecodeScheduler, SchedulerStats
 from chat.sources import ReplySource
+from chat.remote import RemoteSource
 from chat.templates import ChatTemplate
 from chat.weights import Int8Linear, apply_weight_format, prompt_kernel_choice
 from chat.worker import ModelWorker
@@ -49,13 +50,13 @@ class ChatEngine:
         scheduler = DecodeScheduler(self.model, worker or ModelWorker(), max_batch_size=config.max_batch_size,
                                     prefill_chunk=config.prefill_chunk,
                                     prefill_chunk_alone=config.prefill_chunk_alone,
-                                    prefill_order=config.prefill_order, packed_steps=config.packed_steps,
+                                    prefill_order=config.prefill_order, compiled=self.compiled,
                                     step_gap_factor=config.step_gap_factor, alone_step_s=config.alone_step_s,
                                     draft=config.draft,
                                     budget_bytes=config.cache_budget_bytes,
                                     max_checkpoints=config.max_checkpoints, prefix_store=prefix_store,
                                     offload=config.offload_sessions, cold_store=cold_store,
-                                    kv_cache=config.kv_cache_kind, compiled=self.compiled)
+                                    kv_cache=config.kv_cache_kind)
         self.runtime = Runtime(model=self.model, tokenizer=tokenizer, template=template, scheduler=scheduler,
                                eos_token_ids=frozenset(_eos_token_ids(model, tokenizer)), prefix_store=prefix_store,
                                config=config)
@@ -106,11 +107,7 @@ class ChatEngine:
 
     def _source(self, rebuilt: bool = False, client: Hashable | None = None) -> ReplySource:
         local = LocalSource(self.runtime, rebuilt=rebuilt, client=client)
-        if self._remote_runner is None:
-            return local
-        from chat.remote import RemoteSource
-
-        return RemoteSource(local, self._remote_runner)
+        return local if self._remote_runner is None else RemoteSource(local, self._remote_runner)
 
     def status(self) -> dict[str, Any]:
         """What an operator reads of the engine (aggregates only): the batch, the caches, planning."""
@@ -122,7 +119,7 @@ class ChatEngine:
                 "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,
                           "paused": batch.paused, "drafts": batch.drafts, "prepared": batch.prepared,
                           "max_batch_size": batch.max_batch_size, "largest_batch": batch.largest_batch,
-                          "decode_steps": batch.steps, "batch_bytes": batch.batch_bytes,
+                          "decode_steps": batch.steps,
                           "join_wait_mean_s": round(batch.join_wait_mean_s, 4),
                           "join_wait_max_s": round(batch.join_wait_max_s, 4), "packed": batch.packed,
                           "prompt_tokens_per_step": batch.prompt_tokens_per_step},

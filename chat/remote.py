@@ -15,18 +15,25 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from cache_sessions.branches import BranchMove
 from cache_sessions.session import CacheSession
 from chat.local import LocalSource
 from chat.reasoning import Delta
+from chat.runtime import Runtime
 from chat.sources import Reply, ReplyRequest
 
-if TYPE_CHECKING:
-    from chat.engine import ChatEngine
 
-ENGINE: "ChatEngine | None" = None  # set at start-up; forked workers inherit it
+class Engine(Protocol):
+    """What a worker reads of the engine (a `ChatEngine`; named here by what it offers, so this
+    module and chat/engine.py, which makes `RemoteSource`s, do not import each other)."""
+
+    model: Any
+    runtime: Runtime
+
+
+ENGINE: Engine | None = None  # set at start-up; forked workers inherit it
 Runner = Callable[[CacheSession, ReplyRequest, str], Iterator[tuple[str, Any]]]
 STOP_POLL_S = 0.05
 

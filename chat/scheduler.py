@@ -1,15 +1,15 @@
 """Continuous batching on the engine's loop (chat/loop.py): every reply being generated advances in
-one forward per step; every other change to a cache runs between steps.
+one model step per step; every other change to a cache runs between steps.
 
-One step, after the commands other threads posted (a branch switch, a close, a worker's result):
-end requests stopped while they waited; admit waiting requests while rows are free; roll back
-newcomers; then one packed forward (cache_sessions/resident.py) that carries the next token of
-every decoding row and the prefill pieces chosen for this step, each session reading and writing
-its own cache in place (vLLM v1's mixed step, llama.cpp's slots); then the cache owner settles
-(frees closed sessions, keeps the budget). Linear-attention layers pack too: their mixers run
-on each row's own recurrent state (the decoding rows stacked for one call). The gathered batch
-(cache_sessions/batch.py, two forwards a step) is kept as the measured "before"
-(`packed_steps=False`) and for a recurrent model whose mixers cannot be found.
+Three roles (vLLM v1, nano-vllm): this scheduler decides, the cache owner
+(cache_sessions/owner.py) applies, the runner (chat/runner.py) executes. One step, after the
+commands other threads posted (a branch switch, a close, a worker's result), reads in that order:
+**plan** (end requests stopped wherever they wait; admit waiting requests while rows are free;
+each newcomer rolled back by the owner; this step's prompt pieces within its budget; each decode
+row's guesses) → **run** (the runner's one model step: the next token of every decoding row, its
+guesses and the prompt pieces, each row on its own cache in place, as llama.cpp's slots) → the
+owner notes what every row fed → **sample** (each decode row's tokens by its own sampler; rows
+that ended leave). Then the owner settles (frees closed sessions, keeps the budget).
 
 Prefill is always chunked, so nobody waits on another's whole prompt. While rows decode, a step
 carries at most `prefill_chunk` prompt tokens (what a long pasted prompt delays the running
@@ -40,6 +40,8 @@ from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 import torch
 from transformers import PreTrainedModel
 
+from cache_sessions.compiled import CompiledDecode
+from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.owner import CacheOwner
 from cache_sessions.session import CacheSession, common_prefix_length
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ALONE
@@ -50,6 +52,7 @@ from chat.options import GenerationOptions
 from chat.prompt_shares import PromptShares
 from chat.request_table import RequestTable
 from chat.requests import CacheWork, GenerationRequest
+from chat.runner import ModelRunner, Row
 from chat.sampling import TokenChooser
 from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR, StepBudget
 from chat.worker import ModelWorker
@@ -65,18 +68,35 @@ class SchedulerStats:
     prefilling: int  # admitted, prefilling in chunks
     waiting: int  # waiting for a free row
     steps: int  # decode steps run so far
-    batch_bytes: int  # the batched copy of the decoding caches, on top of their own
     joined: int  # requests that reached the batch so far
     largest_batch: int  # the most rows one decode step has run
     join_wait_mean_s: float  # from submit to the first decode step, over the last 32
     join_wait_max_s: float
-    packed: bool = False  # steps run packed on the sessions' own caches (no batch copy)
+    packed: bool = False  # steps run packed, one forward for every row (else row by row: chat/runner.py)
     prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/step_budget.py)
     paused: int = 0  # decode rows given up for another client's share of the rows (chat/request_table.py)
     drafts: int = 0  # prompts being prepared ahead (`prepare`)
     prepared: int = 0  # drafts prefilled to their end so far
     guessed: int = 0  # tokens guessed and verified in decode steps (chat/drafting.py)
     guesses_taken: int = 0  # of them, taken into replies
+
+
+@dataclass
+class StepPlan:
+    """What one step runs, decided before it runs: the decode rows (each its next input and its
+    guesses to verify) and the prompt pieces, in the runner's row order (decode rows first)."""
+
+    decoding: list[GenerationRequest]
+    guesses: list[list[int]]
+    pieces: list[tuple[GenerationRequest, list[int]]]
+
+    def rows(self) -> list[Row]:
+        return ([(request.session, [request.next_input] + guess) for request, guess in zip(self.decoding, self.guesses)]
+                + [(request.session, piece) for request, piece in self.pieces])
+
+    def extra_tokens(self) -> int:
+        """Tokens past one a decode row: what the prompt pieces and the guesses add to the step."""
+        return sum(len(piece) for _, piece in self.pieces) + sum(len(guess) for guess in self.guesses)
 
 
 class _Counters:
@@ -100,18 +120,17 @@ class _Counters:
 class DecodeScheduler:
     def __init__(self, model: PreTrainedModel, worker: ModelWorker, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE,
-                 prefill_order: str = "shortest", packed_steps: bool = True,
+                 prefill_order: str = "shortest", compiled: CompiledDecode | None = None,
                  step_gap_factor: float | None = DEFAULT_GAP_FACTOR, alone_step_s: float | None = DEFAULT_ALONE_STEP_S,
                  draft: str = "auto", **cache_settings: Any):
         """`prefill_order`: "shortest" (remaining prefill first, see above) or "arrival" (oldest
-        first, measured against it in benchmarks/fairness.py). `packed_steps`: one forward a step
-        for decode rows and prefill pieces, each on its own cache (where the model allows; False:
-        the gathered batch and separate prefill forwards, as measured before). `step_gap_factor`:
+        first, measured against it in benchmarks/fairness.py). `compiled`: the graphs the runner
+        takes a step of decode rows alone to, once built (cache_sessions/compiled.py). `step_gap_factor`:
         while rows decode, a step's prompt tokens are at most `prefill_chunk` and as many as keep
         it within that many decode steps, measured (chat/step_budget.py; None: `prefill_chunk`
         always); `alone_step_s`: the same while none decodes, in seconds a step (None:
         `prefill_chunk_alone` always). `draft`: "auto", "ngram" or "off": how decode rows feed
-        guessed tokens to verify (chat/drafting.py; packed steps only). `cache_settings`:
+        guessed tokens to verify (chat/drafting.py). `cache_settings`:
         the cache owner's (budget_bytes, max_checkpoints, prefix_store, offload)."""
         if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
             raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
@@ -122,7 +141,7 @@ class DecodeScheduler:
         self.max_batch_size, self.prefill_chunk, self.prefill_chunk_alone = max_batch_size, prefill_chunk, prefill_chunk_alone
         self.loop = Loop(worker, self._step, self._has_work, lambda: self.caches.settle())
         self.caches = CacheOwner(model, self.loop, self.in_use, **cache_settings)
-        self.packed = packed_steps and self.caches.packs
+        self.runner = ModelRunner(model, compiled, cache_settings.get("kv_cache", KVCacheKind()))
         self.guessing = DraftPolicy(draft)
         self.guesses = StepGuesses(self.guessing, self.caches)
         self.step_budget, self.clock = StepBudget(step_gap_factor, alone_step_s), time.perf_counter
@@ -203,7 +222,6 @@ class DecodeScheduler:
         return self.loop.call(function, *args)
 
     def stats(self) -> SchedulerStats:
-        batch_bytes = self.caches.stats().batch_bytes  # outside the lock: it reads `in_use`, which takes it
         with self._requests.lock:
             counters, waits = self._counters, list(self._counters.join_waits)
             return SchedulerStats(
@@ -211,11 +229,9 @@ class DecodeScheduler:
                 waiting=len(self._requests.waiting), paused=len(self._requests.paused),
                 drafts=len(self._requests.drafts), prepared=counters.prepared, steps=counters.steps,
                 guessed=counters.guessed, guesses_taken=counters.guesses_taken,
-                batch_bytes=batch_bytes,
                 joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
-                packed=self.packed, prompt_tokens_per_step=(self.step_budget.tokens(self.prefill_chunk) if self.packed
-                                                            else self.prefill_chunk))
+                packed=self.runner.packs, prompt_tokens_per_step=self.step_budget.tokens(self.prefill_chunk))
 
     # ---- one step, on the compute thread ------------------------------------------------------
     def _has_work(self) -> bool:
@@ -225,43 +241,69 @@ class DecodeScheduler:
 
     @torch.no_grad()
     def _step(self) -> None:
+        """Plan → run → sample (see the module's docstring)."""
         try:
             for request in [r for r in self._requests.drafts if r.stop.is_set()]:
                 self._end_draft(request)  # before any reply is admitted: a Send may follow its own draft
             if self._requests.idle():
                 self._draft_step()
                 return
-            for request in self._requests.admit(self.max_batch_size, may_pause=self.packed):
-                self._finish(request)  # stopped while it waited (its cache untouched) or was paused
-            for request in [r for r in self._requests.decoding if r.stop.is_set()]:
-                self._leave([request])  # its last chosen token stays unfed, as after `generate`
-            pieces = self._plan_pieces()
-            decoding = list(self._requests.decoding)
-            started, graph_steps = self.clock(), self._graph_steps()
-            if self.packed:
-                guesses = self.guesses.propose(decoding, self._graph_ready(len(decoding)))
-                fed, logits = self._forward_packed(decoding, pieces, guesses)
-            else:
-                guesses = [[] for _ in decoding]
-                fed, logits = self._forward_gathered(decoding, pieces)
-            for request in fed:
-                self._piece_fed(request)
+            plan = self._plan()
+            started, graph_steps = self.clock(), self.runner.graph_steps
+            logits = self._run(plan)
             if logits is not None:
-                ended, taken = choose_tokens(decoding, logits, guesses)
-                with self._requests.lock:
-                    self._counters.step(decoding)
-                    self._counters.guessed += sum(len(guess) for guess in guesses)
-                    self._counters.guesses_taken += taken
-                ended += self.guesses.give_back(decoding, guesses, ended)
+                self._sample(plan, logits)
                 # the whole step, choosing and giving back included: what a guess really costs
-                extra = sum(len(piece) for _, piece in pieces) + sum(len(guess) for guess in guesses)
-                self.guessing.record_step(self.clock() - started, len(decoding), extra,
-                                          compiled=self._graph_steps() > graph_steps)
-                if ended:
-                    self._leave(ended)
+                self.guessing.record_step(self.clock() - started, len(plan.decoding), plan.extra_tokens(),
+                                          compiled=self.runner.graph_steps > graph_steps)
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
-            for request in self._drop_everyone():
+            for request in self._requests.take_everyone():
                 self._finish(request, error)
+
+    def _plan(self) -> StepPlan:
+        """Who leaves (stopped wherever they wait), who is admitted, this step's prompt pieces
+        and each decode row's guesses."""
+        for request in self._requests.admit(self.max_batch_size):
+            self._finish(request)  # stopped while it waited (its cache untouched) or was paused
+        stopped = [request for request in self._requests.decoding if request.stop.is_set()]
+        if stopped:
+            self._leave(stopped)  # its last chosen token stays unfed, as after `generate`
+        pieces = self._plan_pieces()
+        decoding = list(self._requests.decoding)
+        return StepPlan(decoding, self.guesses.propose(decoding, self.runner.graph_ready(len(decoding))), pieces)
+
+    def _run(self, plan: StepPlan) -> torch.Tensor | None:
+        """The plan's one model step; the owner notes what every row fed. Returns the logits
+        after every token of the decode rows (None: no decode row, or the step failed and every
+        row of it ended: each row's states may hold part of it)."""
+        rows = plan.rows()
+        if not rows:
+            return None
+        started = self.clock()
+        try:
+            logits = self.runner.run(rows, range(len(plan.decoding)))
+            self.caches.fed(rows)
+        except BaseException as error:
+            self._leave(plan.decoding, error)
+            for request, _ in plan.pieces:
+                self._leave_prefill(request, error)
+            return None
+        self.step_budget.record(self.clock() - started, len(plan.decoding), plan.extra_tokens())
+        for request, _ in plan.pieces:
+            self._piece_fed(request)
+        return logits if plan.decoding else None
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
+        """Each decode row's tokens by its own sampler (its guesses taken while they match); the
+        caches give back guesses not taken; rows that ended leave."""
+        ended, taken = choose_tokens(plan.decoding, logits, plan.guesses)
+        with self._requests.lock:
+            self._counters.step(plan.decoding)
+            self._counters.guessed += sum(len(guess) for guess in plan.guesses)
+            self._counters.guesses_taken += taken
+        ended += self.guesses.give_back(plan.decoding, plan.guesses, ended)
+        if ended:
+            self._leave(ended)
 
     def _plan_pieces(self) -> list[tuple[GenerationRequest, list[int]]]:
         """This step's prefill pieces within its budget, in the order `PromptShares` gives (fair
@@ -269,9 +311,7 @@ class DecodeScheduler:
         only its last token left starts decoding now. A stopped request leaves here, whether or
         not the budget would have reached it (it used to wait for its turn at the budget, which
         could be after another user's whole prompt: its Stop did nothing meanwhile)."""
-        if not self.packed:
-            budget = self.prefill_chunk if self._requests.decoding else self.prefill_chunk_alone
-        elif self._requests.decoding:
+        if self._requests.decoding:
             budget = self.step_budget.tokens(self.prefill_chunk)
         else:
             budget = self.step_budget.alone_tokens(self.prefill_chunk_alone)
@@ -323,10 +363,8 @@ class DecodeScheduler:
                 piece = self.caches.prefill_piece(draft.session, draft.prompt_ids, self.prefill_chunk,
                                                   work.prefix_store, work.shared_prefix_length)
                 if piece:
-                    if self.packed:
-                        self.caches.forward_rows([(draft.session, piece)], [])
-                    else:
-                        self.caches.feed(draft.session, piece)
+                    self.runner.run([(draft.session, piece)], [])
+                    self.caches.fed([(draft.session, piece)])
                     if not self.caches.piece_fed(draft.session, draft.prompt_ids, work.prefix_store,
                                                  work.shared_prefix_length):
                         return
@@ -358,67 +396,9 @@ class DecodeScheduler:
             work = request.work
             request.started_at = time.perf_counter()
             request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
-            if self.packed:
-                self.guesses.begin(request)
+            self.guesses.begin(request)
             request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
                                                 work.shared_prefix_length)
-
-    def _graph_ready(self, rows: int) -> bool:
-        """Whether a compiled graph would take a step of `rows` single tokens."""
-        compiled = self.caches.compiled
-        return compiled is not None and compiled.bucket(rows) is not None
-
-    def _graph_steps(self) -> int:
-        """Steps the compiled graphs ran so far (a step that ran one is timed apart)."""
-        compiled = self.caches.compiled
-        return compiled.steps if compiled is not None else 0
-
-    def _forward_packed(self, decoding: list[GenerationRequest], pieces: list[tuple[GenerationRequest, list[int]]],
-                        guesses: list[list[int]]) -> tuple[list[GenerationRequest], torch.Tensor | None]:
-        """One forward for the decode rows (each its next input and its guesses) and the pieces,
-        each on its own cache (cache_sessions/resident.py). Returns the requests whose piece went
-        in, and the logits after every token of the decode rows (None: no decode row, or the
-        forward failed and every row of it ended)."""
-        rows = ([(r.session, [r.next_input] + guess) for r, guess in zip(decoding, guesses)]
-                + [(r.session, piece) for r, piece in pieces])
-        if not rows:
-            return [], None
-        started = self.clock()
-        try:
-            logits = self.caches.forward_rows(rows, list(range(len(decoding))))
-            extra = sum(len(piece) for _, piece in pieces) + sum(len(guess) for guess in guesses)
-            self.step_budget.record(self.clock() - started, len(decoding), extra)
-        except BaseException as error:  # every row's states may hold part of the step
-            self._leave(decoding, error)
-            for request, _ in pieces:
-                self._leave_prefill(request, error)
-            return [], None
-        return [request for request, _ in pieces], logits if decoding else None
-
-    def _forward_gathered(self, decoding: list[GenerationRequest], pieces: list[tuple[GenerationRequest, list[int]]]
-                          ) -> tuple[list[GenerationRequest], torch.Tensor | None]:
-        """Steps as before packing (`packed_steps=False`, or a recurrent model whose mixers
-        cannot be found): each piece in a forward of its own, then the decode rows in one forward
-        on their gathered batch (cache_sessions/batch.py)."""
-        fed = []
-        for request, piece in pieces:
-            try:
-                self.caches.feed(request.session, piece)
-                fed.append(request)
-            except BaseException as error:
-                self._leave_prefill(request, error)
-        if not decoding:
-            return fed, None
-        inputs = [request.next_input for request in decoding]
-        try:
-            model_inputs = self.caches.decode_inputs([request.session for request in decoding], inputs)
-            logits = self.model(**model_inputs, logits_to_keep=1).logits[:, -1]
-        except BaseException as error:  # the batched states are unusable (their sessions are released)
-            self.caches.drop_batch()
-            self._leave(decoding, error, scatter=False)
-            return fed, None
-        self.caches.decoded(inputs)
-        return fed, logits
 
     def _piece_fed(self, request: GenerationRequest) -> None:
         work = request.work
@@ -431,12 +411,8 @@ class DecodeScheduler:
         if ready:
             self._requests.start_decoding(request)
 
-    def _leave(self, requests: list[GenerationRequest], error: BaseException | None = None,
-               scatter: bool = True) -> None:
-        """Take `requests` out of the batch: every row's states go back to its session first
-        (the next step builds a batch for the rows left)."""
-        if scatter:
-            self.caches.scatter()
+    def _leave(self, requests: list[GenerationRequest], error: BaseException | None = None) -> None:
+        """Take `requests` out of the decode rows and end them."""
         self._requests.remove(requests)
         for request in requests:
             self._finish(request, error)
@@ -455,11 +431,6 @@ class DecodeScheduler:
             error = error or mismatch
         request.cache_tokens = len(request.session.token_ids)
         request._end(error)
-
-    def _drop_everyone(self) -> list[GenerationRequest]:
-        everyone = self._requests.take_everyone()
-        self.caches.drop_batch()
-        return everyone
 
 
 def _shut_down_at_exit(scheduler: "weakref.ref[DecodeScheduler]") -> None:

@@ -5,7 +5,9 @@ import asyncio
 import urllib.request
 
 import gradio as gr
+import httpx
 import torch
+from gradio import networking
 from gradio.state_holder import SessionState
 
 from ui import gradio_tuning
@@ -80,3 +82,28 @@ def test_the_queue_is_polled_gently():
     demo.queue()
     gradio_tuning.poll_queue_every(demo, 0.01)
     assert demo._queue.sleep_when_free == 0.01
+
+
+def test_a_slow_first_answer_to_gradios_start_check_does_not_end_the_start(monkeypatch):
+    """Gradio's launch asks its page once (3 s); a timeout made it raise and the app exit on a busy
+    host. Patient: asked again until it answers, and a page that never answers still fails."""
+    answers: list = []
+
+    def head(url, **kwargs):
+        answer = answers.pop(0) if answers else httpx.TimeoutException("no answer")
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(networking.httpx, "head", head)
+    monkeypatch.setattr(networking, "url_ok", networking.url_ok)  # Gradio's own again after the test
+    gradios_own = networking.url_ok
+    answers[:] = [httpx.TimeoutException("slow"), type("Answer", (), {"status_code": 200})()]
+    assert not gradios_own("http://127.0.0.1:9/")  # gives up at the first timeout
+    answers[:] = [httpx.TimeoutException("slow"), httpx.TimeoutException("slow"),
+                  type("Answer", (), {"status_code": 200})()]
+    gradio_tuning.patient_start_check(seconds=60)
+    assert networking.url_ok("http://127.0.0.1:9/") and answers == []
+    networking.url_ok = gradios_own
+    gradio_tuning.patient_start_check(seconds=0.3)
+    assert not networking.url_ok("http://127.0.0.1:9/")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cache_sessions import CacheSession
-from cache_sessions.manager import SessionManager, TooManySessions
+from chat.sessions import SessionManager, TooManySessions
 from conftest import THINKING_TEMPLATE
 from reference import LOGIT_TOLERANCE, cached_vs_scratch_logit_error, check_exact
 
@@ -157,28 +157,6 @@ def test_offloaded_engine_round_trips_through_cuda(models, tokenizers):
         model.to("cpu")
 
 
-def test_the_batched_copy_counts_in_the_budget(make_engine, models, monkeypatch):
-    """The gathered batch (kept as the measured "before", `packed_steps=False`) holds a copy of
-    the rows' states: bytes held outside the sessions push idle sessions out too."""
-    monkeypatch.setattr(models["hybrid"].generation_config, "eos_token_id", None)  # replies run to their limit
-    engine = make_engine("hybrid", packed_steps=False)
-    assert not engine.scheduler.packed
-    idle = engine.conversation()
-    list(idle.send("Hello?", **GREEDY))
-    one, two = engine.conversation(), engine.conversation()
-    streams = [streaming(conv, max_new_tokens=200, do_sample=False) for conv in (one, two)]
-    for stream in streams:  # both are decoding now: one batch of two rows
-        next(stream)
-    stats = engine.caches.stats()
-    own = sum(conv.session.nbytes() for conv in (idle, one, two))
-    assert stats.batch_bytes > 0 and stats.cache_bytes >= own - 10**6  # (the rows' own caches lag a step)
-    engine.caches.budget_bytes = stats.cache_bytes - stats.batch_bytes // 2  # only over because of the batch
-    engine.caches.enforce_budget()
-    assert idle.session.nbytes() == 0 and engine.caches.stats().evictions == 1
-    for stream in streams:
-        stream.close()
-
-
 @pytest.mark.parametrize("arch", ["full", "hybrid"])
 def test_rows_decoding_together_hold_their_states_once(make_engine, models, monkeypatch, arch):
     """Packed steps read each session's cache in place (recurrent states too): while two decode,
@@ -186,7 +164,7 @@ def test_rows_decoding_together_hold_their_states_once(make_engine, models, monk
     two steps)."""
     monkeypatch.setattr(models[arch].generation_config, "eos_token_id", None)
     engine = make_engine(arch)
-    assert engine.scheduler.packed
+    assert engine.scheduler.runner.packs
     idle = engine.conversation()
     list(idle.send("Hello?", **GREEDY))
     one, two = engine.conversation(), engine.conversation()
@@ -196,7 +174,7 @@ def test_rows_decoding_together_hold_their_states_once(make_engine, models, monk
     stats, own, decoding = engine.caches.loop.call(lambda: (
         engine.caches.stats(), sum(conv.session.nbytes() for conv in (idle, one, two)),
         engine.batch_stats().decoding))
-    assert decoding == 2 and stats.batch_bytes == 0 and stats.cache_bytes == own > 0
+    assert decoding == 2 and stats.cache_bytes == own > 0
     for stream in streams:
         stream.close()
 

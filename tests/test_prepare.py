@@ -10,7 +10,7 @@ import pytest
 from conftest import THINKING_TEMPLATE
 from reference import check_exact
 
-import cache_sessions.owner
+import chat.runner
 
 GREEDY = dict(max_new_tokens=8, do_sample=False)
 TEXT = "Here is the long message I was typing, about the cache and how it rolls back to the prefix."
@@ -69,13 +69,13 @@ def test_a_draft_never_runs_while_a_reply_has_work(make_engine, models, tokenize
     engine = make_engine("full")
     streaming, typing = engine.conversation("You are terse."), engine.conversation("You are terse.")
     carried: list[tuple[bool, bool]] = []  # per forward: (the draft's session in it, a reply decoding)
-    forward = cache_sessions.owner.forward_rows
+    forward = chat.runner.forward_rows
 
     def watched(model, rows, logits_of):
         carried.append((any(session is typing.session for session, _ in rows), bool(logits_of)))
         return forward(model, rows, logits_of)
 
-    monkeypatch.setattr(cache_sessions.owner, "forward_rows", watched)
+    monkeypatch.setattr(chat.runner, "forward_rows", watched)
     stream = streaming.send("Talk for a while.", max_new_tokens=60, do_sample=False)
     reader = threading.Thread(target=lambda: list(stream), daemon=True)
     reader.start()

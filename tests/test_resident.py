@@ -14,6 +14,7 @@ from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions import resident
 from cache_sessions.resident import forward_rows, packs, recurrent_mixers
 from cache_sessions.rollback import RecurrentState
+from chat.runner import ModelRunner
 from reference import (LOGIT_TOLERANCE, QUANTIZED_LOGIT_TOLERANCE, cached_vs_scratch_logit_error, fresh,
                        scratch_greedy_reply)
 
@@ -60,7 +61,17 @@ def test_a_recurrent_mixer_the_stacked_states_do_not_serve_runs_its_rows_one_by_
     assert set(resident._UNSTACKABLE) == set(mixers)
 
 
-def check_rows_against_scratch(model, arch: str, kv_cache: KVCacheKind) -> None:
+@pytest.mark.parametrize("arch", ["full", "mixed", "hybrid"])
+def test_the_runner_row_by_row_gives_each_row_its_own_result(models, arch):
+    """A model whose layers cannot run packed (recurrent mixers it cannot find) gets the model's
+    own forward on each row's cache in turn (chat/runner.py): the same checks against scratch."""
+    runner = ModelRunner(models[arch])
+    runner.packs = False  # as for such a model
+    check_rows_against_scratch(models[arch], arch, KVCacheKind(), step=runner.run)
+
+
+def check_rows_against_scratch(model, arch: str, kv_cache: KVCacheKind, step=None) -> None:
+    step = step or (lambda rows, logits_of: forward_rows(model, rows, logits_of))
     tolerance = QUANTIZED_LOGIT_TOLERANCE[kv_cache.bits] if kv_cache.name == "quantized" else LOGIT_TOLERANCE
     sessions = [ready(model, prompt, kv_cache) for prompt in PROMPTS[:2]] + [CacheSession(model, kv_cache=kv_cache)]
     sessions[2].prepare(PROMPTS[2], prefill=False)
@@ -73,7 +84,7 @@ def check_rows_against_scratch(model, arch: str, kv_cache: KVCacheKind) -> None:
             held = len(sessions[2].token_ids)
             rows.append((sessions[2], PROMPTS[2][held:min(held + CHUNK, len(PROMPTS[2]) - 1)]))
             mixed_steps += 1
-        logits = forward_rows(model, rows, list(range(len(decoding))))
+        logits = step(rows, list(range(len(decoding))))
         for session, fed in rows:
             session.note_extended(fed)
         for index, row in enumerate(decoding):

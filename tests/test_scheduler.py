@@ -28,9 +28,10 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-import cache_sessions.owner
+import chat.runner
 import chat.scheduler
 from chat import ChatEngine, ConversationBusyError, ConversationError
+from chat.runner import ModelRunner
 from chat.sampling import TokenChooser
 from chat.step_budget import StepBudget
 
@@ -129,22 +130,18 @@ def hooks(monkeypatch):
 @pytest.fixture
 def batches(monkeypatch):
     """Every batch composition the scheduler decodes, as tuples of session ids: the decode rows
-    of each packed forward, or each gathered batch built (linear attention)."""
+    of each step the runner runs, each composition once while it lasts."""
     built: list[tuple[int, ...]] = []
-    gathered, packed = cache_sessions.owner.decode_batch, cache_sessions.owner.forward_rows
+    run = ModelRunner.run
 
-    def recording(model, sessions):
-        built.append(tuple(id(session) for session in sessions))
-        return gathered(model, sessions)
-
-    def recording_packed(model, rows, logits_of):
+    def recording(runner, rows, logits_of):
+        rows, logits_of = list(rows), list(logits_of)
         decoded = tuple(id(rows[i][0]) for i in logits_of)
-        if decoded and (not built or built[-1] != decoded):  # a composition, as the gathered path counts them
+        if decoded and (not built or built[-1] != decoded):
             built.append(decoded)
-        return packed(model, rows, logits_of)
+        return run(runner, rows, logits_of)
 
-    monkeypatch.setattr(cache_sessions.owner, "decode_batch", recording)
-    monkeypatch.setattr(cache_sessions.owner, "forward_rows", recording_packed)
+    monkeypatch.setattr(ModelRunner, "run", recording)
     return built
 
 
@@ -284,13 +281,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, 
     engine = make_engine("full", prefill_chunk=16, step_gap_factor=None)  # chunks of 16 however busy the machine
     runner, newcomer = engine.conversation("You are terse."), engine.conversation("You are terse.")
     forwards: list[tuple[int, list[int]]] = []  # (decode rows, tokens of each prefill piece) per forward
-    packed = cache_sessions.owner.forward_rows
+    packed = chat.runner.forward_rows
 
     def logged(model, rows, logits_of):
         forwards.append((len(logits_of), [len(fed) for _, fed in rows[len(logits_of):]]))
         return packed(model, rows, logits_of)
 
-    monkeypatch.setattr(cache_sessions.owner, "forward_rows", logged)
+    monkeypatch.setattr(chat.runner, "forward_rows", logged)
     consumer = Consumer(runner, runner.send("Talk for a while.", max_new_tokens=PAUSES_AT_THIRD_TOKEN,
                                             do_sample=False))
     assert hooks["reached"].wait(60)
@@ -325,7 +322,6 @@ def test_batch_size_is_bounded_and_the_rest_wait_their_turn(make_engine, models,
         assert consumer.error is None
     stats = engine.batch_stats()
     assert stats.largest_batch == 2 and stats.joined == 3 and stats.decoding == stats.waiting == 0
-    assert stats.batch_bytes == 0  # nothing batched is held once every reply ended
     for conv in convs:
         check_exact(conv, models["mixed"], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
 
@@ -437,7 +433,7 @@ def costed_steps(engine, monkeypatch, *, beside_decode_rows: bool) -> list[int]:
     """The engine's steps on a made-up clock: a forward costs 10 units, each prompt token in it 2
     more. Returns the list the prompt tokens of each step with prefill go to (only the steps
     that also carry decode rows, with `beside_decode_rows`)."""
-    now, pieces, packed = [0.0], [], cache_sessions.owner.forward_rows
+    now, pieces, packed = [0.0], [], chat.runner.forward_rows
     engine.scheduler.clock = lambda: now[0]
 
     def costed(model, rows, logits_of):
@@ -447,7 +443,7 @@ def costed_steps(engine, monkeypatch, *, beside_decode_rows: bool) -> list[int]:
             pieces.append(prompt_tokens)
         return packed(model, rows, logits_of)
 
-    monkeypatch.setattr(cache_sessions.owner, "forward_rows", costed)
+    monkeypatch.setattr(chat.runner, "forward_rows", costed)
     return pieces
 
 
@@ -526,7 +522,7 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
     engine = make_engine("full", prefill_chunk_alone=8, alone_step_s=None)
     first, second = engine.conversation(), engine.conversation()  # no shared system prompt: one piece each
     forwards, reached, release, ended_after = [0], threading.Event(), threading.Event(), []
-    packed = cache_sessions.owner.forward_rows
+    packed = chat.runner.forward_rows
 
     def held(model, rows, logits_of):
         forwards[0] += 1
@@ -542,7 +538,7 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
             ended_after.append(forwards[0])
         end(request, error)
 
-    monkeypatch.setattr(cache_sessions.owner, "forward_rows", held)
+    monkeypatch.setattr(chat.runner, "forward_rows", held)
     monkeypatch.setattr(chat.scheduler.GenerationRequest, "_end", noted)
     with HeldScheduler(engine):
         shorter = Consumer(first, first.send(" ".join(f"word{i}" for i in range(60)), **GREEDY))

@@ -9,7 +9,6 @@ import torch
 from conftest import THINKING_TEMPLATE
 from reference import (INT8_LOGIT_TOLERANCE, check_exact, check_near_greedy, check_states, int8_logit_tolerance,
                        scratch_greedy_reply)
-from test_batch import decode
 from test_exactness import MAX_NEW, every_operation
 from tiny_models import ARCHS, build_model
 from torch import nn
@@ -17,6 +16,7 @@ from torch import nn
 from cache_sessions import CacheSession
 from chat import ChatEngine
 from chat.config import EngineConfig
+from chat.runner import ModelRunner
 from chat.weights import PROMPT_KERNELS, Int8Linear, PackedLinear, apply_weight_format
 
 
@@ -87,6 +87,21 @@ def test_every_operation_is_exact_for_the_model_as_quantized(tokenizers, arch, p
     conv = engine.conversation("You are terse.")
     every_operation(conv, lambda **kwargs: check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW,
                                                        logit_tolerance=tolerance, near_greedy=True, **kwargs))
+
+
+@torch.no_grad()
+def decode(model, sessions, last_tokens, steps):
+    """Greedy rows decoded together by the engine's runner, one step for all (chat/runner.py)."""
+    runner, tokens, replies = ModelRunner(model), list(last_tokens), [[] for _ in sessions]
+    for _ in range(steps):
+        rows = [(session, [token]) for session, token in zip(sessions, tokens)]
+        logits = runner.run(rows, range(len(rows)))
+        for session, fed in rows:
+            session.note_extended(fed)
+        tokens = logits.argmax(-1).tolist()
+        for reply, token in zip(replies, tokens):
+            reply.append(token)
+    return replies
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -13,18 +13,23 @@ from decoding.
   (`Queue.sleep_when_free`), that is a thousand wake-ups of the event loop a second, each one
   taking the GIL from the compute thread. `poll_queue_every` sets a gentler interval; an event
   then starts at most that much later.
+
+And one fault of its start on a busy host: `patient_start_check`.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import gradio as gr
+from gradio import networking
 from gradio.blocks import Blocks
 
 SKIPPED: dict[str, str] = gr.skip()  # what the page receives for an output left as it is
 QUEUE_POLL_S = 0.01
+START_CHECK_S = 120.0
 
 _original_postprocess = Blocks.postprocess_data
 
@@ -59,3 +64,25 @@ def poll_queue_every(demo: gr.Blocks, seconds: float = QUEUE_POLL_S) -> None:
     if queue is None or not hasattr(queue, "sleep_when_free"):
         raise RuntimeError("this Gradio's queue has no sleep_when_free; check ui/gradio_tuning.py against it")
     queue.sleep_when_free = seconds
+
+
+def patient_start_check(seconds: float = START_CHECK_S) -> None:
+    """Gradio's `launch` asks its own page once before it returns (`networking.url_ok`: a HEAD
+    with a 3 s timeout, and a timeout is not asked again) and, if no answer came, raises "When
+    localhost is not accessible, a shareable link must be created": on a busy host the page's
+    first answer took longer and the app exited at start (seen twice here, beside a training run
+    on both cores). This asks again until `seconds` have passed; a real failure still raises."""
+    original = networking.url_ok
+    if getattr(original, "patient", False):
+        return
+
+    def patient(url: str) -> bool:
+        deadline = time.monotonic() + seconds
+        while not original(url):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+        return True
+
+    patient.patient = True  # type: ignore[attr-defined]
+    networking.url_ok = patient

@@ -105,7 +105,6 @@ class _Gauges:
             ("rewind_cache_budget_bytes", status.get("cache_budget_bytes") or 0, "The cache byte budget (0: none)"),
             ("rewind_batch_size", batch.get("decoding", 0), "Rows in the running decode batch"),
             ("rewind_batch_waiting", batch.get("waiting", 0), "Replies waiting for a free row"),
-            ("rewind_batch_bytes", batch.get("batch_bytes", 0), "Bytes of the batched copy of decoding caches"),
             ("rewind_cold_bytes", cold.get("bytes", 0), "Bytes of idle caches kept on disk (--cache-dir)"),
             ("rewind_compiled_step_ready", int(bool(compiled.get("ready"))),
              "Whether decode steps run compiled (cache_sessions/compiled.py)"),

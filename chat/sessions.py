@@ -3,7 +3,9 @@ held to a count, and expired when idle.
 
 Each entry is an owner that says whether it is busy and closes itself (a browser's chat closes
 its conversation, which frees its cache once its operation ends). The memory the caches hold is
-the cache owner's to budget (cache_sessions/owner.py); this class never touches a cache.
+the cache owner's to budget (cache_sessions/owner.py); this class never touches a cache, so it
+lives beside the conversations the UI reaches through `chat` (nothing under ui/ imports
+cache_sessions).
 """
 
 from __future__ import annotations

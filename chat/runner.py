@@ -1,0 +1,77 @@
+"""The runner: the one place a reply's model step runs (vLLM v1's model runner, at this scale).
+
+The scheduler (chat/scheduler.py) decides a step; the cache owner (cache_sessions/owner.py)
+applies it to the sessions (rollback, what each feeds, commit) and imports no model code; this
+executes it: every row's tokens through one model step, each row on its own cache, and returns
+the logits the step's sampling needs. One entry point for decode rows and prompt pieces alike:
+
+- the compiled graph (cache_sessions/compiled.py), when one takes the step (decode rows alone,
+  once built);
+- else one packed forward of the model's own layers, each row attending to its own cache
+  (cache_sessions/resident.py): the weights read once for every row;
+- else, for a model whose layers cannot run packed (recurrent mixers it cannot find), the
+  model's own forward on each row's cache in turn.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from cache_sessions.compiled import CompiledDecode
+from cache_sessions.kv_cache import KVCacheKind
+from cache_sessions.resident import forward_rows, packs
+from cache_sessions.session import CacheSession
+
+Row = tuple[CacheSession, list[int]]  # a session and the tokens it feeds this step
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, compiled: CompiledDecode | None = None,
+                 kv_cache: KVCacheKind = KVCacheKind()):
+        self.model, self.compiled = model, compiled
+        # Whether steps run packed, each session on its own cache (a probe session of this kind).
+        self.packs = packs([CacheSession(model, kv_cache=kv_cache)])
+
+    def graph_ready(self, rows: int) -> bool:
+        """Whether a compiled graph would take a step of `rows` single tokens."""
+        return self.compiled is not None and self.compiled.bucket(rows) is not None
+
+    @property
+    def graph_steps(self) -> int:
+        """Steps the compiled graphs ran so far (a step that ran one is timed apart)."""
+        return self.compiled.steps if self.compiled is not None else 0
+
+    @torch.no_grad()
+    def run(self, rows: Sequence[Row], logits_of: Sequence[int]) -> torch.Tensor:
+        """Feed every row its tokens on its own cache; the logits after every token of the rows
+        `logits_of` (indices into `rows`), in that order. The ledgers are the owner's: it notes
+        what was fed, or, if this raises, every row's states may hold part of the step."""
+        rows, logits_of = list(rows), list(logits_of)
+        if self.compiled is not None and self.compiled.takes(rows, logits_of):
+            logits = self.compiled.step(rows)
+            if logits is not None:
+                return logits
+        if self.packs:
+            return forward_rows(self.model, rows, logits_of)
+        return self._one_by_one(rows, logits_of)
+
+    def _one_by_one(self, rows: list[Row], logits_of: list[int]) -> torch.Tensor:
+        """The model's own forward on each row's cache, in turn (what it would run alone)."""
+        wanted, device = set(logits_of), self.model.device
+        logits: dict[int, torch.Tensor] = {}
+        for index, (session, fed) in enumerate(rows):
+            if not fed:
+                raise ValueError("every row of a step feeds at least one token")
+            held = len(session.token_ids)
+            output = self.model(input_ids=torch.tensor([fed], device=device),
+                                position_ids=torch.arange(held, held + len(fed), device=device)[None],
+                                past_key_values=session.cache, use_cache=True,
+                                logits_to_keep=len(fed) if index in wanted else 1)
+            if index in wanted:
+                logits[index] = output.logits[0]
+        if not logits_of:
+            return torch.empty(0, self.model.config.get_text_config().vocab_size, device=device)
+        return torch.cat([logits[index] for index in logits_of])
