@@ -41,6 +41,43 @@ class Problem:
             return subtract_steps(self.a, self.b)
         return multiply_steps(self.a, self.b)
 
+    def worked(self) -> str:
+        """The answer with its working in one line, for a reply with thinking off: the same column
+        steps the thinking writes, short ("47 + 38: 8 + 7 = 15, 4 + 3 + 1 = 8, so 47 + 38 = 85.").
+        A model this small cannot carry in its head; with the columns written it gets sums right."""
+        columns = add_columns(self.a, self.b) if self.op == "+" else \
+            subtract_columns(self.a, self.b) if self.op == "-" else multiply_columns(self.a, self.b)
+        return f"{self.text}: {', '.join(columns)}, so {self.text} = {self.result}."
+
+
+def add_columns(a: int, b: int) -> list[str]:
+    terms, carry = [], 0
+    for x, y in _columns(a, b):
+        total = x + y + carry
+        terms.append(f"{x} + {y}" + (f" + {carry}" if carry else "") + f" = {total}")
+        carry = total // 10
+    return terms
+
+
+def subtract_columns(a: int, b: int) -> list[str]:
+    terms, borrow = [], 0
+    for x, y in _columns(a, b):
+        lend = 10 if x - borrow < y else 0
+        terms.append(f"{x + lend} - {y}" + (" - 1" if borrow else "") + f" = {x + lend - y - borrow}")
+        borrow = 1 if lend else 0
+    return terms
+
+
+def multiply_columns(a: int, b: int) -> list[str]:
+    digit, number = (a, b) if a < 10 else (b, a)
+    terms, carry = [], 0
+    for character in str(number)[::-1]:
+        product = digit * int(character)
+        # the carry added apart, as the thinking does: one operation a term
+        terms.append(f"{digit} * {character} = {product}" + (f", {product} + {carry} = {product + carry}" if carry else ""))
+        carry = (product + carry) // 10
+    return terms
+
 
 def _columns(a: int, b: int) -> list[tuple[int, int]]:
     da, db = str(a)[::-1], str(b)[::-1]
@@ -199,6 +236,13 @@ class Turn:
     answer: str
     value: int | None = None  # the number the answer gives, for follow-ups and evaluation
     problem: Problem | None = None  # the question it answered, when it was a standalone one
+    worked: str | None = None  # the answer with thinking off, when it has working to show
+    thinking: bool = True  # how this turn was answered: what the history shows of it
+
+    @property
+    def shown(self) -> str:
+        """The reply as the history keeps it (reasoning stripped)."""
+        return self.answer if self.thinking or self.worked is None else self.worked
 
 
 @dataclass
@@ -213,14 +257,14 @@ class Dialogue:
         turns = self.turns[:upto] if upto is not None else self.turns
         messages = [{"role": "system", "content": self.system}] if self.system else []
         for turn in turns[:-1]:
-            messages += [{"role": "user", "content": turn.user}, {"role": "assistant", "content": turn.answer}]
+            messages += [{"role": "user", "content": turn.user}, {"role": "assistant", "content": turn.shown}]
         return messages + [{"role": "user", "content": turns[-1].user}]
 
     def target(self) -> str:
         """The last reply as the model must write it after the generation prompt."""
         last = self.turns[-1]
         if not self.thinking:  # the template already wrote an empty think block
-            return last.answer
+            return last.worked or last.answer
         return f"<think>\n{last.reasoning}\n</think>\n\n{last.answer}"
 
     def values(self) -> list[int]:
@@ -233,7 +277,7 @@ class Dialogue:
 def arithmetic_turn(rng: random.Random, problem: Problem, *, evaluation: bool = False) -> Turn:
     steps = [f"The question is {problem.text}."] + problem.steps() + [f"So {problem.text} = {problem.result}."]
     return Turn(question_text(rng, problem, evaluation=evaluation), "\n".join(steps), answer_text(rng, problem),
-                problem.result, problem)
+                problem.result, problem, problem.worked())
 
 
 # ---- follow-ups: each needs an earlier answer or the first question --------------------------------
@@ -286,7 +330,8 @@ def follow_up(rng: random.Random, first: Problem, last_value: int, first_value: 
             n, problem = 0, Problem("+", value, value)
             steps = [f"{said} Doubling it means {problem.text}."] + problem.steps()
             return Turn(phrase(rng, prefix, core, ref=reference), "\n".join(steps + [f"So {problem.text} = "
-                        f"{problem.result}."]), f"Double {value} is {problem.result}.", problem.result)
+                        f"{problem.result}."]), f"Double {value} is {problem.result}.", problem.result,
+                        worked=f"{said} Doubling it: {problem.worked()}")
         elif kind == "number":
             which = rng.choice(("first", "second"))
             number = first.a if which == "first" else first.b
@@ -299,7 +344,7 @@ def follow_up(rng: random.Random, first: Problem, last_value: int, first_value: 
             continue
         steps = [f"{said} Now {problem.text}."] + problem.steps() + [f"So {problem.text} = {problem.result}."]
         return Turn(phrase(rng, prefix, core, n=n, ref=reference), "\n".join(steps), answer_text(rng, problem),
-                    problem.result)
+                    problem.result, worked=f"{said} {problem.worked()}")
 
 
 def arithmetic_dialogue(rng: random.Random, *, turns: int, evaluation: bool = False) -> Dialogue:
@@ -406,9 +451,10 @@ def chat_turn(rng: random.Random) -> Turn:
 
 # what comes next in a conversation, first and later: a standalone question at any point, a
 # follow-up once there is an answer, a phrase or an off-topic line in the middle
+THINKING_SHARE = 0.55  # dialogues whose last reply thinks; the rest answer with the working shown
 MAX_TURNS = 8  # demo_model/held_out.py asks longer conversations too
 FIRST_TURN = {"arithmetic": 70, "fact": 7, "chat": 15, "off-topic": 8}
-LATER_TURN = {"arithmetic": 28, "follow-up": 46, "fact": 4, "chat": 9, "off-topic": 13}
+LATER_TURN = {"arithmetic": 28, "follow-up": 46, "fact": 4, "chat": 9, "off-topic": 16}
 
 
 def next_turn(rng: random.Random, dialogue: Dialogue, *, evaluation: bool = False,
@@ -435,5 +481,7 @@ def sample_dialogue(rng: random.Random) -> Dialogue:
     for _ in range(rng.choices(range(1, MAX_TURNS + 1), weights=(22, 18, 15, 12, 10, 9, 8, 6))[0]):
         dialogue.kind, turn = next_turn(rng, dialogue)
         dialogue.turns.append(turn)
-    dialogue.thinking = rng.random() < 0.75
+    dialogue.thinking = rng.random() < THINKING_SHARE
+    for turn in dialogue.turns[:-1]:  # a person may switch thinking mid-chat
+        turn.thinking = dialogue.thinking if rng.random() < 0.85 else not dialogue.thinking
     return dialogue
