@@ -168,3 +168,21 @@ def check_exact(conv, model, tokenizer, *, max_new_tokens: int | None, enable_th
     # (c) nothing reused was prefilled again, nothing prefilled was counted as reused
     assert conv.stats.prompt_tokens == len(prompt_ids) + continued_from
     assert conv.stats.prefilled_tokens == conv.stats.prompt_tokens - conv.stats.reused_tokens
+
+
+@torch.no_grad()
+def decode_together(model, sessions, last_tokens, steps):
+    """Greedy rows decoded together by the engine's runner, one step for all (chat/runner.py):
+    each session prefilled to all but its last prompt token, which is fed first."""
+    from chat.runner import ModelRunner
+
+    runner, tokens, replies = ModelRunner(model), list(last_tokens), [[] for _ in sessions]
+    for _ in range(steps):
+        rows = [(session, [token]) for session, token in zip(sessions, tokens)]
+        logits = runner.run(rows, range(len(rows)))
+        for session, fed in rows:
+            session.note_extended(fed)
+        tokens = logits.argmax(-1).tolist()
+        for reply, token in zip(replies, tokens):
+            reply.append(token)
+    return replies

@@ -13,8 +13,7 @@ from cache_sessions.quantized import dequantize, quantize
 from cache_sessions.tensors import filled_bytes
 from chat.config import EngineConfig
 from conftest import THINKING_TEMPLATE
-from reference import check_exact, check_states, scratch_greedy_reply
-from test_batch import decode
+from reference import check_exact, check_states, decode_together, scratch_greedy_reply
 from test_exactness import MAX_NEW, drain, every_operation
 from tiny_models import ARCHS
 from ui.config import AppConfig
@@ -95,7 +94,7 @@ def test_batched_rows_decode_as_each_would_alone(models, arch):
             session = CacheSession(model, kv_cache=kind)
             session.prepare(prompt)
             sessions.append(session)
-        replies = decode(model, sessions, [p[-1] for p in prompts], 8)
+        replies = decode_together(model, sessions, [p[-1] for p in prompts], 8)
         for session, prompt, reply in zip(sessions, prompts, replies):
             assert reply == scratch_greedy_reply(model, prompt, len(reply), set(), kv_cache=kind)
             assert session.token_ids == prompt + reply[:-1]

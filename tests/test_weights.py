@@ -7,8 +7,8 @@ against a float64 product, and every operation held to the fp32 references."""
 import pytest
 import torch
 from conftest import THINKING_TEMPLATE
-from reference import (INT8_LOGIT_TOLERANCE, check_exact, check_near_greedy, check_states, int8_logit_tolerance,
-                       scratch_greedy_reply)
+from reference import (INT8_LOGIT_TOLERANCE, check_exact, check_near_greedy, check_states, decode_together,
+                       int8_logit_tolerance, scratch_greedy_reply)
 from test_exactness import MAX_NEW, every_operation
 from tiny_models import ARCHS, build_model
 from torch import nn
@@ -16,7 +16,6 @@ from torch import nn
 from cache_sessions import CacheSession
 from chat import ChatEngine
 from chat.config import EngineConfig
-from chat.runner import ModelRunner
 from chat.weights import PROMPT_KERNELS, Int8Linear, PackedLinear, apply_weight_format
 
 
@@ -89,21 +88,6 @@ def test_every_operation_is_exact_for_the_model_as_quantized(tokenizers, arch, p
                                                        logit_tolerance=tolerance, near_greedy=True, **kwargs))
 
 
-@torch.no_grad()
-def decode(model, sessions, last_tokens, steps):
-    """Greedy rows decoded together by the engine's runner, one step for all (chat/runner.py)."""
-    runner, tokens, replies = ModelRunner(model), list(last_tokens), [[] for _ in sessions]
-    for _ in range(steps):
-        rows = [(session, [token]) for session, token in zip(sessions, tokens)]
-        logits = runner.run(rows, range(len(rows)))
-        for session, fed in rows:
-            session.note_extended(fed)
-        tokens = logits.argmax(-1).tolist()
-        for reply, token in zip(replies, tokens):
-            reply.append(token)
-    return replies
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_rows_decode_as_each_would_alone(tokenizers, arch):
     model = quantized_model(arch, tokenizers[THINKING_TEMPLATE])
@@ -113,7 +97,7 @@ def test_batched_rows_decode_as_each_would_alone(tokenizers, arch):
     for prompt in prompts:
         sessions.append(CacheSession(model))
         sessions[-1].prepare(prompt)
-    replies = decode(model, sessions, [p[-1] for p in prompts], 8)
+    replies = decode_together(model, sessions, [p[-1] for p in prompts], 8)
     for session, prompt, reply in zip(sessions, prompts, replies):
         check_near_greedy(model, prompt, reply, int8_logit_tolerance(model))
         assert session.token_ids == prompt + reply[:-1]
