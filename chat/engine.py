@@ -19,10 +19,10 @@ from chat.conversation import Conversation
 from chat.loading import load_model_and_tokenizer
 from chat.local import LocalSource
 from chat.plans import Planner
+from chat.remote import RemoteSource
 from chat.runtime import Runtime
 from chat.scheduler import DecodeScheduler, SchedulerStats
 from chat.sources import ReplySource
-from chat.remote import RemoteSource
 from chat.templates import ChatTemplate
 from chat.weights import Int8Linear, apply_weight_format, prompt_kernel_choice
 from chat.worker import ModelWorker

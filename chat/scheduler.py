@@ -89,6 +89,7 @@ class StepPlan:
     decoding: list[GenerationRequest]
     guesses: list[list[int]]
     pieces: list[tuple[GenerationRequest, list[int]]]
+    started: float  # when the step's own work began (its guesses proposed): what a guess costs counts from here
 
     def rows(self) -> list[Row]:
         return ([(request.session, [request.next_input] + guess) for request, guess in zip(self.decoding, self.guesses)]
@@ -121,11 +122,13 @@ class DecodeScheduler:
     def __init__(self, model: PreTrainedModel, worker: ModelWorker, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE,
                  prefill_order: str = "shortest", compiled: CompiledDecode | None = None,
+                 kv_cache: KVCacheKind = KVCacheKind(),
                  step_gap_factor: float | None = DEFAULT_GAP_FACTOR, alone_step_s: float | None = DEFAULT_ALONE_STEP_S,
                  draft: str = "auto", **cache_settings: Any):
         """`prefill_order`: "shortest" (remaining prefill first, see above) or "arrival" (oldest
         first, measured against it in benchmarks/fairness.py). `compiled`: the graphs the runner
-        takes a step of decode rows alone to, once built (cache_sessions/compiled.py). `step_gap_factor`:
+        takes a step of decode rows alone to, once built (cache_sessions/compiled.py). `kv_cache`:
+        the kind of cache every session's states live in (the owner's, and the runner's probe). `step_gap_factor`:
         while rows decode, a step's prompt tokens are at most `prefill_chunk` and as many as keep
         it within that many decode steps, measured (chat/step_budget.py; None: `prefill_chunk`
         always); `alone_step_s`: the same while none decodes, in seconds a step (None:
@@ -140,8 +143,8 @@ class DecodeScheduler:
         self.model, self.worker = model, worker
         self.max_batch_size, self.prefill_chunk, self.prefill_chunk_alone = max_batch_size, prefill_chunk, prefill_chunk_alone
         self.loop = Loop(worker, self._step, self._has_work, lambda: self.caches.settle())
-        self.caches = CacheOwner(model, self.loop, self.in_use, **cache_settings)
-        self.runner = ModelRunner(model, compiled, cache_settings.get("kv_cache", KVCacheKind()))
+        self.caches = CacheOwner(model, self.loop, self.in_use, kv_cache=kv_cache, **cache_settings)
+        self.runner = ModelRunner(model, compiled, kv_cache)
         self.guessing = DraftPolicy(draft)
         self.guesses = StepGuesses(self.guessing, self.caches)
         self.step_budget, self.clock = StepBudget(step_gap_factor, alone_step_s), time.perf_counter
@@ -248,13 +251,13 @@ class DecodeScheduler:
             if self._requests.idle():
                 self._draft_step()
                 return
+            graph_steps = self.runner.graph_steps
             plan = self._plan()
-            started, graph_steps = self.clock(), self.runner.graph_steps
             logits = self._run(plan)
             if logits is not None:
                 self._sample(plan, logits)
-                # the whole step, choosing and giving back included: what a guess really costs
-                self.guessing.record_step(self.clock() - started, len(plan.decoding), plan.extra_tokens(),
+                # the whole step, proposing, choosing and giving back included: what a guess really costs
+                self.guessing.record_step(self.clock() - plan.started, len(plan.decoding), plan.extra_tokens(),
                                           compiled=self.runner.graph_steps > graph_steps)
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
             for request in self._requests.take_everyone():
@@ -269,8 +272,9 @@ class DecodeScheduler:
         if stopped:
             self._leave(stopped)  # its last chosen token stays unfed, as after `generate`
         pieces = self._plan_pieces()
-        decoding = list(self._requests.decoding)
-        return StepPlan(decoding, self.guesses.propose(decoding, self.runner.graph_ready(len(decoding))), pieces)
+        decoding, started = list(self._requests.decoding), self.clock()
+        return StepPlan(decoding, self.guesses.propose(decoding, self.runner.graph_ready(len(decoding))), pieces,
+                        started)
 
     def _run(self, plan: StepPlan) -> torch.Tensor | None:
         """The plan's one model step; the owner notes what every row fed. Returns the logits
