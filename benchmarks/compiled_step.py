@@ -2,8 +2,9 @@
 
 Histories of `--history` tokens are prefilled once (untimed); then rounds alternate
 the two modes' order, each round timing `--steps` decode steps of each and rolling them back
-(`crop`) so every step sees the same lengths. Eager is the engine's packed forward of the rows
-(cache_sessions/resident.py), compiled the graph of the rows' bucket (1, 2, 4 or 8 rows). The
+(`crop`) so every step sees the same lengths. Eager is the engine's plain step of the rows run
+eagerly (cache_sessions/plain_step.py), compiled the same function's graph of the rows' bucket
+(1, 2, 4 or 8 rows). The
 compile time is every bucket's up to that one; with `--store DIR` the graphs are saved there,
 and a second run with the same folder (a restart) loads them instead (`rows_loaded`).
 Greedy agreement: `--agree` greedy tokens decoded by each from the same history, and with
@@ -29,7 +30,7 @@ import torch
 from benchmarks.agreement import demo_agreement
 from benchmarks.report import publish, target_table
 from benchmarks.step_anatomy import VOCAB, conversation
-from cache_sessions import resident
+from cache_sessions.plain_step import run_plain
 from cache_sessions.compiled import CompiledDecode
 from chat import ChatEngine
 from chat.models import build_model, parameter_count
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"not compiled: {compiled.reason}")
     compiled.warm()
     rows = [(session, [token]) for session, token in (conversation(model, args.history, seed) for seed in range(args.rows))]
-    steps = {"eager": lambda: resident.forward_rows(model, rows, list(range(args.rows))),
+    steps = {"eager": lambda: run_plain(model, rows, list(range(args.rows))),
              "compiled": lambda: compiled.step(rows)}
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     with torch.no_grad():
@@ -96,7 +97,7 @@ def greedy_agreement(model, compiled: CompiledDecode, count: int) -> dict[str, i
         reply = []
         for _ in range(count):
             if mode == "eager":
-                logits = resident.forward_rows(model, [(session, [token])], [0])
+                logits = run_plain(model, [(session, [token])], [0])
             else:
                 logits = compiled.step([(session, [token])])
             session.note_extended([token])

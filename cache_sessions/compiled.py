@@ -1,11 +1,12 @@
 """Decode steps as compiled graphs, reading each conversation's states in place (issue #31).
 
 An eager decode step at Qwen3-0.6B's shape on a CPU is a few thousand small operations whose
-dispatch costs as much as the matrix products (docs/performance.md). This module writes the
-step of the plain decoder families (Llama, Qwen2, Qwen3: full attention, one token) as one
-function of the model's own modules, gpt-fast's way: no cache object, no mask, no config read
-at run time, so `torch.compile` traces it whole (`fullgraph=True`) and inductor may fuse what
-lies between the products (norms, rotary embedding, residual adds, the int8 layers' rounding).
+dispatch costs as much as the matrix products (docs/performance.md). The step of the plain
+decoder families is one function of the model's own modules (cache_sessions/plain_step.py,
+gpt-fast's way: no cache object, no config read at run time), the one the engine also runs
+eagerly; this compiles it for steps of decode rows alone, so `torch.compile` traces it whole
+(`fullgraph=True`) and inductor may fuse what lies between the products (norms, rotary
+embedding, residual adds, the int8 layers' rounding).
 
 The states stay where they are: each full-attention layer of a session is a `GrowingLayer`,
 whose buffer (with room past the filled positions) goes in as it is; the step writes the new
@@ -22,8 +23,8 @@ layers again (most of a minute at Qwen3-0.6B's shape even with inductor's on-dis
 loaded graph checks its guards at every call as a compiled one does; a graph that will not load
 is compiled again.
 
-Steps with prompt pieces, or more rows than the largest bucket, go through the packed eager
-forward (cache_sessions/resident.py).
+Steps with prompt pieces, or more rows than the largest bucket, run the same step eagerly
+(chat/runner.py).
 
 Exactness: the same operations as the eager forward on the same states, in another order of
 floating-point sums (fused kernels), so logits differ by float noise (measured in
@@ -50,11 +51,12 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
+from cache_sessions import plain_step as plain_step_module
 from cache_sessions.growing import GrowingLayer
+from cache_sessions.plain_step import plain_refusal, plain_step
 from cache_sessions.sealed import Sealer, UntrustedFolder, private_folder
 
 COMPILE_MODES = ("auto", "on", "off")
-PLAIN_DECODERS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # `auto` compiles from this size up: measured slower on the 33.6 M benchmark model, faster at
 # Qwen3-0.6B's shape (docs/performance.md, "One compiled step").
 AUTO_MIN_PARAMETERS = 200_000_000
@@ -78,50 +80,22 @@ def compile_refusal(model: PreTrainedModel, auto: bool = False) -> str | None:
     parameters = sum(tensor.numel() for tensor in (*model.parameters(), *model.buffers()))
     if auto and parameters < AUTO_MIN_PARAMETERS:
         return f"auto: {parameters / 1e6:.1f} M parameters, compiled from {AUTO_MIN_PARAMETERS / 1e6:.0f} M"
-    if type(model).__name__ not in PLAIN_DECODERS:
-        return f"{type(model).__name__} is not one of the plain decoders ({', '.join(PLAIN_DECODERS)})"
-    config = model.config
-    if getattr(config, "use_sliding_window", False) or any(
-            kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return "it has sliding-window layers"
+    refusal = plain_refusal(model)
+    if refusal is not None:
+        return refusal
     if model.device.type != "cpu":
         return "only the CPU step is compiled and measured (a GPU wants CUDA graphs)"
     return None
 
 
-def decode_rows(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, lengths: list[int],
-                keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """The step every graph is compiled from: `model`'s decoder on one token for each row (a
-    batch of `len(lengths)`), each layer of row r writing its keys and values at `positions[r]` of
-    that row's buffer (`keys[r * layers + layer]`) and attending to its first `lengths[r]`
-    positions. The query heads that share a key/value head are stacked on the query axis (one
-    query sees every held position, so no mask), as cache_sessions/resident.py's `_grouped_sdpa`
-    does."""
-    core = model.model
-    rows, layers = len(lengths), len(core.layers)
-    hidden = core.embed_tokens(tokens)
-    cos, sin = core.rotary_emb(hidden, positions.view(rows, 1))
-    for index, layer in enumerate(core.layers):
-        attention = layer.self_attn
-        rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
-        normed = layer.input_layernorm(hidden)
-        shape = (rows, 1, -1, attention.head_dim)
-        query, key = attention.q_proj(normed).view(shape), attention.k_proj(normed).view(shape)
-        if hasattr(attention, "q_norm"):
-            query, key = attention.q_norm(query), attention.k_norm(key)
-        value = attention.v_proj(normed).view(shape).transpose(1, 2)
-        query, key = rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-        kv_heads, outputs = key.shape[1], []
-        for row in range(rows):
-            row_keys, row_values = keys[row * layers + index], values[row * layers + index]
-            row_keys.index_copy_(2, positions[row:row + 1], key[row:row + 1])
-            row_values.index_copy_(2, positions[row:row + 1], value[row:row + 1])
-            outputs.append(torch.nn.functional.scaled_dot_product_attention(
-                query[row:row + 1].reshape(1, kv_heads, -1, attention.head_dim),
-                row_keys[:, :, :lengths[row]], row_values[:, :, :lengths[row]], scale=attention.scaling))
-        hidden = hidden + attention.o_proj(torch.cat(outputs).reshape(rows, 1, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return model.lm_head(core.norm(hidden))[:, -1]
+def decode_inputs(model: PreTrainedModel, tokens: list[int], positions: list[int], keys: list[torch.Tensor],
+                  values: list[torch.Tensor]) -> tuple:
+    """`plain_step`'s arguments for a step of decode rows: row r feeds `tokens[r]` at `positions[r]`
+    (what its buffers hold), and every row's logits are kept."""
+    device, rows = model.device, len(tokens)
+    return (model, torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+            [(row, row + 1, held) for row, held in enumerate(positions)], keys, values,
+            torch.arange(rows, device=device))
 
 
 def _saved_guards(guards: Sequence[Any]) -> list[bool]:
@@ -160,7 +134,7 @@ def trusted_inductor_cache() -> str | None:
 def graph_key(model: PreTrainedModel, rows: int) -> str:
     """What a saved graph was traced from, hashed: a graph is loaded only by a process that would
     trace the same one (same torch, transformers and CPU kind; same config, dtype and weights
-    format; the same source of `decode_rows` and of every module class the model is made of)."""
+    format; the same source of `plain_step` and of every module class the model is made of)."""
     config = json.loads(model.config.to_json_string(use_diff=False))
     for unread in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
         config.pop(unread, None)
@@ -173,6 +147,7 @@ def graph_key(model: PreTrainedModel, rows: int) -> str:
     digest = hashlib.sha256()
     for part in (torch.__version__, transformers.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
                  str(model.dtype), json.dumps(config, sort_keys=True), str(rows), Path(__file__).read_bytes(),
+                 Path(inspect.getfile(plain_step_module)).read_bytes(),
                  *(name.encode() + source for name, source in sources)):
         digest.update(part if isinstance(part, bytes) else str(part).encode())
         digest.update(b"\0")
@@ -211,7 +186,7 @@ class GraphMaker:
         """`store`: the private folder graphs are sealed into and read back from (None: neither)."""
         self.model, self.store = model, store
         self.keep_saved: set[str] = set()  # files that loaded and refused this model: never saved over
-        self._compiler = torch.compile(decode_rows, dynamic=True, fullgraph=True,
+        self._compiler = torch.compile(plain_step, dynamic=True, fullgraph=True,
                                        options={"guard_filter_fn": _saved_guards})
 
     def name(self, bucket: int) -> str | None:
@@ -270,16 +245,14 @@ class GraphMaker:
         return [make() for _ in layers], [make() for _ in layers]
 
     def _scratch_inputs(self, bucket: int, which: int) -> tuple:
-        """`decode_rows`'s arguments for `bucket` rows on zeroed buffers: lengths `_WARM_LENGTHS[which]`."""
-        device = self.model.device
+        """`plain_step`'s arguments for `bucket` decode rows on zeroed buffers: lengths `_WARM_LENGTHS[which]`."""
         lengths, spare = list(_WARM_LENGTHS[which][:bucket]), _WARM_SPARE[which]
         keys, values = [], []
         for length in lengths:
             row_keys, row_values = self.scratch(length + spare)
             keys.extend(row_keys)
             values.extend(row_values)
-        return (self.model, torch.zeros(bucket, 1, dtype=torch.long, device=device),
-                torch.tensor([length - 1 for length in lengths], device=device), lengths, keys, values)
+        return decode_inputs(self.model, [0] * bucket, [length - 1 for length in lengths], keys, values)
 
     def _run_scratch(self, graph: Callable[..., torch.Tensor], bucket: int, which: int) -> None:
         logits = graph(*self._scratch_inputs(bucket, which))
@@ -353,12 +326,11 @@ class CompiledDecode:
         `/status` says why)."""
         bucket = self.bucket(len(rows))
         assert bucket is not None
-        tokens, positions, lengths, keys, values = [], [], [], [], []
+        tokens, positions, keys, values = [], [], [], []
         for session, fed in rows:
             held = len(session.token_ids)
             tokens.append(fed[0])
             positions.append(held)
-            lengths.append(held + 1)
             for layer in session.cache.layers:
                 key_buffer, value_buffer = layer.room_for(held + 1)
                 keys.append(key_buffer)
@@ -366,13 +338,10 @@ class CompiledDecode:
         for idle_keys, idle_values in self._idle[: bucket - len(rows)]:
             tokens.append(0)
             positions.append(_IDLE_LENGTH - 1)
-            lengths.append(_IDLE_LENGTH)
             keys.extend(idle_keys)
             values.extend(idle_values)
-        device = self.model.device
         try:
-            logits = self._graphs[bucket](self.model, torch.tensor(tokens, device=device).view(-1, 1),
-                                          torch.tensor(positions, device=device), lengths, keys, values)
+            logits = self._graphs[bucket](*decode_inputs(self.model, tokens, positions, keys, values))
         except Exception as error:
             # a failed guard is checked before anything runs; any other failure may have written
             # this step's keys and values past the filled part of a buffer, which nothing reads:

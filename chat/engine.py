@@ -123,6 +123,7 @@ class ChatEngine:
                           "join_wait_mean_s": round(batch.join_wait_mean_s, 4),
                           "join_wait_max_s": round(batch.join_wait_max_s, 4), "packed": batch.packed,
                           "prompt_tokens_per_step": batch.prompt_tokens_per_step},
+                "model_step": self.runtime.scheduler.runner.stats(),
                 "compiled_step": self.compiled.stats(),
                 "weights": self._weights_status(),
                 "guessing": {"mode": self.config.draft, "guessed": batch.guessed, "taken": batch.guesses_taken},

@@ -5,10 +5,13 @@ applies it to the sessions (rollback, what each feeds, commit) and imports no mo
 executes it: every row's tokens through one model step, each row on its own cache, and returns
 the logits the step's sampling needs. One entry point for decode rows and prompt pieces alike:
 
-- the compiled graph (cache_sessions/compiled.py), when one takes the step (decode rows alone,
-  once built);
+- the plain step (cache_sessions/plain_step.py) of the families it knows (Llama, Mistral, Qwen2,
+  Qwen3 with full attention), written out over a packed sequence: compiled
+  (cache_sessions/compiled.py) when a graph takes the step (decode rows alone, once built), else
+  run eagerly, decode rows and prompt pieces together;
 - else one packed forward of the model's own layers, each row attending to its own cache
-  (cache_sessions/resident.py): the weights read once for every row;
+  (cache_sessions/resident.py): the weights read once for every row (sliding windows, recurrent
+  layers, a quantized cache, other families);
 - else, for a model whose layers cannot run packed (recurrent mixers it cannot find), the
   model's own forward on each row's cache in turn.
 """
@@ -22,10 +25,19 @@ from transformers import PreTrainedModel
 
 from cache_sessions.compiled import CompiledDecode
 from cache_sessions.kv_cache import KVCacheKind
+from cache_sessions.plain_step import plain_refusal, run_plain, takes_states
 from cache_sessions.resident import forward_rows, packs
 from cache_sessions.session import CacheSession
 
 Row = tuple[CacheSession, list[int]]  # a session and the tokens it feeds this step
+
+
+def packed_step(model: PreTrainedModel, rows: Sequence[Row], logits_of: Sequence[int], plain: bool) -> torch.Tensor:
+    """One eager step of every row, packed: the plain step where the model is of its families
+    (`plain`) and every row's states are buffers it writes, else the model's own forward."""
+    if plain and takes_states([session for session, _ in rows]):
+        return run_plain(model, rows, logits_of)
+    return forward_rows(model, rows, logits_of)
 
 
 class ModelRunner:
@@ -34,6 +46,9 @@ class ModelRunner:
         self.model, self.compiled = model, compiled
         # Whether steps run packed, each session on its own cache (a probe session of this kind).
         self.packs = packs([CacheSession(model, kv_cache=kv_cache)])
+        # Why steps do not run as the plain step (None: they do, where the states allow).
+        self.plain_refusal = plain_refusal(model) or (
+            None if kv_cache.name == "dynamic" else f"the {kv_cache.name} cache's states are not buffers it writes")
 
     def graph_ready(self, rows: int) -> bool:
         """Whether a compiled graph would take a step of `rows` single tokens."""
@@ -43,6 +58,12 @@ class ModelRunner:
     def graph_steps(self) -> int:
         """Steps the compiled graphs ran so far (a step that ran one is timed apart)."""
         return self.compiled.steps if self.compiled is not None else 0
+
+    def stats(self) -> dict[str, str | None]:
+        """For `/status`: which eager step runs, and why not the plain one."""
+        step = ("plain" if self.plain_refusal is None else "the model's own forward, packed" if self.packs
+                else "the model's own forward, row by row")
+        return {"eager": step, "not_plain_because": self.plain_refusal}
 
     @torch.no_grad()
     def run(self, rows: Sequence[Row], logits_of: Sequence[int]) -> torch.Tensor:
@@ -55,7 +76,7 @@ class ModelRunner:
             if logits is not None:
                 return logits
         if self.packs:
-            return forward_rows(self.model, rows, logits_of)
+            return packed_step(self.model, rows, logits_of, self.plain_refusal is None)
         return self._one_by_one(rows, logits_of)
 
     def _one_by_one(self, rows: list[Row], logits_of: list[int]) -> torch.Tensor:

@@ -20,16 +20,32 @@ PLAIN_TEMPLATE = "qwen2_5"  # knows nothing of reasoning
 
 
 def count_forwards(model, monkeypatch) -> list:
-    """Each forward pass of `model` from now on appends to the list returned (until monkeypatch undoes it)."""
+    """Each forward pass of `model` from now on appends to the list returned (until monkeypatch
+    undoes it): each call of its output layer, which every step runs once, the model's own
+    forward and the runner's plain step alike (cache_sessions/plain_step.py)."""
     calls = []
-    original = model.forward
+    head = model.get_output_embeddings()
+    original = head.forward
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", counting)
+    monkeypatch.setattr(head, "forward", counting)
     return calls
+
+
+def on_model_input(model, monkeypatch, seen) -> None:
+    """`seen(input_ids)` before every forward pass of `model`, whichever way the step runs it
+    (its token embedding is the first thing each runs), until monkeypatch undoes it."""
+    embedding = model.get_input_embeddings()
+    original = embedding.forward
+
+    def watched(input_ids, *args, **kwargs):
+        seen(input_ids)
+        return original(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(embedding, "forward", watched)
 
 
 @pytest.fixture(scope="session")

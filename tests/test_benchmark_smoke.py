@@ -187,7 +187,7 @@ def test_step_anatomy_benchmark_writes_the_documented_fields(tmp_path):
     result = run_to_json(step_anatomy, tmp_path, "--history", "40", "--prompt-history", "60", "--chunk", "4",
                          "--steps", "1", "--rounds", "2")
     assert set(result["median_step_ms"]) == set(KINDS) and all(ms > 0 for ms in result["median_step_ms"].values())
-    assert {"four_rows_over_one", "mixed_repeated_over_stacked", "targets"} <= set(result)
+    assert {"four_rows_over_one", "own_forward_over_plain", "mixed_repeated_over_stacked", "targets"} <= set(result)
 
 
 def test_compiled_step_benchmark_writes_the_documented_fields(tmp_path):

@@ -5,6 +5,7 @@ import gc
 import pytest
 import torch
 
+from conftest import on_model_input
 from chat import (
     ChatError,
     ContextOverflowError,
@@ -143,7 +144,7 @@ def test_model_failure_leaves_history_and_rebuilds(conv, monkeypatch):
     def broken_forward(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(conv.session.model, "forward", broken_forward)
+    on_model_input(conv.session.model, monkeypatch, broken_forward)  # every step, however it runs
     with pytest.raises(RuntimeError, match="device lost"):
         list(conv.send("This one fails.", **OPTIONS))
     assert conv.messages == before_messages

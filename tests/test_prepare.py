@@ -69,13 +69,13 @@ def test_a_draft_never_runs_while_a_reply_has_work(make_engine, models, tokenize
     engine = make_engine("full")
     streaming, typing = engine.conversation("You are terse."), engine.conversation("You are terse.")
     carried: list[tuple[bool, bool]] = []  # per forward: (the draft's session in it, a reply decoding)
-    forward = chat.runner.forward_rows
+    forward = chat.runner.packed_step
 
-    def watched(model, rows, logits_of):
+    def watched(model, rows, logits_of, plain):
         carried.append((any(session is typing.session for session, _ in rows), bool(logits_of)))
-        return forward(model, rows, logits_of)
+        return forward(model, rows, logits_of, plain)
 
-    monkeypatch.setattr(chat.runner, "forward_rows", watched)
+    monkeypatch.setattr(chat.runner, "packed_step", watched)
     stream = streaming.send("Talk for a while.", max_new_tokens=60, do_sample=False)
     reader = threading.Thread(target=lambda: list(stream), daemon=True)
     reader.start()

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import THINKING_TEMPLATE
+from conftest import THINKING_TEMPLATE, on_model_input
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import check_exact, render_ids
@@ -281,13 +281,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, 
     engine = make_engine("full", prefill_chunk=16, step_gap_factor=None)  # chunks of 16 however busy the machine
     runner, newcomer = engine.conversation("You are terse."), engine.conversation("You are terse.")
     forwards: list[tuple[int, list[int]]] = []  # (decode rows, tokens of each prefill piece) per forward
-    packed = chat.runner.forward_rows
+    packed = chat.runner.packed_step
 
-    def logged(model, rows, logits_of):
+    def logged(model, rows, logits_of, plain):
         forwards.append((len(logits_of), [len(fed) for _, fed in rows[len(logits_of):]]))
-        return packed(model, rows, logits_of)
+        return packed(model, rows, logits_of, plain)
 
-    monkeypatch.setattr(chat.runner, "forward_rows", logged)
+    monkeypatch.setattr(chat.runner, "packed_step", logged)
     consumer = Consumer(runner, runner.send("Talk for a while.", max_new_tokens=PAUSES_AT_THIRD_TOKEN,
                                             do_sample=False))
     assert hooks["reached"].wait(60)
@@ -408,9 +408,7 @@ def test_a_short_message_behind_a_long_one_is_prefilled_first(make_engine, model
 
     monkeypatch.setattr(chat.scheduler.GenerationRequest, "_emit", noted)
     widths: list[int] = []  # tokens per row of every forward pass
-    forward = models["full"].forward
-    monkeypatch.setattr(models["full"], "forward", lambda *a, **k: (widths.append(k["input_ids"].shape[1]),
-                                                                    forward(*a, **k))[1])
+    on_model_input(models["full"], monkeypatch, lambda input_ids: widths.append(input_ids.numel()))
     long_text = " ".join(f"word{i}" for i in range(80))
     with HeldScheduler(engine):  # both are admitted at the same step, the long one first
         late = Consumer(long_conv, long_conv.send(long_text, **GREEDY))
@@ -433,17 +431,17 @@ def costed_steps(engine, monkeypatch, *, beside_decode_rows: bool) -> list[int]:
     """The engine's steps on a made-up clock: a forward costs 10 units, each prompt token in it 2
     more. Returns the list the prompt tokens of each step with prefill go to (only the steps
     that also carry decode rows, with `beside_decode_rows`)."""
-    now, pieces, packed = [0.0], [], chat.runner.forward_rows
+    now, pieces, packed = [0.0], [], chat.runner.packed_step
     engine.scheduler.clock = lambda: now[0]
 
-    def costed(model, rows, logits_of):
+    def costed(model, rows, logits_of, plain):
         prompt_tokens = sum(len(fed) for _, fed in rows[len(logits_of):])
         now[0] += 10 + 2 * prompt_tokens
         if prompt_tokens and (logits_of or not beside_decode_rows):
             pieces.append(prompt_tokens)
-        return packed(model, rows, logits_of)
+        return packed(model, rows, logits_of, plain)
 
-    monkeypatch.setattr(chat.runner, "forward_rows", costed)
+    monkeypatch.setattr(chat.runner, "packed_step", costed)
     return pieces
 
 
@@ -522,14 +520,14 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
     engine = make_engine("full", prefill_chunk_alone=8, alone_step_s=None)
     first, second = engine.conversation(), engine.conversation()  # no shared system prompt: one piece each
     forwards, reached, release, ended_after = [0], threading.Event(), threading.Event(), []
-    packed = chat.runner.forward_rows
+    packed = chat.runner.packed_step
 
-    def held(model, rows, logits_of):
+    def held(model, rows, logits_of, plain):
         forwards[0] += 1
         if forwards[0] == 1:
             reached.set()
             release.wait(60)
-        return packed(model, rows, logits_of)
+        return packed(model, rows, logits_of, plain)
 
     end = chat.scheduler.GenerationRequest._end
 
@@ -538,7 +536,7 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
             ended_after.append(forwards[0])
         end(request, error)
 
-    monkeypatch.setattr(chat.runner, "forward_rows", held)
+    monkeypatch.setattr(chat.runner, "packed_step", held)
     monkeypatch.setattr(chat.scheduler.GenerationRequest, "_end", noted)
     with HeldScheduler(engine):
         shorter = Consumer(first, first.send(" ".join(f"word{i}" for i in range(60)), **GREEDY))

@@ -1,0 +1,122 @@
+"""The plain step (cache_sessions/plain_step.py): the decoder of the families it knows written out
+over a packed sequence, decode rows and prompt pieces in one call, each row on its own cache.
+
+The reference is a from-scratch forward over each row's whole sequence (no cache at all) and
+greedy `generate` from scratch, through the same checks as the model's own packed forward
+(tests/test_resident.py): every family it takes, a session started by the step, a row whose
+every position's logits are kept (guesses verified), and the runner choosing it."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import chat.runner
+from cache_sessions import CacheSession
+from cache_sessions.kv_cache import KVCacheKind
+from cache_sessions.plain_step import plain_refusal, run_plain, takes_states
+from chat.runner import ModelRunner
+from reference import LOGIT_TOLERANCE
+from test_resident import PROMPTS, check_rows_against_scratch, ready, scratch_logits
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_hidden_layers=2, max_position_embeddings=2048, initializer_range=0.2, vocab_size=300,
+            eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def family(name: str):
+    """A tiny seeded model of another family the step knows (Qwen3 is the suite's own "full")."""
+    torch.manual_seed(3)
+    config, model_class, extra = {
+        "llama": (LlamaConfig, LlamaForCausalLM, dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+        "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(use_sliding_window=False)),  # q/k/v with biases
+    }[name]
+    model = model_class(config(**TINY, **extra)).eval()
+    if name == "qwen2":
+        with torch.no_grad():  # its biases start at zero: give them weight, so dropping one shows
+            for layer in model.model.layers:
+                for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    projection.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def families(models):
+    return {"qwen3": models["full"], **{name: family(name) for name in ("llama", "mistral", "qwen2")}}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama", "mistral", "qwen2"])
+def test_the_plain_step_gives_every_row_what_a_forward_from_scratch_gives(families, name, monkeypatch):
+    """Two rows decode while a third (its cache started by the step) is prefilled 7 tokens a step
+    beside them, then decodes with them: every logit within 1e-4 of the scratch forward's, every
+    greedy reply the scratch reply, every cache exact and rolled back exactly. Every step ran
+    as the plain step."""
+    model = families[name]
+    assert plain_refusal(model) is None
+    ran = []
+
+    def plain(rows, logits_of):
+        assert takes_states([session for session, _ in rows])
+        ran.append(len(rows))
+        return run_plain(model, rows, logits_of)
+
+    check_rows_against_scratch(model, "full", KVCacheKind(), step=plain)
+    assert ran and max(ran) == 3
+
+
+def test_every_position_of_a_row_is_kept_where_asked(families):
+    """A decoding row fed its next input and four guesses (chat/drafting.py) beside a decode row
+    and a prompt piece: the logits after each of its tokens are the scratch forward's at that
+    length, and the cache then holds all five."""
+    model = families["qwen3"]
+    verifying, decoding = ready(model, PROMPTS[1], KVCacheKind()), ready(model, PROMPTS[0], KVCacheKind())
+    piece = ready(model, PROMPTS[2][:20], KVCacheKind())
+    fed = [PROMPTS[1][-1], 7, 8, 9, 10]
+    logits = run_plain(model, [(decoding, [PROMPTS[0][-1]]), (verifying, fed), (piece, PROMPTS[2][19:30])], [1, 0])
+    assert logits.shape == (6, model.config.vocab_size)
+    for place in range(5):
+        expected = scratch_logits(model, PROMPTS[1][:-1] + fed[:place + 1], KVCacheKind())
+        assert float((logits[place] - expected).abs().max()) < LOGIT_TOLERANCE
+    assert float((logits[5] - scratch_logits(model, PROMPTS[0], KVCacheKind())).abs().max()) < LOGIT_TOLERANCE
+    assert all(layer.get_seq_length() == len(PROMPTS[1]) - 1 + 5 for layer in verifying.cache.layers)
+
+
+def test_what_the_plain_step_does_not_take(models):
+    """Sliding windows, recurrent layers and other families refuse it (the model's own forward
+    runs them); a quantized cache's states are not buffers it writes; a ledger out of step with
+    the cache is not trusted."""
+    assert "sliding" in plain_refusal(models["sliding"])
+    assert "not one of the plain decoders" in plain_refusal(models["mixed"])  # Gemma2
+    assert "not one of the plain decoders" in plain_refusal(models["hybrid"])
+    model = models["full"]
+    assert not takes_states([ready(model, PROMPTS[0], KVCacheKind("quantized", 8))])
+    session = ready(model, PROMPTS[0], KVCacheKind())
+    assert takes_states([session, CacheSession(model)])
+    session.token_ids.append(5)  # the ledger says one more than the cache holds
+    assert not takes_states([session])
+
+
+@pytest.mark.parametrize("arch,plain", [("full", True), ("sliding", False), ("mixed", False)])
+def test_the_runner_runs_the_plain_step_where_it_takes(models, monkeypatch, arch, plain):
+    """The runner's eager step is the plain step for a family it knows and the model's own packed
+    forward otherwise: both give the scratch forward's logits."""
+    model = models[arch]
+    used = []
+    own_plain, own_forward = chat.runner.run_plain, chat.runner.forward_rows
+    monkeypatch.setattr(chat.runner, "run_plain", lambda *args: used.append("plain") or own_plain(*args))
+    monkeypatch.setattr(chat.runner, "forward_rows", lambda *args: used.append("forward") or own_forward(*args))
+    runner = ModelRunner(model)
+    assert (runner.plain_refusal is None) == plain
+    session = ready(model, PROMPTS[2], KVCacheKind())
+    logits = runner.run([(session, [PROMPTS[2][-1]])], [0])
+    assert used == ["plain" if plain else "forward"]
+    assert float((logits[0] - scratch_logits(model, PROMPTS[2], KVCacheKind())).abs().max()) < LOGIT_TOLERANCE
+
+
+def test_status_says_which_step_runs(make_engine):
+    """`/status` names the eager step and why it is not the plain one."""
+    assert make_engine("full").status()["model_step"] == {"eager": "plain", "not_plain_because": None}
+    sliding = make_engine("sliding").status()["model_step"]
+    assert sliding["eager"] == "the model's own forward, packed" and "sliding" in sliding["not_plain_because"]
+    quantized = make_engine("full", kv_cache="quantized").status()["model_step"]
+    assert quantized["eager"] != "plain" and "quantized cache" in quantized["not_plain_because"]
