@@ -1,12 +1,12 @@
 """Continuous batching on the engine's loop (chat/loop.py): every reply being generated advances in
 one model step per step; every other change to a cache runs between steps.
 
-Three roles (vLLM v1, nano-vllm): this scheduler decides, the cache owner
-(cache_sessions/owner.py) applies, the runner (chat/runner.py) executes. One step, after the
-commands other threads posted (a branch switch, a close, a worker's result), reads in that order:
-**plan** (end requests stopped wherever they wait; admit waiting requests while rows are free;
-each newcomer rolled back by the owner; this step's prompt pieces within its budget; each decode
-row's guesses) → **run** (the runner's one model step: the next token of every decoding row, its
+Three roles (vLLM v1, nano-vllm): the scheduler decides (its planner, chat/step_planner.py, over
+the table of requests), the cache owner (cache_sessions/owner.py) applies, the runner
+(chat/runner.py) executes. One step, after the commands other threads posted (a branch switch, a
+close, a worker's result), reads in that order: **plan** (end requests stopped wherever they
+wait; admit waiting requests while rows are free; each newcomer rolled back by the owner; this
+step's prompt pieces within its budget; each decode row's guesses) → **run** (the runner's one model step: the next token of every decoding row, its
 guesses and the prompt pieces, each row on its own cache in place, as llama.cpp's slots) → the
 owner notes what every row fed → **sample** (each decode row's tokens by its own sampler; rows
 that ended leave). Then the owner settles (frees closed sessions, keeps the budget).
@@ -32,7 +32,6 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
@@ -43,22 +42,19 @@ from transformers import PreTrainedModel
 from cache_sessions.compiled import CompiledDecode
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.owner import CacheOwner
-from cache_sessions.session import CacheSession, common_prefix_length
+from cache_sessions.session import CacheSession
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ALONE
 from chat.drafting import DraftPolicy
 from chat.guessing import StepGuesses, choose_tokens
 from chat.loop import Loop
 from chat.options import GenerationOptions
-from chat.prompt_shares import PromptShares
-from chat.request_table import RequestTable
 from chat.requests import CacheWork, GenerationRequest
-from chat.runner import ModelRunner, Row
-from chat.sampling import TokenChooser
+from chat.runner import ModelRunner
 from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR, StepBudget
+from chat.step_planner import StepPlan, StepPlanner
 from chat.worker import ModelWorker
 
 T = TypeVar("T")
-PREFILL_ORDERS = ("shortest", "arrival")
 
 
 @dataclass(frozen=True)
@@ -81,43 +77,6 @@ class SchedulerStats:
     guesses_taken: int = 0  # of them, taken into replies
 
 
-@dataclass
-class StepPlan:
-    """What one step runs, decided before it runs: the decode rows (each its next input and its
-    guesses to verify) and the prompt pieces, in the runner's row order (decode rows first)."""
-
-    decoding: list[GenerationRequest]
-    guesses: list[list[int]]
-    pieces: list[tuple[GenerationRequest, list[int]]]
-    started: float  # when the step's own work began (its guesses proposed): what a guess costs counts from here
-
-    def rows(self) -> list[Row]:
-        return ([(request.session, [request.next_input] + guess) for request, guess in zip(self.decoding, self.guesses)]
-                + [(request.session, piece) for request, piece in self.pieces])
-
-    def extra_tokens(self) -> int:
-        """Tokens past one a decode row: what the prompt pieces and the guesses add to the step."""
-        return sum(len(piece) for _, piece in self.pieces) + sum(len(guess) for guess in self.guesses)
-
-
-class _Counters:
-    """What the batch has done so far, for `stats` (read by other threads under the scheduler's lock)."""
-
-    def __init__(self) -> None:
-        self.steps = self.joined = self.largest_batch = self.prepared = self.guessed = self.guesses_taken = 0
-        self.join_waits: deque[float] = deque(maxlen=32)  # from submit to the first decode step
-
-    def step(self, rows: list[GenerationRequest]) -> None:
-        now = time.perf_counter()
-        for request in rows:
-            if request.joined_at is None:
-                request.joined_at = now
-                self.joined += 1
-                self.join_waits.append(now - request.submitted_at)
-        self.steps += 1
-        self.largest_batch = max(self.largest_batch, len(rows))
-
-
 class DecodeScheduler:
     def __init__(self, model: PreTrainedModel, worker: ModelWorker, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE,
@@ -135,28 +94,22 @@ class DecodeScheduler:
         `prefill_chunk_alone` always). `draft`: "auto", "ngram" or "off": how decode rows feed
         guessed tokens to verify (chat/drafting.py). `cache_settings`:
         the cache owner's (budget_bytes, max_checkpoints, prefix_store, offload)."""
-        if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
-            raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
-        if prefill_order not in PREFILL_ORDERS:
-            raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}")
-        self.prefill_order = prefill_order
-        self.model, self.worker = model, worker
-        self.max_batch_size, self.prefill_chunk, self.prefill_chunk_alone = max_batch_size, prefill_chunk, prefill_chunk_alone
+        self.model, self.worker, self.max_batch_size = model, worker, max_batch_size
         self.loop = Loop(worker, self._step, self._has_work, lambda: self.caches.settle())
         self.caches = CacheOwner(model, self.loop, self.in_use, kv_cache=kv_cache, **cache_settings)
         self.runner = ModelRunner(model, compiled, kv_cache)
         self.guessing = DraftPolicy(draft)
         self.guesses = StepGuesses(self.guessing, self.caches)
         self.step_budget, self.clock = StepBudget(step_gap_factor, alone_step_s), time.perf_counter
+        self.planner = StepPlanner(model, self.caches, self.guesses, self.step_budget, max_batch_size=max_batch_size,
+                                   prefill_chunk=prefill_chunk, prefill_chunk_alone=prefill_chunk_alone,
+                                   prefill_order=prefill_order)
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
         atexit.register(_shut_down_at_exit, weakref.ref(self))  # before the worker's: atexit runs last first
 
     def _reset(self) -> None:
-        self._requests = RequestTable()
-        self._shares = PromptShares()  # prompt tokens owed to each client with a request waiting to prefill
-        self._on_disk: set[GenerationRequest] = set()  # admitted, their states still being read
-        self._counters = _Counters()
+        self.planner.reset()
         self.loop.reset()
         self.caches.reset()
 
@@ -171,8 +124,8 @@ class DecodeScheduler:
         if not prompt_ids:
             raise ValueError("cannot generate from an empty prompt")
         request = GenerationRequest(session, prompt_ids, options, stop, work, client)
-        with self._requests.lock:
-            self._requests.waiting.append(request)
+        with self.planner.requests.lock:
+            self.planner.requests.waiting.append(request)
         self.loop.wake()
         return request
 
@@ -189,8 +142,8 @@ class DecodeScheduler:
             raise ValueError("cannot prepare an empty prompt")
         request = GenerationRequest(session, prompt_ids, GenerationOptions(max_new_tokens=1), stop, work, client,
                                     draft=True)
-        with self._requests.lock:
-            self._requests.drafts.append(request)
+        with self.planner.requests.lock:
+            self.planner.requests.drafts.append(request)
         self.loop.wake()
         return request
 
@@ -200,7 +153,7 @@ class DecodeScheduler:
         of its states): in use until it comes back, so the budget leaves it as it was sent. The
         worker holds its copy so too, until it has been sent back."""
         try:
-            with self._requests.held_elsewhere(session):
+            with self.planner.requests.held_elsewhere(session):
                 yield
         finally:
             self.loop.post(self.caches.settle)  # a close, or the budget, may have waited for it
@@ -208,7 +161,7 @@ class DecodeScheduler:
     def shut_down(self, timeout: float = 30.0) -> None:
         """Stop every request and wait until each has left (its stream ends, its cache is checked
         and rested): at exit, before the compute thread ends, so no reader waits for ever."""
-        requests = self._requests.everyone()
+        requests = self.planner.requests.everyone()
         for request in requests:
             request.stop.set()
         self.loop.wake()
@@ -218,41 +171,41 @@ class DecodeScheduler:
 
     def in_use(self) -> set[CacheSession]:
         """The one record of what is in use (chat/request_table.py)."""
-        return self._requests.in_use()
+        return self.planner.requests.in_use()
 
     def call(self, function: Callable[..., T], *args: Any) -> T:
         """Run `function(*args)` on the loop, between steps, and wait for it."""
         return self.loop.call(function, *args)
 
     def stats(self) -> SchedulerStats:
-        with self._requests.lock:
-            counters, waits = self._counters, list(self._counters.join_waits)
+        with self.planner.requests.lock:
+            counters, waits = self.planner.counters, list(self.planner.counters.join_waits)
             return SchedulerStats(
-                max_batch_size=self.max_batch_size, decoding=len(self._requests.decoding), prefilling=len(self._requests.prefilling),
-                waiting=len(self._requests.waiting), paused=len(self._requests.paused),
-                drafts=len(self._requests.drafts), prepared=counters.prepared, steps=counters.steps,
+                max_batch_size=self.max_batch_size, decoding=len(self.planner.requests.decoding), prefilling=len(self.planner.requests.prefilling),
+                waiting=len(self.planner.requests.waiting), paused=len(self.planner.requests.paused),
+                drafts=len(self.planner.requests.drafts), prepared=counters.prepared, steps=counters.steps,
                 guessed=counters.guessed, guesses_taken=counters.guesses_taken,
                 joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
-                packed=self.runner.packs, prompt_tokens_per_step=self.step_budget.tokens(self.prefill_chunk))
+                packed=self.runner.packs, prompt_tokens_per_step=self.step_budget.tokens(self.planner.prefill_chunk))
 
     # ---- one step, on the compute thread ------------------------------------------------------
     def _has_work(self) -> bool:
         """Whether another step is due: not while the only requests left wait for the disk (the
         read wakes the loop when it is done)."""
-        return self._requests.has_work(besides=self._on_disk)
+        return self.planner.requests.has_work(besides=self.planner.on_disk)
 
     @torch.no_grad()
     def _step(self) -> None:
         """Plan → run → sample (see the module's docstring)."""
         try:
-            for request in [r for r in self._requests.drafts if r.stop.is_set()]:
-                self._end_draft(request)  # before any reply is admitted: a Send may follow its own draft
-            if self._requests.idle():
+            for request in [r for r in self.planner.requests.drafts if r.stop.is_set()]:
+                self.planner.end_draft(request)  # before any reply is admitted: a Send may follow its own draft
+            if self.planner.requests.idle():
                 self._draft_step()
                 return
             graph_steps = self.runner.graph_steps
-            plan = self._plan()
+            plan = self.planner.plan(self.clock, self.runner.graph_ready)
             logits = self._run(plan)
             if logits is not None:
                 self._sample(plan, logits)
@@ -260,21 +213,8 @@ class DecodeScheduler:
                 self.guessing.record_step(self.clock() - plan.started, len(plan.decoding), plan.extra_tokens(),
                                           compiled=self.runner.graph_steps > graph_steps)
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
-            for request in self._requests.take_everyone():
-                self._finish(request, error)
-
-    def _plan(self) -> StepPlan:
-        """Who leaves (stopped wherever they wait), who is admitted, this step's prompt pieces
-        and each decode row's guesses."""
-        for request in self._requests.admit(self.max_batch_size):
-            self._finish(request)  # stopped while it waited (its cache untouched) or was paused
-        stopped = [request for request in self._requests.decoding if request.stop.is_set()]
-        if stopped:
-            self._leave(stopped)  # its last chosen token stays unfed, as after `generate`
-        pieces = self._plan_pieces()
-        decoding, started = list(self._requests.decoding), self.clock()
-        return StepPlan(decoding, self.guesses.propose(decoding, self.runner.graph_ready(len(decoding))), pieces,
-                        started)
+            for request in self.planner.requests.take_everyone():
+                self.planner.finish(request, error)
 
     def _run(self, plan: StepPlan) -> torch.Tensor | None:
         """The plan's one model step; the owner notes what every row fed. Returns the logits
@@ -288,164 +228,42 @@ class DecodeScheduler:
             logits = self.runner.run(rows, range(len(plan.decoding)))
             self.caches.fed(rows)
         except BaseException as error:
-            self._leave(plan.decoding, error)
+            self.planner.leave(plan.decoding, error)
             for request, _ in plan.pieces:
-                self._leave_prefill(request, error)
+                self.planner.leave_prefill(request, error)
             return None
         self.step_budget.record(self.clock() - started, len(plan.decoding), plan.extra_tokens())
         for request, _ in plan.pieces:
-            self._piece_fed(request)
+            self.planner.piece_fed(request)
         return logits if plan.decoding else None
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """Each decode row's tokens by its own sampler (its guesses taken while they match); the
         caches give back guesses not taken; rows that ended leave."""
         ended, taken = choose_tokens(plan.decoding, logits, plan.guesses)
-        with self._requests.lock:
-            self._counters.step(plan.decoding)
-            self._counters.guessed += sum(len(guess) for guess in plan.guesses)
-            self._counters.guesses_taken += taken
+        with self.planner.requests.lock:
+            self.planner.counters.step(plan.decoding)
+            self.planner.counters.guessed += sum(len(guess) for guess in plan.guesses)
+            self.planner.counters.guesses_taken += taken
         ended += self.guesses.give_back(plan.decoding, plan.guesses, ended)
         if ended:
-            self._leave(ended)
-
-    def _plan_pieces(self) -> list[tuple[GenerationRequest, list[int]]]:
-        """This step's prefill pieces within its budget, in the order `PromptShares` gives (fair
-        by tokens owed, see chat/prompt_shares.py); newcomers are rolled back first, and one with
-        only its last token left starts decoding now. A stopped request leaves here, whether or
-        not the budget would have reached it (it used to wait for its turn at the budget, which
-        could be after another user's whole prompt: its Stop did nothing meanwhile)."""
-        if self._requests.decoding:
-            budget = self.step_budget.tokens(self.prefill_chunk)
-        else:
-            budget = self.step_budget.alone_tokens(self.prefill_chunk_alone)
-        full_budget, pieces = budget, []
-        wanting: list[Hashable] = []  # the flows (clients) with prompt left that could go on
-        given: dict[Hashable, int] = {}
-        self._on_disk = set()
-        self._shares.retain([request.flow for request in self._requests.prefilling])
-        for request in self._prefill_order(budget):
-            if request.prefill is None and not self.caches.ready(request.session):
-                # its states are being read beside the loop: the others go on (a stopped one too:
-                # ending it now would wait for that read on the loop; it ends once the read is in)
-                self._on_disk.add(request)
-                continue
-            if request.stop.is_set():
-                self._leave_prefill(request)
-                continue
-            wanting.append(request.flow)
-            if budget == 0:
-                continue
-            work = request.work
-            try:
-                self._begin(request)
-                piece = self.caches.prefill_piece(request.session, request.prompt_ids, budget, work.prefix_store,
-                                                  work.shared_prefix_length)
-            except BaseException as error:
-                self._leave_prefill(request, error)
-                continue
-            if piece:
-                pieces.append((request, piece))
-                budget -= len(piece)
-                given[request.flow] = given.get(request.flow, 0) + len(piece)
-            else:
-                self._requests.start_decoding(request)
-        self._shares.settle(wanting, given, full_budget)
-        return pieces
+            self.planner.leave(ended)
 
     def _draft_step(self) -> None:
-        """With no reply to work on: one piece of the oldest draft whose states are at hand (at
-        most `prefill_chunk` tokens), in a forward of its own."""
-        self._on_disk = set()
-        for draft in list(self._requests.drafts):
-            if draft.prefill is None and not self.caches.ready(draft.session):
-                self._on_disk.add(draft)  # read beside the loop; the loop is woken when it is in
-                continue
-            work = draft.work
-            try:
-                self._begin(draft)
-                piece = self.caches.prefill_piece(draft.session, draft.prompt_ids, self.prefill_chunk,
-                                                  work.prefix_store, work.shared_prefix_length)
-                if piece:
-                    self.runner.run([(draft.session, piece)], [])
-                    self.caches.fed([(draft.session, piece)])
-                    if not self.caches.piece_fed(draft.session, draft.prompt_ids, work.prefix_store,
-                                                 work.shared_prefix_length):
-                        return
-            except BaseException as error:
-                self._end_draft(draft, error)
-                return
-            with self._requests.lock:
-                self._counters.prepared += 1
-            self._end_draft(draft)  # prefilled: only its last token is left, for the Send
+        """With no reply to work on: one piece of the oldest draft, in a step of its own."""
+        chosen = self.planner.draft_piece()
+        if chosen is None:
             return
-
-    def _end_draft(self, draft: GenerationRequest, error: BaseException | None = None) -> None:
-        with self._requests.lock:
-            self._requests.drafts.remove(draft)
-        self._finish(draft, error)
-
-    def _prefill_order(self, budget: int) -> list[GenerationRequest]:
-        """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_shares.py);
-        or in arrival order."""
-        if self.prefill_order != "shortest":
-            return list(self._requests.prefilling)
-        prefilling = self._requests.prefilling
-        return self._shares.order({request: _remaining_prefill(request) for request in prefilling},
-                                  {request: request.flow for request in prefilling}, budget)
-
-    def _begin(self, request: GenerationRequest) -> None:
-        """Its first turn: its sampler, and its cache rolled back to where the prompt parts from it."""
-        if request.prefill is None:
-            work = request.work
-            request.started_at = time.perf_counter()
-            request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
-            self.guesses.begin(request)
-            request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
-                                                work.shared_prefix_length)
-
-    def _piece_fed(self, request: GenerationRequest) -> None:
-        work = request.work
+        draft, piece = chosen
         try:
-            ready = self.caches.piece_fed(request.session, request.prompt_ids, work.prefix_store,
-                                          work.shared_prefix_length)
+            self.runner.run([(draft.session, piece)], [])
+            self.caches.fed([(draft.session, piece)])
         except BaseException as error:
-            self._leave_prefill(request, error)
+            self.planner.end_draft(draft, error)
             return
-        if ready:
-            self._requests.start_decoding(request)
-
-    def _leave(self, requests: list[GenerationRequest], error: BaseException | None = None) -> None:
-        """Take `requests` out of the decode rows and end them."""
-        self._requests.remove(requests)
-        for request in requests:
-            self._finish(request, error)
-
-    def _leave_prefill(self, request: GenerationRequest, error: BaseException | None = None) -> None:
-        self._requests.remove([request])
-        self._finish(request, error)
-
-    def _finish(self, request: GenerationRequest, error: BaseException | None = None) -> None:
-        """The request is out: the owner checks and rests its session, then its turn is told."""
-        error = request.error or error
-        try:
-            request.cache_bytes = self.caches.end(request.session, request.sequence if request.started else None,
-                                                  request.work.labels, failed=error is not None)
-        except BaseException as mismatch:  # the ledger did not match what was fed (released: 0 bytes)
-            error = error or mismatch
-        request.cache_tokens = len(request.session.token_ids)
-        request._end(error)
+        self.planner.draft_fed(draft)
 
 
 def _shut_down_at_exit(scheduler: "weakref.ref[DecodeScheduler]") -> None:
     if (alive := scheduler()) is not None:
         alive.shut_down()
-
-
-def _remaining_prefill(request: GenerationRequest) -> int:
-    """Prompt tokens it still has to feed: past what its cache holds in common with the prompt
-    (before its rollback, an estimate: a shared prefix or a checkpoint may serve more or less;
-    after it, the ledger is a prefix of the prompt and only its length is read)."""
-    held = len(request.session.token_ids) if request.started else common_prefix_length(
-        request.session.token_ids, request.prompt_ids)
-    return max(0, len(request.prompt_ids) - 1 - held)

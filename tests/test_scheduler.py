@@ -30,6 +30,7 @@ from transformers import (
 
 import chat.runner
 import chat.scheduler
+import chat.step_planner
 from chat import ChatEngine, ConversationBusyError, ConversationError
 from chat.runner import ModelRunner
 from chat.sampling import TokenChooser
@@ -122,7 +123,7 @@ def hooks(monkeypatch):
             elif options.max_new_tokens == PAUSES_AT_THIRD_TOKEN:
                 self.processors.append(_Pauses(**pause))
 
-    monkeypatch.setattr(chat.scheduler, "TokenChooser", HookedChooser)
+    monkeypatch.setattr(chat.step_planner, "TokenChooser", HookedChooser)
     yield pause
     pause["release"].set()
 
@@ -571,7 +572,7 @@ def test_a_client_holding_every_row_gives_one_to_another_client_at_once(make_eng
 
     def noted(request, token_id):
         if request.session is other.session and not seen:
-            seen.update(step=engine.scheduler._counters.steps, paused=len(engine.scheduler._requests.paused),
+            seen.update(step=engine.scheduler.planner.counters.steps, paused=len(engine.scheduler.planner.requests.paused),
                         hog_running=[stream.is_alive() for stream in streams])
         emit(request, token_id)
 

@@ -1,0 +1,251 @@
+"""What one step runs, decided before it runs (vLLM v1's scheduler, at this scale), and each
+request's way through the table: admitted, rolled back, prefilled in pieces, decoding, ended.
+
+chat/scheduler.py runs the loop around it (plan → run → sample); this decides. Each step: end
+requests stopped wherever they wait (waiting, prefilling, decoding: a Stop is read before any
+budget); admit waiting requests while rows are free (a client below its share of the rows takes
+one from the client holding the most: chat/request_table.py); give this step's prompt budget in
+pieces, fair by tokens owed (chat/prompt_shares.py), shortest remaining prefill first; and ask
+each decode row's guesses. With no reply to work on, the oldest draft's next piece.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+from transformers import PreTrainedModel
+
+from cache_sessions.owner import CacheOwner
+from cache_sessions.session import common_prefix_length
+from chat.guessing import StepGuesses
+from chat.prompt_shares import PromptShares
+from chat.request_table import RequestTable
+from chat.requests import GenerationRequest
+from chat.runner import Row
+from chat.sampling import TokenChooser
+from chat.step_budget import StepBudget
+
+PREFILL_ORDERS = ("shortest", "arrival")
+
+
+@dataclass
+class StepPlan:
+    """What one step runs, decided before it runs: the decode rows (each its next input and its
+    guesses to verify) and the prompt pieces, in the runner's row order (decode rows first)."""
+
+    decoding: list[GenerationRequest]
+    guesses: list[list[int]]
+    pieces: list[tuple[GenerationRequest, list[int]]]
+    started: float  # when the step's own work began (its guesses proposed): what a guess costs counts from here
+
+    def rows(self) -> list[Row]:
+        return ([(request.session, [request.next_input] + guess) for request, guess in zip(self.decoding, self.guesses)]
+                + [(request.session, piece) for request, piece in self.pieces])
+
+    def extra_tokens(self) -> int:
+        """Tokens past one a decode row: what the prompt pieces and the guesses add to the step."""
+        return sum(len(piece) for _, piece in self.pieces) + sum(len(guess) for guess in self.guesses)
+
+
+class _Counters:
+    """What the batch has done so far, for `stats` (read by other threads under the scheduler's lock)."""
+
+    def __init__(self) -> None:
+        self.steps = self.joined = self.largest_batch = self.prepared = self.guessed = self.guesses_taken = 0
+        self.join_waits: deque[float] = deque(maxlen=32)  # from submit to the first decode step
+
+    def step(self, rows: list[GenerationRequest]) -> None:
+        now = time.perf_counter()
+        for request in rows:
+            if request.joined_at is None:
+                request.joined_at = now
+                self.joined += 1
+                self.join_waits.append(now - request.submitted_at)
+        self.steps += 1
+        self.largest_batch = max(self.largest_batch, len(rows))
+
+
+class StepPlanner:
+    """The table of requests and the decisions of every step over it; the cache owner applies
+    what it decides to the sessions (rollback, pieces, the end of a request)."""
+
+    def __init__(self, model: PreTrainedModel, caches: CacheOwner, guesses: StepGuesses, step_budget: StepBudget, *,
+                 max_batch_size: int, prefill_chunk: int, prefill_chunk_alone: int, prefill_order: str):
+        if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
+            raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
+        if prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}")
+        self.model, self.caches, self.guesses, self.step_budget = model, caches, guesses, step_budget
+        self.max_batch_size, self.prefill_chunk, self.prefill_chunk_alone = max_batch_size, prefill_chunk, prefill_chunk_alone
+        self.prefill_order = prefill_order
+        self.reset()
+
+    def reset(self) -> None:
+        self.requests = RequestTable()
+        self.shares = PromptShares()  # prompt tokens owed to each client with a request waiting to prefill
+        self.on_disk: set[GenerationRequest] = set()  # admitted, their states still being read
+        self.counters = _Counters()
+
+    def plan(self, clock: Callable[[], float], graph_ready: Callable[[int], bool]) -> StepPlan:
+        """Who leaves (stopped wherever they wait), who is admitted, this step's prompt pieces
+        and each decode row's guesses."""
+        for request in self.requests.admit(self.max_batch_size):
+            self.finish(request)  # stopped while it waited (its cache untouched) or was paused
+        stopped = [request for request in self.requests.decoding if request.stop.is_set()]
+        if stopped:
+            self.leave(stopped)  # its last chosen token stays unfed, as after `generate`
+        pieces = self.pieces()
+        decoding, started = list(self.requests.decoding), clock()
+        return StepPlan(decoding, self.guesses.propose(decoding, graph_ready(len(decoding))), pieces,
+                        started)
+
+    def pieces(self) -> list[tuple[GenerationRequest, list[int]]]:
+        """This step's prefill pieces within its budget, in the order `PromptShares` gives (fair
+        by tokens owed, see chat/prompt_shares.py); newcomers are rolled back first, and one with
+        only its last token left starts decoding now. A stopped request leaves here, whether or
+        not the budget would have reached it (it used to wait for its turn at the budget, which
+        could be after another user's whole prompt: its Stop did nothing meanwhile)."""
+        if self.requests.decoding:
+            budget = self.step_budget.tokens(self.prefill_chunk)
+        else:
+            budget = self.step_budget.alone_tokens(self.prefill_chunk_alone)
+        full_budget, pieces = budget, []
+        wanting: list[Hashable] = []  # the flows (clients) with prompt left that could go on
+        given: dict[Hashable, int] = {}
+        self.on_disk = set()
+        self.shares.retain([request.flow for request in self.requests.prefilling])
+        for request in self._prefill_order(budget):
+            if request.prefill is None and not self.caches.ready(request.session):
+                # its states are being read beside the loop: the others go on (a stopped one too:
+                # ending it now would wait for that read on the loop; it ends once the read is in)
+                self.on_disk.add(request)
+                continue
+            if request.stop.is_set():
+                self.leave_prefill(request)
+                continue
+            wanting.append(request.flow)
+            if budget == 0:
+                continue
+            work = request.work
+            try:
+                self.begin(request)
+                piece = self.caches.prefill_piece(request.session, request.prompt_ids, budget, work.prefix_store,
+                                                  work.shared_prefix_length)
+            except BaseException as error:
+                self.leave_prefill(request, error)
+                continue
+            if piece:
+                pieces.append((request, piece))
+                budget -= len(piece)
+                given[request.flow] = given.get(request.flow, 0) + len(piece)
+            else:
+                self.requests.start_decoding(request)
+        self.shares.settle(wanting, given, full_budget)
+        return pieces
+
+    def draft_piece(self) -> tuple[GenerationRequest, list[int]] | None:
+        """With no reply to work on: the oldest draft whose states are at hand, and its next piece
+        (at most `prefill_chunk` tokens) for a step of its own. A draft with nothing left to feed
+        is prefilled and ends here; one whose rollback fails ends with its error."""
+        self.on_disk = set()
+        for draft in list(self.requests.drafts):
+            if draft.prefill is None and not self.caches.ready(draft.session):
+                self.on_disk.add(draft)  # read beside the loop; the loop is woken when it is in
+                continue
+            work = draft.work
+            try:
+                self.begin(draft)
+                piece = self.caches.prefill_piece(draft.session, draft.prompt_ids, self.prefill_chunk,
+                                                  work.prefix_store, work.shared_prefix_length)
+            except BaseException as error:
+                self.end_draft(draft, error)
+                return None
+            if piece:
+                return draft, piece
+            self._prepared(draft)
+            return None
+        return None
+
+    def draft_fed(self, draft: GenerationRequest) -> None:
+        """A draft's piece ran: it waits for its next step, or, prefilled, ends."""
+        work = draft.work
+        try:
+            prefilled = self.caches.piece_fed(draft.session, draft.prompt_ids, work.prefix_store,
+                                              work.shared_prefix_length)
+        except BaseException as error:
+            self.end_draft(draft, error)
+            return
+        if prefilled:
+            self._prepared(draft)
+
+    def _prepared(self, draft: GenerationRequest) -> None:
+        with self.requests.lock:
+            self.counters.prepared += 1
+        self.end_draft(draft)  # only its last token is left, for the Send
+
+    def end_draft(self, draft: GenerationRequest, error: BaseException | None = None) -> None:
+        with self.requests.lock:
+            self.requests.drafts.remove(draft)
+        self.finish(draft, error)
+
+    def _prefill_order(self, budget: int) -> list[GenerationRequest]:
+        """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_shares.py);
+        or in arrival order."""
+        if self.prefill_order != "shortest":
+            return list(self.requests.prefilling)
+        prefilling = self.requests.prefilling
+        return self.shares.order({request: _remaining_prefill(request) for request in prefilling},
+                                  {request: request.flow for request in prefilling}, budget)
+
+    def begin(self, request: GenerationRequest) -> None:
+        """Its first turn: its sampler, and its cache rolled back to where the prompt parts from it."""
+        if request.prefill is None:
+            work = request.work
+            request.started_at = time.perf_counter()
+            request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
+            self.guesses.begin(request)
+            request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
+                                                work.shared_prefix_length)
+
+    def piece_fed(self, request: GenerationRequest) -> None:
+        work = request.work
+        try:
+            ready = self.caches.piece_fed(request.session, request.prompt_ids, work.prefix_store,
+                                          work.shared_prefix_length)
+        except BaseException as error:
+            self.leave_prefill(request, error)
+            return
+        if ready:
+            self.requests.start_decoding(request)
+
+    def leave(self, requests: list[GenerationRequest], error: BaseException | None = None) -> None:
+        """Take `requests` out of the decode rows and end them."""
+        self.requests.remove(requests)
+        for request in requests:
+            self.finish(request, error)
+
+    def leave_prefill(self, request: GenerationRequest, error: BaseException | None = None) -> None:
+        self.requests.remove([request])
+        self.finish(request, error)
+
+    def finish(self, request: GenerationRequest, error: BaseException | None = None) -> None:
+        """The request is out: the owner checks and rests its session, then its turn is told."""
+        error = request.error or error
+        try:
+            request.cache_bytes = self.caches.end(request.session, request.sequence if request.started else None,
+                                                  request.work.labels, failed=error is not None)
+        except BaseException as mismatch:  # the ledger did not match what was fed (released: 0 bytes)
+            error = error or mismatch
+        request.cache_tokens = len(request.session.token_ids)
+        request._end(error)
+
+
+def _remaining_prefill(request: GenerationRequest) -> int:
+    """Prompt tokens it still has to feed: past what its cache holds in common with the prompt
+    (before its rollback, an estimate: a shared prefix or a checkpoint may serve more or less;
+    after it, the ledger is a prefix of the prompt and only its length is read)."""
+    held = len(request.session.token_ids) if request.started else common_prefix_length(
+        request.session.token_ids, request.prompt_ids)
+    return max(0, len(request.prompt_ids) - 1 - held)
