@@ -63,6 +63,11 @@ AUTO_MIN_PARAMETERS = 200_000_000
 
 log = logging.getLogger(__name__)
 
+# The compiling thread's nice value: it takes what the steps leave of the CPU, so users decode at
+# eager speed while graphs build instead of sharing the cores with the compiler
+# (benchmarks/cold_start.py measures both). 0: it competes as an equal.
+COMPILE_NICE = 19
+
 # Held while a graph is built or loaded: one at a time in this process (dynamo's configuration is
 # global). Steps do not take it: a graph compiled ahead of time runs without dynamo, so the
 # one-row graph serves while the larger ones are still being built.
@@ -286,6 +291,7 @@ class CompiledDecode:
             self._all_ready.set()
         self._idle: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._thread: threading.Thread | None = None
+        self.priority: str | None = None  # the compiling thread's, once it runs
 
     # ---- what the loop reads ---------------------------------------------------------------------
     @property
@@ -365,6 +371,7 @@ class CompiledDecode:
                 "rows_compiled": sorted(self._ready_rows) if self.enabled else [], "graphs": self.graphs,
                 "rows_loaded": sorted(self.loaded), "store_refused": self.store_refused,
                 "steps": self.steps, "compile_s": round(sum(self.compile_s.values()), 1) if self.compile_s else None,
+                "compile_priority": self.priority,
                 "not_compiled_because": self.reason or self.error}
 
     # ---- compiling beside the loop ---------------------------------------------------------------
@@ -377,13 +384,18 @@ class CompiledDecode:
         if self.store is None:
             self.store = default_store()
         self.store_refused = trusted_inductor_cache()
-        self._thread = threading.Thread(target=self.warm, name="compile-decode-step", daemon=True)
+        self._thread = threading.Thread(target=self._warm_beside, name="compile-decode-step", daemon=True)
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until every bucket is compiled (or compiling failed); whether they all were."""
         self._all_ready.wait(timeout)
         return self.enabled and set(self.buckets) <= self._ready_rows
+
+    def _warm_beside(self) -> None:
+        """`warm` on the compiling thread, at the lowest CPU priority where the OS allows it."""
+        self.priority = _lower_thread_priority(COMPILE_NICE)
+        self.warm()
 
     @torch.no_grad()
     def warm(self) -> None:
@@ -413,3 +425,15 @@ class CompiledDecode:
             log.warning("decode step not compiled: %s", self.error)
         finally:
             self._all_ready.set()
+
+
+def _lower_thread_priority(nice: int) -> str:
+    """Set the calling thread's nice value (Linux: a thread's own; what a compile forks inherits
+    it); what it is now, or why it is unchanged."""
+    if nice <= 0:
+        return "as the steps'"
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        return f"nice {os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}"
+    except (AttributeError, OSError) as error:  # no such call here, or not allowed
+        return f"as the steps' ({type(error).__name__}: {error})"[:200]

@@ -278,3 +278,12 @@ def test_prompt_kernels_benchmark_writes_the_documented_fields(tmp_path):
     result = run_to_json(prompt_kernels, tmp_path, "--model", "tiny-full", "--prompt", "40", "--repeats", "1")
     assert set(result["prefill_ms"]) == {"fp32-model", "int8/fp32", "int8/bf16"}
     assert result["engine_chose"]["chosen"] in ("fp32", "bf16") and result["kernels_logit_max_difference"] >= 0
+
+
+def test_cold_start_benchmark_times_replies_while_the_graph_builds(tmp_path):
+    from benchmarks.cold_start import main as cold_start
+
+    result = run_to_json(cold_start, tmp_path, "--model", "tiny-full", "--ways", "yield", "--tokens", "4")
+    run = result["runs"]["yield"][0]
+    assert run["compile_priority"] == "nice 19" and run["compile_s"] > 0 and run["eager_tokens_per_s"] > 0
+    assert {"during_over_eager", "compiled_over_eager"} <= set(result["median"]["yield"]) and result["targets"]

@@ -251,6 +251,7 @@ def test_every_operation_of_a_compiled_engine_is_exact(tokenizers):
     every_operation(conv, lambda **kwargs: check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, **kwargs))
     status = engine.status()["compiled_step"]
     assert status["ready"] and status["steps"] > 0 and status["graphs"] >= 1 and status["compile_s"] is not None
+    assert status["compile_priority"] == "nice 19"  # the compiling thread yields the cores to the steps
 
 
 def test_what_is_not_compiled_says_why(base_tokenizer):
