@@ -170,14 +170,7 @@ class StepPlanner:
 
     def draft_fed(self, draft: GenerationRequest) -> None:
         """A draft's piece ran: it waits for its next step, or, prefilled, ends."""
-        work = draft.work
-        try:
-            prefilled = self.caches.piece_fed(draft.session, draft.prompt_ids, work.prefix_store,
-                                              work.shared_prefix_length)
-        except BaseException as error:
-            self.end_draft(draft, error)
-            return
-        if prefilled:
+        if self._prefilled(draft, self.end_draft):
             self._prepared(draft)
 
     def _prepared(self, draft: GenerationRequest) -> None:
@@ -210,15 +203,21 @@ class StepPlanner:
                                                 work.shared_prefix_length)
 
     def piece_fed(self, request: GenerationRequest) -> None:
+        """A prompt piece ran: the request decodes from the next step once only its last token is left."""
+        if self._prefilled(request, self.leave_prefill):
+            self.requests.start_decoding(request)
+
+    def _prefilled(self, request: GenerationRequest, fail: Callable[[GenerationRequest, BaseException], None]
+                   ) -> bool:
+        """Whether all of its prompt but the last token is in its cache now (the owner notes the
+        piece: a shared prefix kept, a checkpoint); if that fails, `fail` ends it with the error."""
         work = request.work
         try:
-            ready = self.caches.piece_fed(request.session, request.prompt_ids, work.prefix_store,
-                                          work.shared_prefix_length)
+            return self.caches.piece_fed(request.session, request.prompt_ids, work.prefix_store,
+                                         work.shared_prefix_length)
         except BaseException as error:
-            self.leave_prefill(request, error)
-            return
-        if ready:
-            self.requests.start_decoding(request)
+            fail(request, error)
+            return False
 
     def leave(self, requests: list[GenerationRequest], error: BaseException | None = None) -> None:
         """Take `requests` out of the decode rows and end them."""
