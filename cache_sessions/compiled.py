@@ -51,9 +51,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from cache_sessions import plain_step as plain_step_module
-from cache_sessions.growing import GrowingLayer
-from cache_sessions.plain_step import plain_refusal, plain_step
+from cache_sessions.plain_step import plain_refusal, plain_step, takes_states
 from cache_sessions.sealed import Sealer, UntrustedFolder, private_folder
 
 COMPILE_MODES = ("auto", "on", "off")
@@ -152,7 +150,7 @@ def graph_key(model: PreTrainedModel, rows: int) -> str:
     digest = hashlib.sha256()
     for part in (torch.__version__, transformers.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
                  str(model.dtype), json.dumps(config, sort_keys=True), str(rows), Path(__file__).read_bytes(),
-                 Path(inspect.getfile(plain_step_module)).read_bytes(),
+                 Path(inspect.getfile(plain_step)).read_bytes(),
                  *(name.encode() + source for name, source in sources)):
         digest.update(part if isinstance(part, bytes) else str(part).encode())
         digest.update(b"\0")
@@ -318,10 +316,7 @@ class CompiledDecode:
         sessions = [session for session, _ in rows]
         if len({id(session) for session in sessions}) != len(sessions) or any(len(fed) != 1 for _, fed in rows):
             return False
-        return all(len(session.token_ids) > 1 and all(
-            isinstance(layer, GrowingLayer) and layer.is_initialized
-            and layer.get_seq_length() == len(session.token_ids) for layer in session.cache.layers)
-            for session in sessions)
+        return all(len(session.token_ids) > 1 for session in sessions) and takes_states(sessions)
 
     @torch.no_grad()
     def step(self, rows: Sequence[tuple[Any, Sequence[int]]]) -> torch.Tensor | None:

@@ -147,8 +147,8 @@ def run_plain(model: PreTrainedModel, rows: Sequence[tuple[Any, Sequence[int]]],
     wanted = [place for index in logits_of for place in range(spans[index][0], spans[index][1])]
     device = model.device
     logits = plain_step(model, torch.tensor(tokens, device=device), torch.tensor(positions, device=device), spans,
-                        keys, values, torch.tensor(wanted or [len(tokens) - 1], device=device))
+                        keys, values, torch.tensor(wanted, dtype=torch.long, device=device))
     for (session, fed), (_, _, held) in zip(rows, spans):
         for layer in session.cache.layers:
             layer.filled(held + len(fed))
-    return logits[: len(wanted)]
+    return logits

@@ -79,6 +79,9 @@ def test_every_position_of_a_row_is_kept_where_asked(families):
         assert float((logits[place] - expected).abs().max()) < LOGIT_TOLERANCE
     assert float((logits[5] - scratch_logits(model, PROMPTS[0], KVCacheKind())).abs().max()) < LOGIT_TOLERANCE
     assert all(layer.get_seq_length() == len(PROMPTS[1]) - 1 + 5 for layer in verifying.cache.layers)
+    fresh = CacheSession(model)  # a prompt piece alone: no logits asked, none made; the cache holds it
+    assert run_plain(model, [(fresh, PROMPTS[0])], []).shape == (0, model.config.vocab_size)
+    assert all(layer.get_seq_length() == len(PROMPTS[0]) for layer in fresh.cache.layers)
 
 
 def test_what_the_plain_step_does_not_take(models):
