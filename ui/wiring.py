@@ -239,10 +239,13 @@ def wire_load(chat_list: ChatList, page: dict[str, Any], demo: gr.Blocks, accoun
         panel = settings_of(page)
         restored = restored.then(accounts.settings, None, panel, **QUIET) \
             .then(None, panel, None, js=SAVE_SETTINGS, **QUIET)
-        for name, component in zip(Settings.names(), panel):  # a change goes to the account, once done with
-            trigger = component.blur if isinstance(component, gr.Textbox) else \
-                component.release if isinstance(component, gr.Slider) else component.input
-            trigger(accounts.keeper(name), component, None, **QUIET)
+        for name, component in zip(Settings.names(), panel):  # a change goes to the account as it is made
+            # a slider's value as it is typed or dragged, not on `release` alone: its number box
+            # releases only on blur, and a value typed then Enter (or a tab closed) never left;
+            # `always_last` keeps one request in flight and sends the last value after it
+            trigger, mode = (component.blur, "once") if isinstance(component, gr.Textbox) else \
+                (component.input, "always_last")
+            trigger(accounts.keeper(name), component, None, trigger_mode=mode, **QUIET)
     loaded = restored.then(chat_list.load, [page["probe"], page["book"]], list_outputs(page), js=ON_LOAD,
                            api_name=False, show_progress="hidden", **ONE_RECORD_AT_A_TIME)
     if accounts is not None:  # signed in: offer to keep this browser's chats in the account
