@@ -51,7 +51,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from cache_sessions.plain_step import plain_refusal, plain_step, takes_states
+from cache_sessions.plain_step import layer_windows, plain_refusal, plain_step, takes_states
 from cache_sessions.sealed import Sealer, UntrustedFolder, private_folder
 
 COMPILE_MODES = ("auto", "on", "off")
@@ -86,6 +86,8 @@ def compile_refusal(model: PreTrainedModel, auto: bool = False) -> str | None:
     refusal = plain_refusal(model)
     if refusal is not None:
         return refusal
+    if any(window is not None for window in layer_windows(model)) or type(model).__name__ == "Gemma2ForCausalLM":
+        return "compiled for full-attention Llama, Mistral, Qwen2 and Qwen3 only (a sliding window's states are not buffers)"
     if model.device.type != "cpu":
         return "only the CPU step is compiled and measured (a GPU wants CUDA graphs)"
     return None

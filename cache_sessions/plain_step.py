@@ -9,10 +9,17 @@ to that buffer's filled part: a decode row (one query: every held position, no m
 piece (a causal mask offset by what its row holds, built once a step). The query heads that share
 a key/value head are stacked on the query axis, so the history is read as it is, never repeated.
 
+A sliding-window layer (Mistral's, Qwen2's where it uses one, every other layer of Gemma2) keeps
+the library's own `DynamicSlidingWindowLayer`, whose trimming and past-recording
+cache_sessions/rollback.py relies on: the step hands it each row's new states through its own
+`update` (as the model's forward does) and attends to what it returns, masked to the window.
+Gemma2's logit soft-caps (tanh) are applied as its own attention does (SDPA has none), and its
+extra norms around attention and the MLP as its layer runs them.
+
 The engine runs this eagerly for any step whose rows it takes, and cache_sessions/compiled.py
-compiles the same function for steps of decode rows alone: one step, two ways to run it. A step
-it does not take (sliding windows, recurrent layers, a quantized cache, another family) runs the
-model's own forward, packed (cache_sessions/resident.py) or row by row.
+compiles the same function for steps of decode rows alone (full attention only): one step, two
+ways to run it. A step it does not take (recurrent layers, a quantized cache, another family) runs
+the model's own forward, packed (cache_sessions/resident.py) or row by row.
 
 Measured against that packed forward (`python -m benchmarks.step_anatomy`, docs/performance.md):
 the per-row work of a step is a write and an attention call a layer, where the model's forward
@@ -30,10 +37,12 @@ from typing import Any, Sequence
 
 import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from cache_sessions.growing import GrowingLayer
 
-PLAIN_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+PLAIN_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                  "Gemma2ForCausalLM")
 
 Span = tuple[int, int, int]  # a row's (start, end) in the packed sequence, and the positions its cache holds
 
@@ -43,21 +52,39 @@ def plain_refusal(model: PreTrainedModel) -> str | None:
     if type(model).__name__ not in PLAIN_FAMILIES:
         return f"{type(model).__name__} is not one of the plain decoders ({', '.join(PLAIN_FAMILIES)})"
     config = model.config
-    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
-    if sliding or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return "it has sliding-window layers"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if kinds - {"full_attention", "sliding_attention"}:
+        return f"it has layers of kinds {sorted(kinds - {'full_attention', 'sliding_attention'})}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "its attention is bidirectional"
     return None
 
 
+def layer_windows(model: PreTrainedModel) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), as the model's own masks and
+    `DynamicCache(config=...)` read its config: Mistral's window is every layer's, Qwen2's and
+    Gemma2's layer kinds say which layers have it (Qwen2 clears it unless `use_sliding_window`)."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    if window is None:
+        return [None] * layers
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * layers
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
 def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span],
-               keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], logits_at: torch.Tensor) -> torch.Tensor:
+               keys: Sequence[torch.Tensor | None], values: Sequence[torch.Tensor | None], logits_at: torch.Tensor,
+               windows: Sequence[DynamicSlidingWindowLayer | None] = ()) -> torch.Tensor:
     """`model`'s decoder on the packed `tokens` (at `positions`, both shaped (tokens,)); row r
-    feeds `tokens[start:end]` of `spans[r] = (start, end, held)`, writing each layer's keys and
-    values at positions held..held + (end - start) of its buffers (`keys[r * layers + layer]`,
-    with room for them) and attending to their first held + (end - start) positions. The
-    logits after the tokens at `logits_at` (indices into `tokens`), shaped (len(logits_at), vocab)."""
-    core = model.model
-    layers = len(core.layers)
+    feeds `tokens[start:end]` of `spans[r] = (start, end, held)`. At a full-attention layer it
+    writes the keys and values at positions held..held + (end - start) of its buffers
+    (`keys[r * layers + layer]`, with room for them) and attends to their first held + (end -
+    start) positions; at a sliding one it hands them to `windows[r * layers + layer]` and attends
+    to what that returns. The logits after the tokens at `logits_at` (indices into `tokens`),
+    shaped (len(logits_at), vocab)."""
+    core, config = model.model, model.config
+    layers, windowed = len(core.layers), layer_windows(model)
     hidden = core.embed_tokens(tokens)[None]
     cos, sin = core.rotary_emb(hidden, positions[None])
     masks: list[torch.Tensor | None] = []
@@ -67,9 +94,11 @@ def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Te
         else:
             seen = torch.arange(held + end - start, device=tokens.device)
             masks.append(seen[None, :] <= seen[held:, None])
+    window_masks: dict[tuple[int, int], torch.Tensor | None] = {}
+    softcap = getattr(config, "attn_logit_softcapping", None)
     count = tokens.shape[0]
     for index, layer in enumerate(core.layers):
-        attention = layer.self_attn
+        attention, window = layer.self_attn, windowed[index]
         rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
         normed = layer.input_layernorm(hidden)
         shape = (1, count, -1, attention.head_dim)
@@ -82,37 +111,79 @@ def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Te
         groups = heads // kv_heads
         outputs = []
         for row, (start, end, held) in enumerate(spans):
-            length = end - start
-            row_keys, row_values = keys[row * layers + index], values[row * layers + index]
-            row_keys.index_copy_(2, positions[start:end], key[:, :, start:end])
-            row_values.index_copy_(2, positions[start:end], value[:, :, start:end])
-            mask = masks[row]
+            length, slot = end - start, row * layers + index
+            if window is None:
+                row_keys, row_values = keys[slot], values[slot]
+                row_keys.index_copy_(2, positions[start:end], key[:, :, start:end])
+                row_values.index_copy_(2, positions[start:end], value[:, :, start:end])
+                row_keys, row_values = row_keys[:, :, :held + length], row_values[:, :, :held + length]
+                mask = masks[row]
+            else:
+                row_keys, row_values = windows[slot].update(key[:, :, start:end], value[:, :, start:end])
+                stored = row_keys.shape[2]
+                if (row, stored) not in window_masks:
+                    window_masks[row, stored] = _window_mask(held, length, stored, window, tokens.device)
+                mask = window_masks[row, stored]
             stacked = query[:, :, start:end].reshape(1, kv_heads, groups * length, attention.head_dim)
-            output = torch.nn.functional.scaled_dot_product_attention(
-                stacked, row_keys[:, :, :held + length], row_values[:, :, :held + length],
-                attn_mask=None if mask is None else mask.repeat(groups, 1), scale=attention.scaling)
+            output = _attend(stacked, row_keys, row_values, None if mask is None else mask.repeat(groups, 1),
+                             attention.scaling, softcap)
             outputs.append(output.reshape(heads, length, -1).transpose(0, 1).reshape(length, -1))
-        hidden = hidden + attention.o_proj(torch.cat(outputs)[None])
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return model.lm_head(core.norm(hidden[:, logits_at]))[0]
+        mixed = attention.o_proj(torch.cat(outputs)[None])
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma2: a norm after attention, two around the MLP
+            hidden = hidden + layer.post_attention_layernorm(mixed)
+            hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+        else:
+            hidden = hidden + mixed
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    logits = model.lm_head(core.norm(hidden[:, logits_at]))[0]
+    final_cap = getattr(config, "final_logit_softcapping", None)
+    return logits if final_cap is None else torch.tanh(logits / final_cap) * final_cap
+
+
+def _window_mask(held: int, length: int, stored: int, window: int, device: torch.device) -> torch.Tensor | None:
+    """Which of the `stored` states a sliding layer returned (the last ones up to position held +
+    length) each of the row's `length` queries sees: its own position and before, fewer than
+    `window` back (the model's own sliding mask). None where every query sees every state."""
+    if length == 1 and stored <= window:
+        return None
+    query = torch.arange(held, held + length, device=device)[:, None]
+    key = torch.arange(held + length - stored, held + length, device=device)[None, :]
+    return (key <= query) & (query - key < window)
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention of the stacked queries to one row's states; with Gemma2's soft-cap (the scores
+    through tanh before the mask and a float32 softmax), as its own attention computes it."""
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.tanh(torch.matmul(query, keys.transpose(2, 3)) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), values)
 
 
 def takes_states(sessions: Sequence[Any]) -> bool:
-    """Whether every full-attention layer of these sessions is a buffer the step writes in place,
-    holding what its ledger says (a layer not started yet is started by the step)."""
-    return all(isinstance(layer, GrowingLayer) and (layer.get_seq_length() if layer.is_initialized else 0)
-               == len(session.token_ids) for session in sessions for layer in session.cache.layers)
+    """Whether every layer of these sessions holds what its ledger says in a form the step
+    reads: a full-attention buffer it writes in place, or the library's own sliding window (a
+    layer not started yet is started by the step)."""
+    return all(type(layer) in (GrowingLayer, DynamicSlidingWindowLayer)
+               and (layer.get_seq_length() if layer.is_initialized else 0) == len(session.token_ids)
+               for session in sessions for layer in session.cache.layers)
 
 
-def row_inputs(model: PreTrainedModel, rows: Sequence[tuple[Any, Sequence[int]]]
-               ) -> tuple[list[int], list[int], list[Span], list[torch.Tensor], list[torch.Tensor]]:
-    """`plain_step`'s tokens, positions, spans and buffers for these rows (sessions and what each
-    feeds), every buffer grown to take its row's tokens; layers not started yet are started empty."""
+def row_inputs(model: PreTrainedModel, rows: Sequence[tuple[Any, Sequence[int]]]) -> tuple[
+        list[int], list[int], list[Span], list[torch.Tensor | None], list[torch.Tensor | None], list[Any]]:
+    """`plain_step`'s tokens, positions, spans, buffers and sliding windows for these rows
+    (sessions and what each feeds), every buffer grown to take its row's tokens; full-attention
+    layers not started yet are started empty (a sliding one starts at its first update)."""
     tokens: list[int] = []
     positions: list[int] = []
     spans: list[Span] = []
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
+    keys: list[torch.Tensor | None] = []
+    values: list[torch.Tensor | None] = []
+    windows: list[Any] = []
+    windowed = layer_windows(model)
     for session, fed in rows:
         if not fed:
             raise ValueError("every row of a packed step feeds at least one token")
@@ -120,14 +191,18 @@ def row_inputs(model: PreTrainedModel, rows: Sequence[tuple[Any, Sequence[int]]]
         spans.append((len(tokens), len(tokens) + len(fed), held))
         tokens.extend(fed)
         positions.extend(range(held, held + len(fed)))
-        for layer_index, layer in enumerate(session.cache.layers):
+        for layer_index, (layer, window) in enumerate(zip(session.cache.layers, windowed, strict=True)):
+            if window is not None:
+                if not isinstance(layer, DynamicSlidingWindowLayer) or layer.sliding_window != window:
+                    raise ValueError(f"layer {layer_index} slides over {window} positions; its cache layer does not")
+                keys.append(None), values.append(None), windows.append(layer)
+                continue
             if not layer.is_initialized:
                 empty = _empty_states(model, layer_index)
                 layer.update(empty, empty)
             key_buffer, value_buffer = layer.room_for(held + len(fed))
-            keys.append(key_buffer)
-            values.append(value_buffer)
-    return tokens, positions, spans, keys, values
+            keys.append(key_buffer), values.append(value_buffer), windows.append(None)
+    return tokens, positions, spans, keys, values, windows
 
 
 def _empty_states(model: PreTrainedModel, layer_index: int) -> torch.Tensor:
@@ -143,12 +218,13 @@ def run_plain(model: PreTrainedModel, rows: Sequence[tuple[Any, Sequence[int]]],
     logits after every token of the rows `logits_of`, in that order, as `forward_rows` returns
     them. The ledgers are the caller's; if this raises, a row's buffers may hold part of the step
     past what they say they hold (nothing reads it)."""
-    tokens, positions, spans, keys, values = row_inputs(model, rows)
+    tokens, positions, spans, keys, values, windows = row_inputs(model, rows)
     wanted = [place for index in logits_of for place in range(spans[index][0], spans[index][1])]
     device = model.device
     logits = plain_step(model, torch.tensor(tokens, device=device), torch.tensor(positions, device=device), spans,
-                        keys, values, torch.tensor(wanted, dtype=torch.long, device=device))
+                        keys, values, torch.tensor(wanted, dtype=torch.long, device=device), windows)
     for (session, fed), (_, _, held) in zip(rows, spans):
         for layer in session.cache.layers:
-            layer.filled(held + len(fed))
+            if isinstance(layer, GrowingLayer):
+                layer.filled(held + len(fed))
     return logits

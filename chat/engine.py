@@ -21,7 +21,8 @@ from chat.local import LocalSource
 from chat.plans import Planner
 from chat.remote import RemoteSource
 from chat.runtime import Runtime
-from chat.scheduler import DecodeScheduler, SchedulerStats
+from chat.scheduler import DecodeScheduler
+from chat.step_planner import SchedulerStats
 from chat.sources import ReplySource
 from chat.templates import ChatTemplate
 from chat.weights import Int8Linear, apply_weight_format, prompt_kernel_choice

@@ -6,12 +6,12 @@ executes it: every row's tokens through one model step, each row on its own cach
 the logits the step's sampling needs. One entry point for decode rows and prompt pieces alike:
 
 - the plain step (cache_sessions/plain_step.py) of the families it knows (Llama, Mistral, Qwen2,
-  Qwen3 with full attention), written out over a packed sequence: compiled
-  (cache_sessions/compiled.py) when a graph takes the step (decode rows alone, once built), else
-  run eagerly, decode rows and prompt pieces together;
+  Qwen3, Gemma2; sliding windows included), written out over a packed sequence: compiled
+  (cache_sessions/compiled.py) when a graph takes the step (decode rows alone of a model with
+  full attention only, once built), else run eagerly, decode rows and prompt pieces together;
 - else one packed forward of the model's own layers, each row attending to its own cache
-  (cache_sessions/resident.py): the weights read once for every row (sliding windows, recurrent
-  layers, a quantized cache, other families);
+  (cache_sessions/resident.py): the weights read once for every row (recurrent layers, a
+  quantized cache, other families);
 - else, for a model whose layers cannot run packed (recurrent mixers it cannot find), the
   model's own forward on each row's cache in turn.
 """

@@ -33,7 +33,6 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
 import torch
@@ -43,6 +42,7 @@ from cache_sessions.compiled import CompiledDecode
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.owner import CacheOwner
 from cache_sessions.session import CacheSession
+from chat.ahead import AheadSteps
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ALONE
 from chat.drafting import DraftPolicy
 from chat.guessing import StepGuesses, choose_tokens
@@ -51,30 +51,10 @@ from chat.options import GenerationOptions
 from chat.requests import CacheWork, GenerationRequest
 from chat.runner import ModelRunner
 from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR, StepBudget
-from chat.step_planner import StepPlan, StepPlanner
+from chat.step_planner import SchedulerStats, StepPlan, StepPlanner
 from chat.worker import ModelWorker
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    max_batch_size: int
-    decoding: int  # rows in the running batch
-    prefilling: int  # admitted, prefilling in chunks
-    waiting: int  # waiting for a free row
-    steps: int  # decode steps run so far
-    joined: int  # requests that reached the batch so far
-    largest_batch: int  # the most rows one decode step has run
-    join_wait_mean_s: float  # from submit to the first decode step, over the last 32
-    join_wait_max_s: float
-    packed: bool = False  # steps run packed, one forward for every row (else row by row: chat/runner.py)
-    prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/step_budget.py)
-    paused: int = 0  # decode rows given up for another client's share of the rows (chat/request_table.py)
-    drafts: int = 0  # prompts being prepared ahead (`prepare`)
-    prepared: int = 0  # drafts prefilled to their end so far
-    guessed: int = 0  # tokens guessed and verified in decode steps (chat/drafting.py)
-    guesses_taken: int = 0  # of them, taken into replies
 
 
 class DecodeScheduler:
@@ -104,6 +84,7 @@ class DecodeScheduler:
         self.planner = StepPlanner(model, self.caches, self.guesses, self.step_budget, max_batch_size=max_batch_size,
                                    prefill_chunk=prefill_chunk, prefill_chunk_alone=prefill_chunk_alone,
                                    prefill_order=prefill_order)
+        self.ahead = AheadSteps(self.planner, self.caches, self.runner)
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
         atexit.register(_shut_down_at_exit, weakref.ref(self))  # before the worker's: atexit runs last first
@@ -178,16 +159,7 @@ class DecodeScheduler:
         return self.loop.call(function, *args)
 
     def stats(self) -> SchedulerStats:
-        with self.planner.requests.lock:
-            counters, waits = self.planner.counters, list(self.planner.counters.join_waits)
-            return SchedulerStats(
-                max_batch_size=self.max_batch_size, decoding=len(self.planner.requests.decoding), prefilling=len(self.planner.requests.prefilling),
-                waiting=len(self.planner.requests.waiting), paused=len(self.planner.requests.paused),
-                drafts=len(self.planner.requests.drafts), prepared=counters.prepared, steps=counters.steps,
-                guessed=counters.guessed, guesses_taken=counters.guesses_taken,
-                joined=counters.joined, largest_batch=counters.largest_batch,
-                join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
-                packed=self.runner.packs, prompt_tokens_per_step=self.step_budget.tokens(self.planner.prefill_chunk))
+        return self.planner.stats(packed=self.runner.packs)
 
     # ---- one step, on the compute thread ------------------------------------------------------
     def _has_work(self) -> bool:
@@ -199,10 +171,9 @@ class DecodeScheduler:
     def _step(self) -> None:
         """Plan → run → sample (see the module's docstring)."""
         try:
-            for request in [r for r in self.planner.requests.drafts if r.stop.is_set()]:
-                self.planner.end_draft(request)  # before any reply is admitted: a Send may follow its own draft
+            self.ahead.end_stopped()
             if self.planner.requests.idle():
-                self._draft_step()
+                self.ahead.step()  # no reply to work on: a draft's piece
                 return
             graph_steps = self.runner.graph_steps
             plan = self.planner.plan(self.clock, self.runner.graph_ready)
@@ -242,26 +213,10 @@ class DecodeScheduler:
         caches give back guesses not taken; rows that ended leave."""
         ended, taken = choose_tokens(plan.decoding, logits, plan.guesses)
         with self.planner.requests.lock:
-            self.planner.counters.step(plan.decoding)
-            self.planner.counters.guessed += sum(len(guess) for guess in plan.guesses)
-            self.planner.counters.guesses_taken += taken
+            self.planner.counters.step(plan.decoding, plan.guesses, taken)
         ended += self.guesses.give_back(plan.decoding, plan.guesses, ended)
         if ended:
             self.planner.leave(ended)
-
-    def _draft_step(self) -> None:
-        """With no reply to work on: one piece of the oldest draft, in a step of its own."""
-        chosen = self.planner.draft_piece()
-        if chosen is None:
-            return
-        draft, piece = chosen
-        try:
-            self.runner.run([(draft.session, piece)], [])
-            self.caches.fed([(draft.session, piece)])
-        except BaseException as error:
-            self.planner.end_draft(draft, error)
-            return
-        self.planner.draft_fed(draft)
 
 
 def _shut_down_at_exit(scheduler: "weakref.ref[DecodeScheduler]") -> None:

@@ -6,7 +6,8 @@ requests stopped wherever they wait (waiting, prefilling, decoding: a Stop is re
 budget); admit waiting requests while rows are free (a client below its share of the rows takes
 one from the client holding the most: chat/request_table.py); give this step's prompt budget in
 pieces, fair by tokens owed (chat/prompt_shares.py), shortest remaining prefill first; and ask
-each decode row's guesses. With no reply to work on, the oldest draft's next piece.
+each decode row's guesses. Drafts (prompts prepared while the person types) wait in the same
+table; chat/ahead.py runs them in steps no reply wants.
 """
 from __future__ import annotations
 
@@ -49,6 +50,26 @@ class StepPlan:
         return sum(len(piece) for _, piece in self.pieces) + sum(len(guess) for guess in self.guesses)
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    max_batch_size: int
+    decoding: int  # rows in the running batch
+    prefilling: int  # admitted, prefilling in chunks
+    waiting: int  # waiting for a free row
+    steps: int  # decode steps run so far
+    joined: int  # requests that reached the batch so far
+    largest_batch: int  # the most rows one decode step has run
+    join_wait_mean_s: float  # from submit to the first decode step, over the last 32
+    join_wait_max_s: float
+    packed: bool = False  # steps run packed, one forward for every row (else row by row: chat/runner.py)
+    prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/step_budget.py)
+    paused: int = 0  # decode rows given up for another client's share of the rows (chat/request_table.py)
+    drafts: int = 0  # prompts being prepared ahead (`prepare`)
+    prepared: int = 0  # drafts prefilled to their end so far
+    guessed: int = 0  # tokens guessed and verified in decode steps (chat/drafting.py)
+    guesses_taken: int = 0  # of them, taken into replies
+
+
 class _Counters:
     """What the batch has done so far, for `stats` (read by other threads under the scheduler's lock)."""
 
@@ -56,7 +77,10 @@ class _Counters:
         self.steps = self.joined = self.largest_batch = self.prepared = self.guessed = self.guesses_taken = 0
         self.join_waits: deque[float] = deque(maxlen=32)  # from submit to the first decode step
 
-    def step(self, rows: list[GenerationRequest]) -> None:
+    def step(self, rows: list[GenerationRequest], guesses: list[list[int]], taken: int) -> None:
+        """A step's decode rows were sampled: `taken` of their `guesses` went into replies."""
+        self.guessed += sum(len(guess) for guess in guesses)
+        self.guesses_taken += taken
         now = time.perf_counter()
         for request in rows:
             if request.joined_at is None:
@@ -87,6 +111,17 @@ class StepPlanner:
         self.shares = PromptShares()  # prompt tokens owed to each client with a request waiting to prefill
         self.on_disk: set[GenerationRequest] = set()  # admitted, their states still being read
         self.counters = _Counters()
+
+    def stats(self, packed: bool) -> SchedulerStats:
+        with self.requests.lock:
+            counters, waits, requests = self.counters, list(self.counters.join_waits), self.requests
+            return SchedulerStats(
+                max_batch_size=self.max_batch_size, decoding=len(requests.decoding), prefilling=len(requests.prefilling),
+                waiting=len(requests.waiting), paused=len(requests.paused), drafts=len(requests.drafts),
+                prepared=counters.prepared, steps=counters.steps, guessed=counters.guessed,
+                guesses_taken=counters.guesses_taken, joined=counters.joined, largest_batch=counters.largest_batch,
+                join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
+                packed=packed, prompt_tokens_per_step=self.step_budget.tokens(self.prefill_chunk))
 
     def plan(self, clock: Callable[[], float], graph_ready: Callable[[int], bool]) -> StepPlan:
         """Who leaves (stopped wherever they wait), who is admitted, this step's prompt pieces
@@ -145,44 +180,6 @@ class StepPlanner:
         self.shares.settle(wanting, given, full_budget)
         return pieces
 
-    def draft_piece(self) -> tuple[GenerationRequest, list[int]] | None:
-        """With no reply to work on: the oldest draft whose states are at hand, and its next piece
-        (at most `prefill_chunk` tokens) for a step of its own. A draft with nothing left to feed
-        is prefilled and ends here; one whose rollback fails ends with its error."""
-        self.on_disk = set()
-        for draft in list(self.requests.drafts):
-            if draft.prefill is None and not self.caches.ready(draft.session):
-                self.on_disk.add(draft)  # read beside the loop; the loop is woken when it is in
-                continue
-            work = draft.work
-            try:
-                self.begin(draft)
-                piece = self.caches.prefill_piece(draft.session, draft.prompt_ids, self.prefill_chunk,
-                                                  work.prefix_store, work.shared_prefix_length)
-            except BaseException as error:
-                self.end_draft(draft, error)
-                return None
-            if piece:
-                return draft, piece
-            self._prepared(draft)
-            return None
-        return None
-
-    def draft_fed(self, draft: GenerationRequest) -> None:
-        """A draft's piece ran: it waits for its next step, or, prefilled, ends."""
-        if self._prefilled(draft, self.end_draft):
-            self._prepared(draft)
-
-    def _prepared(self, draft: GenerationRequest) -> None:
-        with self.requests.lock:
-            self.counters.prepared += 1
-        self.end_draft(draft)  # only its last token is left, for the Send
-
-    def end_draft(self, draft: GenerationRequest, error: BaseException | None = None) -> None:
-        with self.requests.lock:
-            self.requests.drafts.remove(draft)
-        self.finish(draft, error)
-
     def _prefill_order(self, budget: int) -> list[GenerationRequest]:
         """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_shares.py);
         or in arrival order."""
@@ -204,10 +201,10 @@ class StepPlanner:
 
     def piece_fed(self, request: GenerationRequest) -> None:
         """A prompt piece ran: the request decodes from the next step once only its last token is left."""
-        if self._prefilled(request, self.leave_prefill):
+        if self.prefilled(request, self.leave_prefill):
             self.requests.start_decoding(request)
 
-    def _prefilled(self, request: GenerationRequest, fail: Callable[[GenerationRequest, BaseException], None]
+    def prefilled(self, request: GenerationRequest, fail: Callable[[GenerationRequest, BaseException], None]
                    ) -> bool:
         """Whether all of its prompt but the last token is in its cache now (the owner notes the
         piece: a shared prefix kept, a checkpoint); if that fails, `fail` ends it with the error."""

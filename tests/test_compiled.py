@@ -258,9 +258,11 @@ def test_what_is_not_compiled_says_why(base_tokenizer):
     small = CompiledDecode(build_model("full", len(base_tokenizer), None), "auto")
     assert not small.enabled and "compiled from 200 M" in small.stats()["not_compiled_because"]
     sliding = CompiledDecode(build_model("sliding", len(base_tokenizer), None), "on")
-    assert not sliding.enabled and "it has sliding-window layers" in sliding.reason
+    assert not sliding.enabled and "full-attention Llama, Mistral, Qwen2 and Qwen3 only" in sliding.reason
     gemma = CompiledDecode(build_model("mixed", len(base_tokenizer), None), "on")
-    assert not gemma.enabled and "Gemma2ForCausalLM is not one of the plain decoders" in gemma.reason
+    assert not gemma.enabled and "full-attention Llama, Mistral, Qwen2 and Qwen3 only" in gemma.reason
+    hybrid = CompiledDecode(build_model("hybrid", len(base_tokenizer), None), "on")
+    assert not hybrid.enabled and "Qwen3NextForCausalLM is not one of the plain decoders" in hybrid.reason
     off = CompiledDecode(build_model("full", len(base_tokenizer), None), "off")
     off.start()
     assert not off.enabled and not off.ready and off.stats()["not_compiled_because"] == "off"

@@ -8,12 +8,14 @@ every position's logits are kept (guesses verified), and the runner choosing it.
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import chat.runner
 from cache_sessions import CacheSession
 from cache_sessions.kv_cache import KVCacheKind
-from cache_sessions.plain_step import plain_refusal, run_plain, takes_states
+from cache_sessions.plain_step import layer_windows, plain_refusal, run_plain, takes_states
+from chat.models import TINY_SLIDING_WINDOW
 from chat.runner import ModelRunner
 from reference import LOGIT_TOLERANCE
 from test_resident import PROMPTS, check_rows_against_scratch, ready, scratch_logits
@@ -30,8 +32,20 @@ def family(name: str):
         "llama": (LlamaConfig, LlamaForCausalLM, dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
         "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(use_sliding_window=False)),  # q/k/v with biases
+        # Qwen2's window on its upper layers only (max_window_layers), as its config allows
+        "qwen2-window": (Qwen2Config, Qwen2ForCausalLM, dict(use_sliding_window=True, sliding_window=TINY_SLIDING_WINDOW,
+                                                             max_window_layers=1)),
+        # Gemma2 as shipped: logits soft-capped in attention and at the head, a query scale of its
+        # own, sliding and full layers alternating (the suite's "mixed" has no caps)
+        "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(
+            layer_types=["sliding_attention", "full_attention"], sliding_window=TINY_SLIDING_WINDOW,
+            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, query_pre_attn_scalar=9,
+            attn_implementation="eager")),
     }[name]
+    implementation = extra.pop("attn_implementation", None)  # Gemma2's caps: SDPA has none
     model = model_class(config(**TINY, **extra)).eval()
+    if implementation:
+        model.set_attn_implementation(implementation)
     if name == "qwen2":
         with torch.no_grad():  # its biases start at zero: give them weight, so dropping one shows
             for layer in model.model.layers:
@@ -42,10 +56,14 @@ def family(name: str):
 
 @pytest.fixture(scope="module")
 def families(models):
-    return {"qwen3": models["full"], **{name: family(name) for name in ("llama", "mistral", "qwen2")}}
+    return {"qwen3": models["full"], "mistral-window": models["sliding"], "gemma2-uncapped": models["mixed"],
+            **{name: family(name) for name in ("llama", "mistral", "qwen2", "qwen2-window", "gemma2")}}
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama", "mistral", "qwen2"])
+FAMILIES = ["qwen3", "llama", "mistral", "qwen2", "mistral-window", "qwen2-window", "gemma2", "gemma2-uncapped"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_the_plain_step_gives_every_row_what_a_forward_from_scratch_gives(families, name, monkeypatch):
     """Two rows decode while a third (its cache started by the step) is prefilled 7 tokens a step
     beside them, then decodes with them: every logit within 1e-4 of the scratch forward's, every
@@ -64,11 +82,12 @@ def test_the_plain_step_gives_every_row_what_a_forward_from_scratch_gives(famili
     assert ran and max(ran) == 3
 
 
-def test_every_position_of_a_row_is_kept_where_asked(families):
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "mistral-window", "qwen2-window"])
+def test_every_position_of_a_row_is_kept_where_asked(families, name):
     """A decoding row fed its next input and four guesses (chat/drafting.py) beside a decode row
     and a prompt piece: the logits after each of its tokens are the scratch forward's at that
-    length, and the cache then holds all five."""
-    model = families["qwen3"]
+    length, and the cache then holds all five (a sliding window's masks cover the guesses too)."""
+    model = families[name]
     verifying, decoding = ready(model, PROMPTS[1], KVCacheKind()), ready(model, PROMPTS[0], KVCacheKind())
     piece = ready(model, PROMPTS[2][:20], KVCacheKind())
     fed = [PROMPTS[1][-1], 7, 8, 9, 10]
@@ -84,22 +103,29 @@ def test_every_position_of_a_row_is_kept_where_asked(families):
     assert all(layer.get_seq_length() == len(PROMPTS[0]) for layer in fresh.cache.layers)
 
 
-def test_what_the_plain_step_does_not_take(models):
-    """Sliding windows, recurrent layers and other families refuse it (the model's own forward
-    runs them); a quantized cache's states are not buffers it writes; a ledger out of step with
-    the cache is not trusted."""
-    assert "sliding" in plain_refusal(models["sliding"])
-    assert "not one of the plain decoders" in plain_refusal(models["mixed"])  # Gemma2
+def test_what_the_plain_step_does_not_take(models, families):
+    """Recurrent layers and other families refuse it (the model's own forward runs them); a
+    quantized cache's states are not buffers it writes; a ledger out of step with the cache is
+    not trusted. Sliding windows it takes: each layer's window as the model's own masks read it."""
     assert "not one of the plain decoders" in plain_refusal(models["hybrid"])
+    assert layer_windows(models["sliding"]) == [TINY_SLIDING_WINDOW] * 2  # Mistral: every layer
+    assert layer_windows(models["mixed"]) == [TINY_SLIDING_WINDOW, None] * 2  # Gemma2: its layer kinds
+    assert layer_windows(families["qwen2-window"]) == [None, TINY_SLIDING_WINDOW]  # from max_window_layers up
+    assert layer_windows(families["qwen2"]) == [None, None]
     model = models["full"]
     assert not takes_states([ready(model, PROMPTS[0], KVCacheKind("quantized", 8))])
     session = ready(model, PROMPTS[0], KVCacheKind())
     assert takes_states([session, CacheSession(model)])
     session.token_ids.append(5)  # the ledger says one more than the cache holds
     assert not takes_states([session])
+    window = ready(models["mixed"], PROMPTS[0], KVCacheKind())
+    assert takes_states([window])
+    window.token_ids.append(5)
+    assert not takes_states([window])
+    assert not takes_states([ready(models["hybrid"], PROMPTS[0], KVCacheKind())])
 
 
-@pytest.mark.parametrize("arch,plain", [("full", True), ("sliding", False), ("mixed", False)])
+@pytest.mark.parametrize("arch,plain", [("full", True), ("sliding", True), ("mixed", True), ("hybrid", False)])
 def test_the_runner_runs_the_plain_step_where_it_takes(models, monkeypatch, arch, plain):
     """The runner's eager step is the plain step for a family it knows and the model's own packed
     forward otherwise: both give the scratch forward's logits."""
@@ -119,7 +145,8 @@ def test_the_runner_runs_the_plain_step_where_it_takes(models, monkeypatch, arch
 def test_status_says_which_step_runs(make_engine):
     """`/status` names the eager step and why it is not the plain one."""
     assert make_engine("full").status()["model_step"] == {"eager": "plain", "not_plain_because": None}
-    sliding = make_engine("sliding").status()["model_step"]
-    assert sliding["eager"] == "the model's own forward, packed" and "sliding" in sliding["not_plain_because"]
+    assert make_engine("mixed").status()["model_step"] == {"eager": "plain", "not_plain_because": None}
+    hybrid = make_engine("hybrid").status()["model_step"]
+    assert hybrid["eager"] == "the model's own forward, packed" and "Qwen3Next" in hybrid["not_plain_because"]
     quantized = make_engine("full", kv_cache="quantized").status()["model_step"]
     assert quantized["eager"] != "plain" and "quantized cache" in quantized["not_plain_because"]
