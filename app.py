@@ -231,7 +231,9 @@ def load_engine(config: AppConfig) -> Any:
         remote.ENGINE = engine
         engine.run_replies_in(spaces.GPU(duration=120)(remote.run_in_worker))
     model = engine.model
-    held = str(model.dtype).replace("torch.", "") + ("" if config.weights == "full" else f", {config.weights} weights")
+    chosen = getattr(engine, "weights", config.weights)  # "auto" resolved by timing (chat/weights.py)
+    held = str(model.dtype).replace("torch.", "") + ("" if chosen == "full" else f", {chosen} weights") + \
+        (f" (auto: {chosen} timed faster here)" if config.weights == "auto" and chosen != "full" else "")
     # packed and int8 layers hold their weights as buffers
     weights = sum(tensor.numel() for tensor in (*model.parameters(), *model.buffers()))
     print(f"rewind-chat: model {config.model} ({type(model).__name__}, "

@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--counts", default="1,2,4,8", help="conversations at once, comma-separated")
     parser.add_argument("--stagger", type=int, default=10, help="decode steps between staggered arrivals")
     parser.add_argument("--prefill-chunk", type=int, default=None)
+    parser.add_argument("--weights", default="full", help="the engine's weights: full, packed, auto (chat/weights.py)")
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--plot", dest="plot_path", default=None)
     args = parser.parse_args(argv)
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = worker.run(build_bench_model, args.arch, len(tokenizer), tokenizer.eos_token_id)
     model.generation_config.eos_token_id = None  # every reply is max_new_tokens long: equal work
     settings: dict[str, Any] = dict(prefill_chunk=args.prefill_chunk) if args.prefill_chunk else {}
-    engine = ChatEngine(model, tokenizer, shared_prefixes=0, worker=worker, max_batch_size=max(counts), **settings)
+    engine = ChatEngine(model, tokenizer, shared_prefixes=0, worker=worker, max_batch_size=max(counts),
+                        weights=args.weights, **settings)
     bench = Bench(engine, args.max_new_tokens)
     words = Words(seed=2)
     convs = [engine.conversation(SYSTEM_PROMPT) for _ in range(max(counts))]

@@ -17,6 +17,7 @@ Each kind runs `--steps` steps a round, the kinds in a rotating order, `--rounds
 
     python -m benchmarks.step_anatomy                              # bench-full, 1,000 / 3,000 tokens, 16 a chunk
     python -m benchmarks.step_anatomy --model real-qwen3-0.6b
+    python -m benchmarks.step_anatomy --weights packed               # fp32 in oneDNN's layout (chat/weights.py)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from cache_sessions import resident
 from cache_sessions.plain_step import run_plain
 from cache_sessions.session import CacheSession
 from chat.models import build_model
+from chat.weights import WEIGHT_FORMATS, apply_weight_format
 
 VOCAB = 8192
 PLAIN_KINDS = ("one row", "four rows", "mixed")
@@ -93,12 +95,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--history", type=int, default=1000, help="tokens of each decoding row's history")
     parser.add_argument("--prompt-history", type=int, default=3000, help="tokens before the prompt chunk")
     parser.add_argument("--chunk", type=int, default=16, help="prompt tokens beside the decode row")
+    parser.add_argument("--weights", default="full", choices=WEIGHT_FORMATS, help="how the weights are held (chat/weights.py)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    model = build_model(args.model, VOCAB, None)
+    model = apply_weight_format(build_model(args.model, VOCAB, None), args.weights)
     kinds = step_kinds(model, args)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     with torch.no_grad():

@@ -40,8 +40,11 @@ class EngineConfig:
     (None: dropped, their next turn rebuilds), at most `cache_dir_bytes` there; emptied on exit.
     `kv_cache`: "dynamic" (exact) or "quantized" (full-attention states in `kv_bits` bits, 8 or 4;
     cache_sessions/kv_cache.py says what exact means for it and which kinds are refused).
-    `weights`: "full" (as loaded), "packed" (the fp32 weights in oneDNN's layout, CPU) or "int8"
-    (linear weights in int8 with a scale per channel, on the CPU; chat/weights.py), applied to the model when the engine is made. `compile`: "on",
+    `weights`: "full" (as loaded), "packed" (the fp32 weights in oneDNN's layout, CPU), "auto"
+    (full or packed, whichever this host multiplies faster, timed on the model's own widest layer
+    when the engine is made; the app's default) or "int8" (linear weights in int8 with a scale per
+    channel, on the CPU; chat/weights.py), applied to the model when the engine is made (in
+    place: a library caller's model as loaded stays so by default). `compile`: "on",
     "off" or "auto" (on from 200 M parameters, where it measured faster): decode steps take
     compiled graphs (cache_sessions/compiled.py; a graph per 1, 2, 4, 8 rows up to
     `max_batch_size`), compiled on a thread of their own while steps run eager, for the plain

@@ -25,7 +25,7 @@ from chat.scheduler import DecodeScheduler
 from chat.step_planner import SchedulerStats
 from chat.sources import ReplySource
 from chat.templates import ChatTemplate
-from chat.weights import Int8Linear, apply_weight_format, prompt_kernel_choice
+from chat.weights import Int8Linear, apply_weight_format, choose_weight_format, prompt_kernel_choice
 from chat.worker import ModelWorker
 
 
@@ -36,7 +36,10 @@ class ChatEngine:
         `worker`: the compute thread the model was built on, if any (build it there for full CPU speed)."""
         config = replace(config or EngineConfig(), **settings)
         self.config = config
-        self.model = apply_weight_format(model, config.weights).eval()
+        # "auto": full or packed, as this host multiplies faster (timed on the model's own layer)
+        self.weight_choice = choose_weight_format(model) if config.weights == "auto" else None
+        self.weights = str(self.weight_choice["chosen"]) if self.weight_choice else config.weights
+        self.model = apply_weight_format(model, self.weights).eval()
         config.kv_cache_kind.check_applies(model)
         # Steps run eager at once; the compiled one takes over when its thread has built it.
         self.compiled = CompiledDecode(self.model, config.compile if config.kv_cache == "dynamic" else "off",
@@ -135,7 +138,8 @@ class ChatEngine:
     def _weights_status(self) -> dict[str, Any]:
         """How the weights are held, and for int8 which prompt product runs (chat/weights.py)."""
         kernel = next((module.prompt_kernel for module in self.model.modules() if isinstance(module, Int8Linear)), None)
-        return {"format": self.config.weights, "int8_prompt_kernel": kernel,
+        return {"format": self.weights, "asked": self.config.weights, "auto_timed": self.weight_choice,
+                "int8_prompt_kernel": kernel,
                 "int8_prompt_kernels_timed": prompt_kernel_choice() if kernel else None}
 
     # what callers read of an engine

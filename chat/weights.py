@@ -49,7 +49,7 @@ from transformers import PreTrainedModel
 
 from cache_sessions.resident import recurrent_mixers
 
-WEIGHT_FORMATS = ("full", "packed", "int8")
+WEIGHT_FORMATS = ("auto", "full", "packed", "int8")
 
 
 @torch.library.custom_op("rewind_chat::packed_linear", mutates_args=())
@@ -175,6 +175,79 @@ def prompt_kernel_choice() -> dict[str, object] | None:
     return dict(_PROMPT_CHOICE) if _PROMPT_CHOICE else None
 
 
+# "auto": the rows it times a product at (decode steps of one and four conversations, a prompt piece)
+AUTO_PROBE_ROWS = (1, 4, 64)
+AUTO_PROMPT_SLACK = 1.15  # packed is taken only if its prompt-piece product is at most this much slower
+_WEIGHT_CHOICES: dict[tuple[int, int], dict[str, object]] = {}  # by the layer shape timed, once a process
+_LAST_WEIGHT_CHOICE: dict[str, object] = {}  # the latest of them, for /status
+
+
+@torch.no_grad()
+def choose_weight_format(model: PreTrainedModel, repeats: int = 7) -> dict[str, object]:
+    """"auto": "full" or "packed", whichever this host multiplies faster, timed once a process
+    for each shape on the model's widest decoder layer (the output head aside). Packed is taken where its products
+    of 1 and 4 rows (decode steps) take less time together and its 64-row product (a prompt
+    piece) is at most `AUTO_PROMPT_SLACK` slower: at Qwen3-0.6B's shape on this session's
+    AVX-512 host, a decode step of four conversations took 174 ms packed against 350 as loaded,
+    one conversation's 142 against 150 (`python -m benchmarks.step_anatomy --weights ...`,
+    docs/performance.md); on an AVX2 host 85 against 239 and 70 against 98 for the 28 layers'
+    products. Never int8, which changes the model's numbers beyond float noise (asked for by
+    name). Returns what was measured (also in `weight_format_choice()`, for /status)."""
+    refusal = _packed_refusal(model)
+    if refusal is not None:
+        return {"chosen": "full", "because": refusal}
+    head = model.get_output_embeddings()
+    linears = [module for module in model.modules() if type(module) is nn.Linear and module is not head]
+    if not linears:
+        return {"chosen": "full", "because": "no linear layer to time"}
+    widest = max(linears, key=lambda module: module.in_features * module.out_features)
+    shape = (widest.out_features, widest.in_features)
+    if shape in _WEIGHT_CHOICES:
+        return dict(_WEIGHT_CHOICES[shape])
+    packed = PackedLinear(widest)
+    timings: dict[str, dict[str, float]] = {"full": {}, "packed": {}}  # by rows, as text (/status is JSON)
+    for rows in AUTO_PROBE_ROWS:
+        hidden = torch.randn(rows, widest.in_features, generator=torch.Generator().manual_seed(rows))
+        for name, layer in (("full", widest), ("packed", packed)):
+            layer(hidden)  # untimed: a first call may allocate
+            runs = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                layer(hidden)
+                runs.append(time.perf_counter() - started)
+            timings[name][str(rows)] = round(statistics.median(runs) * 1000, 4)
+    decode = {name: sum(timings[name][str(rows)] for rows in AUTO_PROBE_ROWS[:2]) for name in timings}
+    prompt_rows = str(AUTO_PROBE_ROWS[-1])
+    faster = decode["packed"] < decode["full"] and \
+        timings["packed"][prompt_rows] <= AUTO_PROMPT_SLACK * timings["full"][prompt_rows]
+    _WEIGHT_CHOICES[shape] = dict(chosen="packed" if faster else "full", ms=timings, shape=list(shape))
+    _LAST_WEIGHT_CHOICE.clear()
+    _LAST_WEIGHT_CHOICE.update(_WEIGHT_CHOICES[shape])
+    return dict(_WEIGHT_CHOICES[shape])
+
+
+def weight_format_choice() -> dict[str, object] | None:
+    """What "auto" chose and measured in this process (None: not asked yet)."""
+    return dict(_LAST_WEIGHT_CHOICE) if _LAST_WEIGHT_CHOICE else None
+
+
+def _packed_refusal(model: PreTrainedModel) -> str | None:
+    """Why `model`'s weights cannot be packed here (None: they can)."""
+    if model.device.type != "cpu":
+        return f"packed weights are for the CPU; this model is on {model.device.type}"
+    if model.dtype != torch.float32:
+        return f"packed weights take a float32 model, not {model.dtype}"
+    if not torch.backends.mkldnn.is_available():
+        return "packed weights need torch built with oneDNN (mkldnn), which this one is not"
+    return None
+
+
+def resolve_weight_format(model: PreTrainedModel, weights: str) -> str:
+    """The format `weights` means for this model: "auto" chosen by timing, the others as they are."""
+    check_weight_format(weights)
+    return str(choose_weight_format(model)["chosen"]) if weights == "auto" else weights
+
+
 def check_weight_format(weights: str) -> None:
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights is one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
@@ -182,17 +255,17 @@ def check_weight_format(weights: str) -> None:
 
 @torch.no_grad()
 def apply_weight_format(model: PreTrainedModel, weights: str) -> PreTrainedModel:
-    """Hold `model`'s weights as `weights` says (in place; again on a quantized model: no change)."""
-    check_weight_format(weights)
+    """Hold `model`'s weights as `weights` says (in place; again on a quantized model: no change;
+    "auto": as `choose_weight_format` times it on this host)."""
+    weights = resolve_weight_format(model, weights)
     if weights == "full":
         return model
     if model.device.type != "cpu":
         raise ValueError(f"{weights} weights are measured on the CPU only; on a GPU load bf16 (--dtype bfloat16)")
     if weights == "packed":
-        if model.dtype != torch.float32:
-            raise ValueError(f"packed weights take a float32 model, not {model.dtype}")
-        if not torch.backends.mkldnn.is_available():
-            raise ValueError("packed weights need torch built with oneDNN (mkldnn), which this one is not")
+        refusal = _packed_refusal(model)
+        if refusal is not None:
+            raise ValueError(refusal)
         layer: type[nn.Module] = PackedLinear
     else:
         if model.dtype not in (torch.float32, torch.bfloat16):

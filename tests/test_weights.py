@@ -9,14 +9,15 @@ import torch
 from conftest import THINKING_TEMPLATE
 from reference import (INT8_LOGIT_TOLERANCE, check_exact, check_near_greedy, check_states, decode_together,
                        int8_logit_tolerance, scratch_greedy_reply)
-from test_exactness import MAX_NEW, every_operation
+from test_exactness import MAX_NEW, drain, every_operation
 from tiny_models import ARCHS, build_model
 from torch import nn
 
 from cache_sessions import CacheSession
 from chat import ChatEngine
 from chat.config import EngineConfig
-from chat.weights import PROMPT_KERNELS, Int8Linear, PackedLinear, apply_weight_format
+import chat.weights
+from chat.weights import AUTO_PROBE_ROWS, PROMPT_KERNELS, Int8Linear, PackedLinear, apply_weight_format, choose_weight_format
 
 
 @pytest.mark.parametrize("in_features", [96, 36])  # 36: not a width the kernel takes (the prompt path only)
@@ -124,7 +125,7 @@ def test_a_second_application_changes_nothing(tokenizers):
 
 
 def test_unknown_formats_and_models_it_cannot_take_are_refused(tokenizers):
-    with pytest.raises(ValueError, match="weights is one of full, packed, int8, not 'int4'"):
+    with pytest.raises(ValueError, match="weights is one of auto, full, packed, int8, not 'int4'"):
         EngineConfig(weights="int4")
     model = build_model("full", len(tokenizers[THINKING_TEMPLATE]), None).to(torch.float16)
     with pytest.raises(ValueError, match="int8 weights take a float32 or bfloat16 model, not torch.float16"):
@@ -189,3 +190,51 @@ def test_packed_weights_refuse_a_model_they_do_not_take(tokenizers):
     with pytest.raises(ValueError, match="packed weights take a float32 model, not torch.bfloat16"):
         apply_weight_format(model, "packed")
     assert not any(isinstance(module, PackedLinear) for module in model.modules())  # left as it was
+
+
+def slowed(monkeypatch, layer_class: type, seconds: float) -> None:
+    """Every product of `layer_class` takes `seconds` longer: a stand-in for a host whose kernel
+    for that format is the slower one."""
+    import time
+
+    own = layer_class.forward
+
+    def slow(self, hidden):
+        time.sleep(seconds)
+        return own(self, hidden)
+    monkeypatch.setattr(layer_class, "forward", slow)
+
+
+@pytest.mark.parametrize("slower,chosen", [(nn.Linear, "packed"), (PackedLinear, "full")])
+def test_auto_weights_take_the_format_this_host_multiplies_faster(tokenizers, monkeypatch, slower, chosen):
+    """"auto" times both formats on the model's widest layer at each probe's rows and takes the
+    faster: with one format's products made slower by hand, the other is chosen, applied, and
+    shown in /status with what was timed. The replies stay exact on the model as chosen."""
+    monkeypatch.setattr(chat.weights, "_WEIGHT_CHOICES", {})  # this process's earlier timing aside
+    slowed(monkeypatch, slower, 0.003)
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    model = build_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    engine = ChatEngine(model, tokenizer, weights="auto")
+    monkeypatch.undo()  # the replies below at full speed
+    weights = engine.status()["weights"]
+    assert weights["format"] == chosen and weights["asked"] == "auto"
+    timed = weights["auto_timed"]
+    assert timed["chosen"] == chosen and set(timed["ms"]) == {"full", "packed"}
+    assert all(set(ms) == {str(rows) for rows in AUTO_PROBE_ROWS} for ms in timed["ms"].values())
+    assert any(isinstance(module, PackedLinear) for module in model.modules()) == (chosen == "packed")
+    conv = engine.conversation("You are terse.")
+    for message in ("What is 2 + 2?", "And 3 + 3?"):
+        drain(conv.send(message, max_new_tokens=MAX_NEW, do_sample=False))
+        check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW)
+
+
+def test_auto_weights_stay_as_loaded_where_packing_does_not_apply(tokenizers):
+    """A model not in float32 (or not on the CPU) is not timed: its weights stay as loaded, and
+    /status says why. The app asks for "auto" by default; the library keeps a caller's model as
+    it is unless asked."""
+    from ui.config import AppConfig
+
+    model = build_model("full", len(tokenizers[THINKING_TEMPLATE]), None).to(torch.bfloat16)
+    choice = choose_weight_format(model)
+    assert choice == {"chosen": "full", "because": "packed weights take a float32 model, not torch.bfloat16"}
+    assert AppConfig.from_args([], environ={}).weights == "auto" and EngineConfig().weights == "full"

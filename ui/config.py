@@ -60,9 +60,10 @@ class AppConfig:
     kv_cache: str = _setting(EngineConfig.kv_cache, "KV_CACHE", "dynamic (exact) or quantized (full-attention "
                              "states in --kv-bits bits: 3.6x / 6.4x fewer bytes a token, slower decode)")
     kv_bits: int = _setting(EngineConfig.kv_bits, "KV_BITS", "with --kv-cache quantized: 8 or 4")
-    weights: str = _setting(EngineConfig.weights, "WEIGHTS", "full (as loaded), packed (fp32 weights in oneDNN's "
-                            "layout, CPU only: faster decode where OpenMP spins) or int8 (linear weights in int8, "
-                            "CPU only: a quarter of fp32's bytes, faster decode)")
+    weights: str = _setting("auto", "WEIGHTS", "auto (full or packed, whichever this CPU multiplies faster, timed "
+                            "at start on the model's own layer; shown in /status), full (as loaded), packed (fp32 "
+                            "weights in oneDNN's layout, CPU only: several conversations decode together far faster) "
+                            "or int8 (linear weights in int8, CPU only: a quarter of fp32's bytes, faster decode)")
     compile: str = _setting(EngineConfig.compile, "COMPILE", "auto, on or off: decode steps as compiled graphs "
                             "(built beside the running app; auto: from 200 M parameters, on the CPU)")
     draft: str = _setting(EngineConfig.draft, "DRAFT", "auto, ngram or off: decode steps verify tokens guessed "
