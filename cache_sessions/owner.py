@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from cache_sessions.accounts import Accounts
 from cache_sessions.branches import BranchKeep, BranchMove, keep_before_reply, move_branch
+from cache_sessions.checkpoints import Checkpoint
 from cache_sessions.cold import ColdStats, ColdStore
 from cache_sessions.eviction import Eviction
 from cache_sessions.kv_cache import KVCacheKind
@@ -143,12 +144,13 @@ class CacheOwner:
             session.note_extended(tokens)
             self._measure(session)
 
-    def take_back(self, session: CacheSession, count: int) -> None:
+    def take_back(self, session: CacheSession, count: int, point: Checkpoint | None = None) -> None:
         """Its last `count` fed tokens out again (guesses a step refused, chat/drafting.py): a
-        crop; if it cannot be exact the session is released and this raises."""
+        crop, or, for recurrent states, back to the step's start `point` (the tokens it took are
+        fed again next step); if it cannot be exact the session is released and this raises."""
         self._on_loop()
         try:
-            session.take_back(count)
+            session.take_back(count, point)
         finally:
             self._measure(session)
 

@@ -321,6 +321,28 @@ def takes_back_recent(kinds: list[LayerKind]) -> bool:
     return all(kind.crops_anywhere or (isinstance(kind, SlidingWindow) and kind.layer.record_past) for kind in kinds)
 
 
+def guess_point(kinds: list[LayerKind], position: int) -> Checkpoint | None:
+    """Where a decode step that feeds guesses starts, for layers that cannot give guesses back by
+    a crop (recurrent states fold every token in): their states at `position`, held by the
+    caller for that step only (not in the store, whose checkpoints a Retry goes back to; no
+    trim). None where every layer crops back exactly (`takes_back_recent`)."""
+    if takes_back_recent(kinds):
+        return None
+    return Checkpoint(position, [kind.snapshot() if isinstance(kind, RecurrentState) else None for kind in kinds])
+
+
+def back_to_point(kinds: list[LayerKind], point: Checkpoint, current: int) -> None:
+    """Undo a step begun at `point` (`guess_point`): recurrent states as they were there, every
+    other layer cropped back to it (exact: a sliding window records since its last trim)."""
+    if any(state is None and not kind.can_crop(current, point.position) for kind, state in zip(kinds, point.states)):
+        raise RuntimeError(f"cannot go back from {current} to the step's start at {point.position}")
+    for kind, state in zip(kinds, point.states, strict=True):
+        if state is None:
+            kind.crop(current, point.position)
+        else:
+            kind.restore(state, current, point.position)
+
+
 def take_checkpoint(kinds: list[LayerKind], position: int) -> Checkpoint:
     """Snapshot the bounded states at `position`, then trim the sliding windows behind it."""
     checkpoint = Checkpoint(position, [kind.snapshot() for kind in kinds])

@@ -10,11 +10,13 @@ from typing import Hashable, Iterator
 import torch
 from transformers import PreTrainedModel
 
-from cache_sessions.checkpoints import CheckpointStore
+from cache_sessions.checkpoints import Checkpoint, CheckpointStore
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.rollback import (
     LayerKind,
     RollbackResult,
+    back_to_point,
+    guess_point,
     layer_kinds,
     needs_checkpoints,
     reachable,
@@ -89,16 +91,40 @@ class CacheStates:
         """Whether tokens fed after the last checkpoint can be taken back exactly (`take_back`)."""
         return takes_back_recent(self._kinds)
 
-    def take_back(self, count: int) -> None:
+    def take_back(self, count: int, point: Checkpoint | None = None) -> None:
         """Drop the last `count` tokens fed (guesses a step verified and refused): a crop, exact
-        where `takes_back_recent`; anything else (a checkpoint further back, a rebuild) would lose
-        what the reply needs, so it releases the states and raises instead."""
+        where `takes_back_recent`; else back to `point`, the step's start (`guess_point`), and the
+        caller feeds again what the step took. Anything else (a checkpoint further back, a
+        rebuild) would lose what the reply needs, so it releases the states and raises instead."""
         if count <= 0:
+            return
+        if point is not None:
+            self.back_to(point)
             return
         target = len(self.token_ids) - count
         if target < 0 or self.rollback_to(target).position != target:
             self.release()
             raise RuntimeError(f"could not take back the last {count} tokens fed")
+
+    def guess_point(self) -> Checkpoint | None:
+        """Where a step that feeds guesses begins, for a cache whose fed tokens `take_back` cannot
+        crop (recurrent states): the caller holds it for that step and gives it to `back_to`
+        if guesses were refused. None where `take_back` serves."""
+        return guess_point(self._kinds, len(self.token_ids))
+
+    def back_to(self, point: Checkpoint) -> None:
+        """Undo everything fed since `point` (the tokens the step took are fed again after it)."""
+        current = len(self.token_ids)
+        if point.position > current:
+            raise ValueError(f"the step began at {point.position}, past the {current} tokens held")
+        self._segments.drop_after(point.position)
+        self.checkpoints.drop_after(point.position)
+        try:
+            back_to_point(self._kinds, point, current)
+        except BaseException:
+            self.release()  # some layers moved, others not: nothing here can be trusted
+            raise
+        self.token_ids = self.token_ids[:point.position]
 
     def reachable(self, target: int) -> int:
         """Where `rollback_to(target)` would land (a checkpoint before it, where crops cannot go)."""

@@ -8,8 +8,10 @@ logits after each of them say what the model would have chosen there. The reply 
 chosen tokens for as long as each matches the guess before it, plus the first that differs (or,
 all matched, the one after the last guess), and the cache gives back the guesses past that with
 its own rollback (cache_sessions/rollback.py: a crop within the reply, exact for full attention,
-quantized codes and sliding windows; recurrent states cannot be cropped, so their rows are not
-drafted).
+quantized codes and sliding windows). Recurrent states cannot be cropped: a row with them keeps
+its states as the step began, goes back there when a guess was refused, and feeds again what
+the step took at the start of its next step (which guesses nothing: a refusal there would go
+back before those tokens too); "auto" counts that cost.
 
 Exactness: every emitted token is chosen by the reply's own `TokenChooser` from the logits after
 exactly the tokens before it, as without drafts. Greedy: the same argmax. Sampling: the standard
@@ -192,10 +194,12 @@ class DraftPolicy:
             bucket = 1 << (extra_tokens - 1).bit_length()
             self._extra.setdefault(bucket, _Recent()).add(max(0.0, seconds - plain.median))
 
-    def length(self, acceptance: float, rows: int, compiled: bool) -> int:
+    def length(self, acceptance: float, rows: int, compiled: bool, feeds_again: bool = False) -> int:
         """The most guesses worth feeding: `acceptance` the row's (`Drafter.acceptance`), `rows` the
         decode rows of this step, `compiled`: a compiled graph would take this step if it carried
-        single tokens (guesses send it to the eager forward: they must beat the graph, as timed)."""
+        single tokens (guesses send it to the eager forward: they must beat the graph, as timed).
+        `feeds_again`: a refusal makes the row feed again what the step took (recurrent states,
+        chat/guessing.py), a cost counted with the chance that some guess is refused."""
         if self.mode == "off":
             return 0
         if self.mode == "ngram":
@@ -207,7 +211,9 @@ class DraftPolicy:
         share = eager.median / rows  # this row's part of the step's fixed cost
 
         def rate(k: int) -> float:
-            return expected_tokens(acceptance, k) / (share + self.added_s(k))
+            tokens = expected_tokens(acceptance, k)
+            again = (1 - acceptance ** k) * self.added_s(round(tokens)) if feeds_again and k else 0.0
+            return tokens / (share + self.added_s(k) + again)
 
         best = max(self.lengths, key=rate)
         if compiled:

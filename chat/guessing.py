@@ -20,9 +20,11 @@ class StepGuesses:
         self.policy, self.caches = policy, caches
 
     def begin(self, request: GenerationRequest) -> None:
-        """A reply's first turn: its guesses, where they can be given back exactly (not a
-        prepared prompt, not recurrent states)."""
-        if self.policy.enabled and not request.draft and request.session.takes_back_recent():
+        """A reply's first turn: its guesses (not for a prepared prompt). Where its cache cannot
+        crop what a step fed (recurrent states), a step with guesses keeps the states it began
+        from, and one whose guesses were refused goes back to them: the tokens it took are fed
+        again before the next input, in the next step."""
+        if self.policy.enabled and not request.draft:
             request.drafter = Drafter(request.prompt_ids, len(request.prompt_ids), request.work.references,
                                       self.policy.seen)
 
@@ -33,13 +35,17 @@ class StepGuesses:
         guesses = []
         for request in decoding:
             drafter, chooser = request.drafter, request.chooser
-            if drafter is None or chooser is None or request.stop.is_set():
+            if drafter is None or chooser is None or request.stop.is_set() or len(request.unfed) > 1:
+                # (more than its next input: it feeds again what a step took and gave back; a
+                # refusal now would go back before them too, so this step only catches up)
                 guesses.append([])
                 continue
             left = chooser.max_new_tokens - request.token_count - 1  # the last token is never fed
             guess = drafter.propose(request.sequence, min(self.policy.max_draft, left))
-            length = self.policy.length(drafter.acceptance(), len(decoding), graph_ready) if guess else 0
+            length = self.policy.length(drafter.acceptance(), len(decoding), graph_ready,
+                                        feeds_again=not request.session.takes_back_recent()) if guess else 0
             guesses.append(guess[:length])
+            request.guess_point = request.session.guess_point() if length else None
         return guesses
 
     def give_back(self, decoding: list[GenerationRequest], guesses: list[list[int]],
@@ -52,9 +58,11 @@ class StepGuesses:
         for request, guess in zip(decoding, guesses):
             if not guess:
                 continue
+            point, request.guess_point = request.guess_point, None
             if request.error is None:
                 try:
-                    self.caches.take_back(request.session, len(request.session.token_ids) - (len(request.sequence) - 1))
+                    self.caches.take_back(request.session, len(request.session.token_ids) - (len(request.sequence) - 1),
+                                          point)
                     continue
                 except BaseException as error:
                     request.error = error
@@ -63,18 +71,20 @@ class StepGuesses:
         return failed
 
 
-def choose_tokens(rows: list[GenerationRequest], logits: torch.Tensor, guesses: list[list[int]]
-                  ) -> tuple[list[GenerationRequest], int]:
-    """Each row's next tokens from its own logits (one row of logits after each token it fed),
-    emitted to its reader: the token chosen after its next input, then, while each chosen token
-    is the guess fed after it, the one chosen after that guess. Returns the rows that ended (an
-    end token, the limit, a stop, or a failure of their own: the others go on), and how many
-    guesses were taken."""
+def choose_tokens(rows: list[GenerationRequest], logits: torch.Tensor, guesses: list[list[int]],
+                  inputs: list[list[int]]) -> tuple[list[GenerationRequest], int]:
+    """Each row's next tokens from its own logits (one row of logits after each token it fed:
+    its `inputs`, then its guesses), emitted to its reader: the token chosen after its next input
+    (the last of its inputs: those before it were taken already and are fed again), then, while
+    each chosen token is the guess fed after it, the one chosen after that guess. Returns the rows
+    that ended (an end token, the limit, a stop, or a failure of their own: the others go on), and
+    how many guesses were taken."""
     ended: list[GenerationRequest] = []
     offset = taken = 0
-    for request, guess in zip(rows, guesses):
+    for request, guess, fed in zip(rows, guesses, inputs):
         chooser = request.chooser
         assert chooser is not None
+        offset += len(fed) - 1
         row_logits, offset = logits[offset:offset + len(guess) + 1], offset + len(guess) + 1
         matched = 0
         for position in range(len(guess) + 1):

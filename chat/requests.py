@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Hashable, Iterator, Sequence
 
 from cache_sessions.branches import BranchKeep
+from cache_sessions.checkpoints import Checkpoint
 from cache_sessions.prefixes import PrefixStore
 from cache_sessions.session import CacheSession, PrefillResult
 from chat.drafting import Drafter
@@ -50,6 +51,7 @@ class GenerationRequest:
         self.prefill: PrefillResult | None = None  # set once it was admitted and rolled back
         self.chooser: TokenChooser | None = None
         self.drafter: Drafter | None = None  # its guesses, where its rows are drafted (chat/drafting.py)
+        self.guess_point: Checkpoint | None = None  # where this step with guesses began (recurrent states)
         self.error: BaseException | None = None
         self.submitted_at = time.perf_counter()
         self.started_at: float | None = None  # its rollback and prefill began (it waited until then)
@@ -67,8 +69,10 @@ class GenerationRequest:
         return self.prefill is not None
 
     @property
-    def next_input(self) -> int:
-        return self.sequence[-1]
+    def unfed(self) -> list[int]:
+        """What its next decode step feeds before any guess: the last chosen token, after what a
+        step with guesses took and its recurrent states gave back (chat/guessing.py)."""
+        return self.sequence[len(self.session.token_ids):]
 
     def tokens(self) -> Iterator[int]:
         while (item := self._tokens.get()) is not _END:

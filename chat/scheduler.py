@@ -211,7 +211,7 @@ class DecodeScheduler:
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """Each decode row's tokens by its own sampler (its guesses taken while they match); the
         caches give back guesses not taken; rows that ended leave."""
-        ended, taken = choose_tokens(plan.decoding, logits, plan.guesses)
+        ended, taken = choose_tokens(plan.decoding, logits, plan.guesses, plan.inputs)
         with self.planner.requests.lock:
             self.planner.counters.step(plan.decoding, plan.guesses, taken)
         ended += self.guesses.give_back(plan.decoding, plan.guesses, ended)

@@ -33,21 +33,26 @@ PREFILL_ORDERS = ("shortest", "arrival")
 
 @dataclass
 class StepPlan:
-    """What one step runs, decided before it runs: the decode rows (each its next input and its
+    """What one step runs, decided before it runs: the decode rows (each its inputs and its
     guesses to verify) and the prompt pieces, in the runner's row order (decode rows first)."""
 
     decoding: list[GenerationRequest]
     guesses: list[list[int]]
     pieces: list[tuple[GenerationRequest, list[int]]]
     started: float  # when the step's own work began (its guesses proposed): what a guess costs counts from here
+    # each decode row's tokens before its guesses: its next input, after the tokens a step with
+    # guesses took and gave back (recurrent states go back to the step's start: chat/guessing.py)
+    inputs: list[list[int]]
 
     def rows(self) -> list[Row]:
-        return ([(request.session, [request.next_input] + guess) for request, guess in zip(self.decoding, self.guesses)]
+        return ([(request.session, fed + guess) for request, fed, guess in zip(self.decoding, self.inputs, self.guesses)]
                 + [(request.session, piece) for request, piece in self.pieces])
 
     def extra_tokens(self) -> int:
-        """Tokens past one a decode row: what the prompt pieces and the guesses add to the step."""
-        return sum(len(piece) for _, piece in self.pieces) + sum(len(guess) for guess in self.guesses)
+        """Tokens past one a decode row: what the prompt pieces, the guesses and the tokens fed
+        again add to the step."""
+        return (sum(len(piece) for _, piece in self.pieces) + sum(len(guess) for guess in self.guesses)
+                + sum(len(fed) - 1 for fed in self.inputs))
 
 
 @dataclass(frozen=True)
@@ -133,8 +138,9 @@ class StepPlanner:
             self.leave(stopped)  # its last chosen token stays unfed, as after `generate`
         pieces = self.pieces()
         decoding, started = list(self.requests.decoding), clock()
+        inputs = [request.unfed for request in decoding]
         return StepPlan(decoding, self.guesses.propose(decoding, graph_ready(len(decoding))), pieces,
-                        started)
+                        started, inputs)
 
     def pieces(self) -> list[tuple[GenerationRequest, list[int]]]:
         """This step's prefill pieces within its budget, in the order `PromptShares` gives (fair

@@ -20,6 +20,7 @@ from tiny_models import SLIDING_WINDOW, scripted_reply_model
 
 import chat.drafting
 import chat.scheduler
+import chat.step_planner
 from chat.drafting import DraftPolicy, Drafter, NgramIndex, expected_tokens
 from chat.engine import ChatEngine
 
@@ -60,7 +61,7 @@ def test_an_earlier_version_is_guessed_from_while_the_reply_follows_it_then_by_i
 
 
 @pytest.mark.parametrize("arch,kv_cache", [("full", "dynamic"), ("sliding", "dynamic"), ("mixed", "dynamic"),
-                                           ("full", "quantized")])
+                                           ("hybrid", "dynamic"), ("full", "quantized")])
 def test_guesses_taken_in_part_leave_the_reply_and_the_cache_as_without(models, tokenizers, monkeypatch, arch,
                                                                           kv_cache):
     """Every step guesses the true greedy continuation with one wrong token: the first, the last,
@@ -92,7 +93,7 @@ def test_guesses_taken_in_part_leave_the_reply_and_the_cache_as_without(models, 
     check_exact(conversation, model, tokenizer, max_new_tokens=GREEDY["max_new_tokens"], kv_cache=quantized)
 
 
-@pytest.mark.parametrize("arch", ["full", "sliding", "mixed"])
+@pytest.mark.parametrize("arch", ["full", "sliding", "mixed", "hybrid"])
 def test_a_greedy_retry_takes_its_earlier_version_as_guesses_in_a_few_steps(make_engine, models, tokenizers, arch):
     """A Retry of a greedy reply is the same reply: guessed from the version it replaces, every
     guess is taken, and the reply takes a step for every 9 tokens, not one a token."""
@@ -146,14 +147,41 @@ def test_guesses_never_run_a_reply_past_its_token_limit(make_engine, models, tok
     check_exact(conversation, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=5)
 
 
-def test_recurrent_states_are_not_guessed_for(make_engine, models, tokenizers):
-    """A linear-attention layer folded the guesses in and cannot give them back: no guesses."""
+def test_recurrent_states_go_back_to_the_steps_start_and_feed_again_what_it_took(make_engine, models, tokenizers,
+                                                                                 monkeypatch):
+    """A linear-attention layer folds every guess in and cannot crop them out: a step with
+    guesses keeps the states it began from; where a guess is refused the cache goes back there
+    and the next step feeds again what the step took, before its next input. Each guess here is
+    right but the last: the reply is `generate`'s, the cache a scratch forward's, and every step
+    after a refusal fed the tokens taken again."""
     engine = make_engine("hybrid", draft="ngram")
+    model, tokenizer = models["hybrid"], tokenizers[THINKING_TEMPLATE]
     conversation = engine.conversation()
-    list(conversation.send("recurrent", max_new_tokens=8, do_sample=False))
-    list(conversation.regenerate(max_new_tokens=8, do_sample=False))
-    assert guess_counts(engine) == (0, 0)
-    check_exact(conversation, models["hybrid"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
+    prompt = render_ids(tokenizer, [{"role": "user", "content": "recurrent"}])
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    truth = prompt + scratch_greedy_reply(model, prompt, GREEDY["max_new_tokens"], {end})
+
+    def propose(self, sequence, limit):
+        right = truth[len(sequence):len(sequence) + min(limit, 3)]
+        return right[:-1] + [(right[-1] + 1) % len(tokenizer)] if right else right
+
+    fed_again = []
+    own_plan = chat.step_planner.StepPlanner.plan
+
+    def plan(self, *args):
+        step = own_plan(self, *args)
+        fed_again.extend(len(inputs) - 1 for inputs in step.inputs)
+        return step
+
+    monkeypatch.setattr(chat.drafting.Drafter, "propose", propose)
+    monkeypatch.setattr(chat.step_planner.StepPlanner, "plan", plan)
+    list(conversation.send("recurrent", **GREEDY))
+    guessed, taken = guess_counts(engine)
+    assert 0 < taken < guessed
+    # the step's first input and its two right guesses fed again, in a step that guesses nothing
+    # (a refusal there would go back before them too), then guesses again
+    assert max(fed_again) == 3 and fed_again.count(3) >= 3 and fed_again.count(0) >= 3
+    check_exact(conversation, model, tokenizer, max_new_tokens=GREEDY["max_new_tokens"])
 
 
 def test_a_stop_in_a_step_with_guesses_leaves_the_cache_at_the_reply(make_engine, models, tokenizers, monkeypatch):
@@ -188,6 +216,15 @@ def test_auto_guesses_where_they_pay_and_not_where_they_are_refused():
     best = policy.length(0.9, 1, compiled=False)
     assert best > 0 and expected_tokens(0.9, best) / (0.010 + 0.002 * best) > 1 / 0.010
     assert DraftPolicy("off").length(1.0, 1, compiled=False) == 0
+    # a row that feeds again what a refused step took (recurrent states) guesses less, and only
+    # where the expected tokens still pay for that too
+    for acceptance in (0.3, 0.5, 0.7, 0.9):
+        again = policy.length(acceptance, 1, compiled=False, feeds_again=True)
+        assert again <= policy.length(acceptance, 1, compiled=False)
+    for acceptance in (0.3, 0.9):  # (here 1 guess against none, 8 against 4)
+        assert policy.length(acceptance, 1, compiled=False, feeds_again=True) < policy.length(acceptance, 1,
+                                                                                               compiled=False)
+    assert policy.length(0.999, 1, compiled=False, feeds_again=True) == policy.max_draft  # nearly never refused
 
 
 def test_auto_guesses_beside_a_compiled_step_only_where_they_beat_it():
