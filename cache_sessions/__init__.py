@@ -3,6 +3,7 @@
 Module map:
   session.py      CacheSession: the prompt-driven path (prepare / prefill / commit / extend), segments
   states.py       CacheStates: a DynamicCache, its layer kinds, checkpoints, segments; memory
+  segmented.py    SegmentedStates: spans of states cut out and put back (versions, branches)
   rollback.py     how each kind of cache layer rolls back (the only file that does)
   checkpoints.py  bounded-size snapshots at token positions, and the store that keeps them
   segments.py     the states a span of tokens added, cut out to be put back (reply versions)

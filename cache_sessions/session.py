@@ -2,22 +2,20 @@
 
 Invariant at rest: `cache.get_seq_length() == len(token_ids)` and the cached states are what a
 from-scratch forward over `token_ids` would give. Every change of the cache goes through this
-class: `prepare` (roll back + prefill), `commit` (after `generate`), `extend`, segments and
-`release`. Segments (spans of states cut out to be put back) are kept here under keys the caller
-chooses, since a rollback must drop those that start past it.
+class and those it builds on: `prepare` (roll back + prefill), `commit` (after `generate`),
+`extend`, segments (cache_sessions/segmented.py) and `release` (cache_sessions/states.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import torch
 
 from cache_sessions.prefixes import PrefixStore
 from cache_sessions.rollback import RollbackHow
-from cache_sessions.segments import Segment
-from cache_sessions.states import CacheStates
+from cache_sessions.segmented import SegmentedStates
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -37,7 +35,7 @@ class PrefillResult:
     shared_prefix_tokens: int = 0  # of reused_tokens, copied from the shared-prefix store
 
 
-class CacheSession(CacheStates):
+class CacheSession(SegmentedStates):
     """A cache and its ledger, driven by prompts: `prepare` before generating, `commit` after."""
 
     # ---- the main path -----------------------------------------------------------------------
@@ -156,68 +154,3 @@ class CacheSession(CacheStates):
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.model.device)
         self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.note_extended(token_ids)
-
-    def note_extended(self, token_ids: Sequence[int]) -> None:
-        """The cache now also holds `token_ids` (fed here, put back as a segment, or decoded in a
-        batch): add them to the ledger."""
-        self.token_ids = self.token_ids + list(token_ids)
-        self._check_invariant()
-
-    # ---- segments: cut a span of states out, put it back later without a forward pass -------
-    def stash_segment(self, key: Hashable, start: int, labels: Sequence[Hashable] = ()) -> bool:
-        """Keep the states from `start` to the end under `key` (replacing what it held), to come
-        back to them later, with the labels of the messages they cover; False when the cache
-        holds nothing past `start`."""
-        if not 0 <= start < len(self.token_ids):
-            return False
-        segment = self.cut_segment(start)
-        segment.labels = list(labels)
-        self._segments.put(key, segment)
-        return True
-
-    def restore_segment(self, key: Hashable, labels_before: Sequence[Hashable] = ()) -> bool:
-        """Put back the segment kept under `key`, which is then no longer kept apart (it is in the
-        cache); the ledger's labels become `labels_before` and the segment's. False when there is
-        none or the cache cannot reach its start (it is dropped)."""
-        segment = self._segments.pop(key)
-        if segment is None or not self.append_segment(segment):
-            return False
-        self.labels = list(labels_before) + segment.labels
-        return True
-
-    def segment_start(self, key: Hashable) -> int | None:
-        segment = self._segments.get(key)
-        return segment.start if segment is not None else None
-
-    def drop_oldest_segment(self) -> bool:
-        """Free the segment kept longest (memory pressure); False when none is kept."""
-        return self._segments.drop_oldest()
-
-    def segment_count(self) -> int:
-        return len(self._segments)
-
-    def oldest_segment_age(self) -> int | None:
-        return self._segments.oldest_age()
-
-    def cut_segment(self, start: int) -> Segment:
-        """The states for positions [start, now), as a copy that later changes do not touch."""
-        end = len(self.token_ids)
-        if not 0 <= start <= end:
-            raise ValueError(f"segment start {start} outside the cache (0..{end})")
-        return Segment(start, self.token_ids[start:end], [kind.cut_segment(start, end) for kind in self._kinds])
-
-    def append_segment(self, segment: Segment) -> bool:
-        """Put `segment` back on top of its start; False (the cache untouched) when the cache
-        cannot reach that start exactly."""
-        if len(self.token_ids) < segment.start or self.reachable(segment.start) != segment.start:
-            return False
-        self.rollback_to(segment.start)
-        self._append(segment)
-        self._checkpoint_here()
-        return True
-
-    def _append(self, segment: Segment) -> None:
-        for kind, state in zip(self._kinds, segment.states, strict=True):
-            kind.append_segment(state, segment.start, segment.end)
-        self.note_extended(segment.token_ids)
-

@@ -5,7 +5,7 @@ memory and device moves live here; `CacheSession` adds the prompt-driven path on
 
 from __future__ import annotations
 
-from typing import Hashable, Iterator
+from typing import Hashable, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -125,6 +125,12 @@ class CacheStates:
             self.release()  # some layers moved, others not: nothing here can be trusted
             raise
         self.token_ids = self.token_ids[:point.position]
+
+    def note_extended(self, token_ids: Sequence[int]) -> None:
+        """The cache now also holds `token_ids` (fed here, put back as a segment, or decoded in a
+        batch): add them to the ledger."""
+        self.token_ids = self.token_ids + list(token_ids)
+        self._check_invariant()
 
     def reachable(self, target: int) -> int:
         """Where `rollback_to(target)` would land (a checkpoint before it, where crops cannot go)."""
