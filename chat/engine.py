@@ -39,7 +39,7 @@ class ChatEngine:
         # "auto": full or packed, as this host multiplies faster (timed on the model's own layer)
         self.weight_choice = choose_weight_format(model) if config.weights == "auto" else None
         self.weights = str(self.weight_choice["chosen"]) if self.weight_choice else config.weights
-        self.model = apply_weight_format(model, self.weights).eval()
+        self.model = apply_weight_format(model, self.weights, keep_tied_head=config.weights == "auto").eval()
         config.kv_cache_kind.check_applies(model)
         # Steps run eager at once; the compiled one takes over when its thread has built it.
         self.compiled = CompiledDecode(self.model, config.compile if config.kv_cache == "dynamic" else "off",

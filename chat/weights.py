@@ -254,9 +254,13 @@ def check_weight_format(weights: str) -> None:
 
 
 @torch.no_grad()
-def apply_weight_format(model: PreTrainedModel, weights: str) -> PreTrainedModel:
+def apply_weight_format(model: PreTrainedModel, weights: str, keep_tied_head: bool = False) -> PreTrainedModel:
     """Hold `model`'s weights as `weights` says (in place; again on a quantized model: no change;
-    "auto": as `choose_weight_format` times it on this host)."""
+    "auto": as `choose_weight_format` times it on this host). `keep_tied_head` (always for
+    "auto"): an output head that shares the token embedding's weight stays as loaded, where its
+    own packed or int8 copy would hold that weight twice (594 MiB more at Qwen3-0.6B's
+    vocabulary: a default must not grow a model by a third)."""
+    keep_tied_head = keep_tied_head or weights == "auto"
     weights = resolve_weight_format(model, weights)
     if weights == "full":
         return model
@@ -271,9 +275,11 @@ def apply_weight_format(model: PreTrainedModel, weights: str) -> PreTrainedModel
         if model.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"int8 weights take a float32 or bfloat16 model, not {model.dtype}")
         layer = Int8Linear
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and not (keep_tied_head and tied and child is head):
                 setattr(parent, name, layer(child))
     if layer is Int8Linear:
         set_prompt_kernel(model)

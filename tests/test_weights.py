@@ -238,3 +238,29 @@ def test_auto_weights_stay_as_loaded_where_packing_does_not_apply(tokenizers):
     choice = choose_weight_format(model)
     assert choice == {"chosen": "full", "because": "packed weights take a float32 model, not torch.bfloat16"}
     assert AppConfig.from_args([], environ={}).weights == "auto" and EngineConfig().weights == "full"
+
+
+def test_auto_leaves_a_head_tied_to_the_embedding_shared(tokenizers, monkeypatch):
+    """Packed by "auto", a model whose head shares the embedding's weight keeps that head as
+    loaded (its own packed copy would hold the weight twice); asked by name, "packed" packs it.
+    The replies stay exact either way."""
+    from chat.models import build_model as build_named
+
+    monkeypatch.setattr(chat.weights, "_WEIGHT_CHOICES", {})
+    slowed(monkeypatch, nn.Linear, 0.003)  # so "auto" packs
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tied = build_named("demo", len(tokenizer), end)  # Qwen3 with tie_word_embeddings, as the real 0.6B
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    engine = ChatEngine(tied, tokenizer, weights="auto")
+    monkeypatch.undo()
+    assert engine.status()["weights"]["format"] == "packed"
+    head = tied.get_output_embeddings()
+    assert type(head) is nn.Linear and head.weight is tied.get_input_embeddings().weight
+    assert [type(module) for module in tied.modules() if isinstance(module, (nn.Linear, PackedLinear))].count(
+        nn.Linear) == 1  # every other layer packed
+    conv = engine.conversation("You are terse.")
+    drain(conv.send("What is 2 + 2?", max_new_tokens=MAX_NEW, do_sample=False))
+    check_exact(conv, tied, tokenizer, max_new_tokens=MAX_NEW)
+    by_name = apply_weight_format(build_named("demo", len(tokenizer), end), "packed")
+    assert isinstance(by_name.get_output_embeddings(), PackedLinear)

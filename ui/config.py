@@ -63,7 +63,7 @@ class AppConfig:
     weights: str = _setting("auto", "WEIGHTS", "auto (full or packed, whichever this CPU multiplies faster, timed "
                             "at start on the model's own layer; shown in /status), full (as loaded), packed (fp32 "
                             "weights in oneDNN's layout, CPU only: several conversations decode together far faster; a head "
-                            "tied to the embedding is then held twice) "
+                            "tied to the embedding is then held twice, which auto does not do) "
                             "or int8 (linear weights in int8, CPU only: a quarter of fp32's bytes, faster decode)")
     compile: str = _setting(EngineConfig.compile, "COMPILE", "auto, on or off: decode steps as compiled graphs "
                             "(built beside the running app; auto: from 200 M parameters, on the CPU)")
