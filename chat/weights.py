@@ -276,7 +276,7 @@ def apply_weight_format(model: PreTrainedModel, weights: str, keep_tied_head: bo
             raise ValueError(f"int8 weights take a float32 or bfloat16 model, not {model.dtype}")
         layer = Int8Linear
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    tied = embedding is not None and getattr(head, "weight", None) is embedding.weight  # (a packed head has none)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and not (keep_tied_head and tied and child is head):
