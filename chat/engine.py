@@ -36,10 +36,11 @@ class ChatEngine:
         `worker`: the compute thread the model was built on, if any (build it there for full CPU speed)."""
         config = replace(config or EngineConfig(), **settings)
         self.config = config
-        # "auto": full or packed, as this host multiplies faster (timed on the model's own layer)
+        # "auto": full or packed, as this host multiplies faster (timed once on the model's own
+        # layer: `apply_weight_format` reads the same choice)
         self.weight_choice = choose_weight_format(model) if config.weights == "auto" else None
         self.weights = str(self.weight_choice["chosen"]) if self.weight_choice else config.weights
-        self.model = apply_weight_format(model, self.weights, keep_tied_head=config.weights == "auto").eval()
+        self.model = apply_weight_format(model, config.weights).eval()
         config.kv_cache_kind.check_applies(model)
         # Steps run eager at once; the compiled one takes over when its thread has built it.
         self.compiled = CompiledDecode(self.model, config.compile if config.kv_cache == "dynamic" else "off",

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -155,19 +156,24 @@ def choose_prompt_kernel(layer: Int8Linear, repeats: int = 5) -> dict[str, objec
     if _PROMPT_CHOICE:
         return dict(_PROMPT_CHOICE)
     flat = torch.randn(PROMPT_PROBE_ROWS, layer.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
-    timings = {}
-    for kernel in PROMPT_KERNELS:
-        layer.prompt_product(flat, kernel)
-        runs = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            layer.prompt_product(flat, kernel)
-            runs.append(time.perf_counter() - started)
-        timings[kernel] = round(statistics.median(runs) * 1000, 3)
+    timings = {kernel: round(_median_ms(lambda: layer.prompt_product(flat, kernel), repeats), 3)
+               for kernel in PROMPT_KERNELS}
     chosen = min(timings, key=timings.__getitem__)
     _PROMPT_CHOICE.update(chosen=chosen, ms=timings, rows=PROMPT_PROBE_ROWS,
                           shape=[layer.out_features, layer.in_features])
     return dict(_PROMPT_CHOICE)
+
+
+def _median_ms(product: Callable[[], object], repeats: int) -> float:
+    """The median milliseconds of `repeats` calls of `product`, after one untimed (a first call
+    may allocate): how this module times a kernel."""
+    product()
+    runs = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        product()
+        runs.append(time.perf_counter() - started)
+    return statistics.median(runs) * 1000
 
 
 def prompt_kernel_choice() -> dict[str, object] | None:
@@ -179,7 +185,6 @@ def prompt_kernel_choice() -> dict[str, object] | None:
 AUTO_PROBE_ROWS = (1, 4, 64)
 AUTO_PROMPT_SLACK = 1.15  # packed is taken only if its prompt-piece product is at most this much slower
 _WEIGHT_CHOICES: dict[tuple[int, int], dict[str, object]] = {}  # by the layer shape timed, once a process
-_LAST_WEIGHT_CHOICE: dict[str, object] = {}  # the latest of them, for /status
 
 
 @torch.no_grad()
@@ -192,7 +197,7 @@ def choose_weight_format(model: PreTrainedModel, repeats: int = 7) -> dict[str, 
     one conversation's 142 against 150 (`python -m benchmarks.step_anatomy --weights ...`,
     docs/performance.md); on an AVX2 host 85 against 239 and 70 against 98 for the 28 layers'
     products. Never int8, which changes the model's numbers beyond float noise (asked for by
-    name). Returns what was measured (also in `weight_format_choice()`, for /status)."""
+    name). Returns what was measured (the engine shows it in /status)."""
     refusal = _packed_refusal(model)
     if refusal is not None:
         return {"chosen": "full", "because": refusal}
@@ -209,26 +214,13 @@ def choose_weight_format(model: PreTrainedModel, repeats: int = 7) -> dict[str, 
     for rows in AUTO_PROBE_ROWS:
         hidden = torch.randn(rows, widest.in_features, generator=torch.Generator().manual_seed(rows))
         for name, layer in (("full", widest), ("packed", packed)):
-            layer(hidden)  # untimed: a first call may allocate
-            runs = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                layer(hidden)
-                runs.append(time.perf_counter() - started)
-            timings[name][str(rows)] = round(statistics.median(runs) * 1000, 4)
+            timings[name][str(rows)] = round(_median_ms(lambda: layer(hidden), repeats), 4)
     decode = {name: sum(timings[name][str(rows)] for rows in AUTO_PROBE_ROWS[:2]) for name in timings}
     prompt_rows = str(AUTO_PROBE_ROWS[-1])
     faster = decode["packed"] < decode["full"] and \
         timings["packed"][prompt_rows] <= AUTO_PROMPT_SLACK * timings["full"][prompt_rows]
     _WEIGHT_CHOICES[shape] = dict(chosen="packed" if faster else "full", ms=timings, shape=list(shape))
-    _LAST_WEIGHT_CHOICE.clear()
-    _LAST_WEIGHT_CHOICE.update(_WEIGHT_CHOICES[shape])
     return dict(_WEIGHT_CHOICES[shape])
-
-
-def weight_format_choice() -> dict[str, object] | None:
-    """What "auto" chose and measured in this process (None: not asked yet)."""
-    return dict(_LAST_WEIGHT_CHOICE) if _LAST_WEIGHT_CHOICE else None
 
 
 def _packed_refusal(model: PreTrainedModel) -> str | None:
@@ -254,13 +246,13 @@ def check_weight_format(weights: str) -> None:
 
 
 @torch.no_grad()
-def apply_weight_format(model: PreTrainedModel, weights: str, keep_tied_head: bool = False) -> PreTrainedModel:
+def apply_weight_format(model: PreTrainedModel, weights: str) -> PreTrainedModel:
     """Hold `model`'s weights as `weights` says (in place; again on a quantized model: no change;
-    "auto": as `choose_weight_format` times it on this host). `keep_tied_head` (always for
-    "auto"): an output head that shares the token embedding's weight stays as loaded, where its
-    own packed or int8 copy would hold that weight twice (594 MiB more at Qwen3-0.6B's
-    vocabulary: a default must not grow a model by a third)."""
-    keep_tied_head = keep_tied_head or weights == "auto"
+    "auto": as `choose_weight_format` times it on this host, and an output head that shares the
+    token embedding's weight stays as loaded, where its own packed copy would hold that weight
+    twice: 594 MiB more at Qwen3-0.6B's vocabulary, and a default must not grow a model by a
+    third; asked by name, every linear layer is converted)."""
+    keep_tied_head = weights == "auto"
     weights = resolve_weight_format(model, weights)
     if weights == "full":
         return model
