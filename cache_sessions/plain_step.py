@@ -87,13 +87,7 @@ def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Te
     layers, windowed = len(core.layers), layer_windows(model)
     hidden = core.embed_tokens(tokens)[None]
     cos, sin = core.rotary_emb(hidden, positions[None])
-    masks: list[torch.Tensor | None] = []
-    for start, end, held in spans:  # a prompt piece's query i sees the held positions and its own up to i
-        if end - start == 1:
-            masks.append(None)
-        else:
-            seen = torch.arange(held + end - start, device=tokens.device)
-            masks.append(seen[None, :] <= seen[held:, None])
+    masks = _causal_masks(spans, tokens.device)
     window_masks: dict[tuple[int, int], torch.Tensor | None] = {}
     softcap = getattr(config, "attn_logit_softcapping", None)
     count = tokens.shape[0]
@@ -138,6 +132,19 @@ def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Te
     logits = model.lm_head(core.norm(hidden[:, logits_at]))[0]
     final_cap = getattr(config, "final_logit_softcapping", None)
     return logits if final_cap is None else torch.tanh(logits / final_cap) * final_cap
+
+
+def _causal_masks(spans: Sequence[Span], device: torch.device) -> list[torch.Tensor | None]:
+    """Each row's mask at a full-attention layer: a prompt piece's query i sees the held
+    positions and its own up to i; a decode row (one query) sees everything (None)."""
+    masks: list[torch.Tensor | None] = []
+    for start, end, held in spans:
+        if end - start == 1:
+            masks.append(None)
+        else:
+            seen = torch.arange(held + end - start, device=device)
+            masks.append(seen[None, :] <= seen[held:, None])
+    return masks
 
 
 def _window_mask(held: int, length: int, stored: int, window: int, device: torch.device) -> torch.Tensor | None:
