@@ -70,6 +70,13 @@ class ColdStats:
     failed: int = 0  # writes that failed (those sessions rebuild, as after an eviction)
 
 
+def _file_tensor_bytes(session: CacheStates) -> int:
+    """What `session`'s tensors take in its file: each tensor object once, its own elements (a
+    grown buffer's room to grow, counted by `nbytes`, is not written)."""
+    unique = {id(tensor): tensor for tensor in session.tensors()}
+    return sum(tensor.numel() * tensor.element_size() for tensor in unique.values())
+
+
 class _Pickler(pickle.Pickler):
     """Tensors are left out of the pickle and kept in order, each object once."""
 
@@ -222,7 +229,7 @@ class ColdStore:
         bound, and the budget evicts instead. A write that fails later loses them (the session
         rebuilds, as after an eviction) and drops no other file."""
         nbytes = session.nbytes()
-        if nbytes > self.max_bytes:
+        if _file_tensor_bytes(session) > self.max_bytes:
             return False
         write = _Write(copy.copy(session), nbytes)  # takes its objects: release() gives it new ones
         session.release()  # marks its states lost: what it says if its file is pushed out or fails
