@@ -126,6 +126,12 @@ class CacheOwner:
         self._on_loop(session)
         return session.prefill_piece(prompt_ids, budget, prefix_store, shared_prefix_length)
 
+    def feeds_with_first_step(self, session: CacheSession, prompt_ids: Sequence[int], piece: Sequence[int],
+                              prefix_store: PrefixStore | None, shared_prefix_length: int) -> bool:
+        """Whether its last prompt piece goes with the first decode step (`CacheSession.feeds_with_first_step`)."""
+        self._on_loop(session)
+        return session.feeds_with_first_step(prompt_ids, piece, prefix_store, shared_prefix_length)
+
     def piece_fed(self, session: CacheSession, prompt_ids: Sequence[int], prefix_store: PrefixStore | None,
                   shared_prefix_length: int) -> bool:
         """Its piece went through: what the session keeps at that point; True once prefilled."""

@@ -218,15 +218,29 @@ def _empty_states(model: PreTrainedModel, layer_index: int) -> torch.Tensor:
     return torch.empty(1, heads, 0, attention.head_dim, dtype=model.dtype, device=model.device)
 
 
+def logit_places(spans: Sequence[Sequence[int]], logits_of: Sequence[int], tails: Sequence[int] | None = None
+                 ) -> list[int]:
+    """Where in a packed step's sequence its logits are read: after every token of the rows
+    `logits_of` (indices into the rows, each `spans[r]` starting and ending its tokens), in that
+    order, or with `tails` only after the last `tails[n]` tokens of the nth of them (a row that
+    feeds the rest of its prompt with its first decode input wants one: the head's product over
+    the whole vocabulary is a step's largest at a real vocabulary)."""
+    places = []
+    for number, index in enumerate(logits_of):
+        start, end = spans[index][0], spans[index][1]
+        places.extend(range(start if tails is None else max(start, end - tails[number]), end))
+    return places
+
+
 @torch.no_grad()
-def run_plain(model: PreTrainedModel, rows: Sequence[tuple[Any, Sequence[int]]], logits_of: Sequence[int]
-              ) -> torch.Tensor:
+def run_plain(model: PreTrainedModel, rows: Sequence[tuple[Any, Sequence[int]]], logits_of: Sequence[int],
+              tails: Sequence[int] | None = None) -> torch.Tensor:
     """Feed each session its tokens through `plain_step` (rows whose states `takes_states`); the
-    logits after every token of the rows `logits_of`, in that order, as `forward_rows` returns
-    them. The ledgers are the caller's; if this raises, a row's buffers may hold part of the step
-    past what they say they hold (nothing reads it)."""
+    logits `logit_places` reads, in that order, as `forward_rows` returns them. The ledgers are
+    the caller's; if this raises, a row's buffers may hold part of the step past what they say
+    they hold (nothing reads it)."""
     tokens, positions, spans, keys, values, windows = row_inputs(model, rows)
-    wanted = [place for index in logits_of for place in range(spans[index][0], spans[index][1])]
+    wanted = logit_places(spans, logits_of, tails)
     device = model.device
     logits = plain_step(model, torch.tensor(tokens, device=device), torch.tensor(positions, device=device), spans,
                         keys, values, torch.tensor(wanted, dtype=torch.long, device=device), windows)

@@ -35,6 +35,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from cache_sessions.plain_step import logit_places
 from cache_sessions.rollback import RecurrentState
 from cache_sessions.session import CacheSession
 
@@ -224,10 +225,11 @@ def _masks(model: PreTrainedModel, session: CacheSession, count: int, positions:
 
 @torch.no_grad()
 def forward_rows(model: PreTrainedModel, rows: Sequence[tuple[CacheSession, Sequence[int]]],
-                 logits_of: Sequence[int]) -> torch.Tensor:
+                 logits_of: Sequence[int], tails: Sequence[int] | None = None) -> torch.Tensor:
     """Feed each session its tokens in one forward; the logits after every token of the rows
     `logits_of` (indices into `rows`; a decode row feeds its next input and any guesses to
-    verify, chat/drafting.py), in that order. The ledgers are not
+    verify, chat/drafting.py), in that order, or only after their last `tails` tokens
+    (`logit_places`). The ledgers are not
     touched: the caller notes what was fed (`note_extended`) or, if this raises, releases the
     sessions (their caches may hold part of the step)."""
     device, spans, positions, tokens = model.device, [], [], []
@@ -244,7 +246,7 @@ def forward_rows(model: PreTrainedModel, rows: Sequence[tuple[CacheSession, Sequ
     original = model.config._attn_implementation
     # The model's own attention function; "eager" is each model's own (found from its module).
     attention = None if original == "eager" else ALL_ATTENTION_FUNCTIONS.get_interface(original, sdpa_attention_forward)
-    wanted = [position for index in logits_of for position in range(*spans[index])]
+    wanted = logit_places(spans, logits_of, tails)
     last = torch.tensor(wanted or [len(tokens) - 1], device=device)
     mixers = recurrent_mixers(model)
     # For this forward only (all run on the loop thread): rows attend to their own caches, and

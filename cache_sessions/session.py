@@ -128,6 +128,17 @@ class CacheSession(SegmentedStates):
             self._checkpoint_here()
         return done
 
+    def feeds_with_first_step(self, prompt_ids: Sequence[int], piece: Sequence[int],
+                              prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0) -> bool:
+        """Whether `piece` (the next from `prefill_piece`) may go with the prompt's last token in the
+        reply's first decode step instead of a step of its own, its first token chosen after it
+        (as vLLM samples after a prompt's last piece): only where `piece_fed` would keep nothing
+        at its end, i.e. it reaches the generation start and every layer crops anywhere (no
+        checkpoint there: regenerate crops back to it), and no shared prefix is stored there."""
+        held = len(self.token_ids) + len(piece)
+        stores_prefix = prefix_store is not None and held == shared_prefix_length < len(prompt_ids)
+        return held == len(prompt_ids) - 1 and self.crops_anywhere() and not stores_prefix
+
     def _start_from_shared_prefix(self, prefix_store: PrefixStore | None, prompt_ids: list[int]) -> int:
         """An empty cache starts from the longest stored shared prefix; returns its length."""
         if self.token_ids or prefix_store is None:

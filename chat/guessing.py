@@ -71,20 +71,19 @@ class StepGuesses:
         return failed
 
 
-def choose_tokens(rows: list[GenerationRequest], logits: torch.Tensor, guesses: list[list[int]],
-                  inputs: list[list[int]]) -> tuple[list[GenerationRequest], int]:
-    """Each row's next tokens from its own logits (one row of logits after each token it fed:
-    its `inputs`, then its guesses), emitted to its reader: the token chosen after its next input
-    (the last of its inputs: those before it were taken already and are fed again), then, while
-    each chosen token is the guess fed after it, the one chosen after that guess. Returns the rows
-    that ended (an end token, the limit, a stop, or a failure of their own: the others go on), and
-    how many guesses were taken."""
+def choose_tokens(rows: list[GenerationRequest], logits: torch.Tensor, guesses: list[list[int]]
+                  ) -> tuple[list[GenerationRequest], int]:
+    """Each row's next tokens from its own logits (one row of logits after its last input, then
+    one after each of its guesses: the step's `StepPlan.tails`; inputs before its last, tokens
+    taken already and fed again or the rest of its prompt, give none), emitted to its reader: the
+    token chosen after its last input, then, while each chosen token is the guess fed after it,
+    the one chosen after that guess. Returns the rows that ended (an end token, the limit, a stop,
+    or a failure of their own: the others go on), and how many guesses were taken."""
     ended: list[GenerationRequest] = []
     offset = taken = 0
-    for request, guess, fed in zip(rows, guesses, inputs):
+    for request, guess in zip(rows, guesses):
         chooser = request.chooser
         assert chooser is not None
-        offset += len(fed) - 1
         row_logits, offset = logits[offset:offset + len(guess) + 1], offset + len(guess) + 1
         matched = 0
         for position in range(len(guess) + 1):

@@ -71,7 +71,8 @@ class GenerationRequest:
     @property
     def unfed(self) -> list[int]:
         """What its next decode step feeds before any guess: the last chosen token, after what a
-        step with guesses took and its recurrent states gave back (chat/guessing.py)."""
+        step with guesses took and its recurrent states gave back (chat/guessing.py); in its
+        first, the prompt's last token after what is left of the prompt (chat/step_planner.py)."""
         return self.sequence[len(self.session.token_ids):]
 
     def tokens(self) -> Iterator[int]:

@@ -32,12 +32,13 @@ from cache_sessions.session import CacheSession
 Row = tuple[CacheSession, list[int]]  # a session and the tokens it feeds this step
 
 
-def packed_step(model: PreTrainedModel, rows: Sequence[Row], logits_of: Sequence[int], plain: bool) -> torch.Tensor:
+def packed_step(model: PreTrainedModel, rows: Sequence[Row], logits_of: Sequence[int], plain: bool,
+                tails: Sequence[int] | None = None) -> torch.Tensor:
     """One eager step of every row, packed: the plain step where the model is of its families
     (`plain`) and every row's states are buffers it writes, else the model's own forward."""
     if plain and takes_states([session for session, _ in rows]):
-        return run_plain(model, rows, logits_of)
-    return forward_rows(model, rows, logits_of)
+        return run_plain(model, rows, logits_of, tails)
+    return forward_rows(model, rows, logits_of, tails)
 
 
 class ModelRunner:
@@ -66,22 +67,26 @@ class ModelRunner:
         return {"eager": step, "not_plain_because": self.plain_refusal}
 
     @torch.no_grad()
-    def run(self, rows: Sequence[Row], logits_of: Sequence[int]) -> torch.Tensor:
+    def run(self, rows: Sequence[Row], logits_of: Sequence[int], tails: Sequence[int] | None = None
+            ) -> torch.Tensor:
         """Feed every row its tokens on its own cache; the logits after every token of the rows
-        `logits_of` (indices into `rows`), in that order. The ledgers are the owner's: it notes
-        what was fed, or, if this raises, every row's states may hold part of the step."""
+        `logits_of` (indices into `rows`), in that order, or with `tails` only after the last
+        `tails[n]` tokens of the nth of them. The ledgers are the owner's: it notes what was fed,
+        or, if this raises, every row's states may hold part of the step."""
         rows, logits_of = list(rows), list(logits_of)
-        if self.compiled is not None and self.compiled.takes(rows, logits_of):
+        if self.compiled is not None and self.compiled.takes(rows, logits_of):  # one token a row: tails are 1
             logits = self.compiled.step(rows)
             if logits is not None:
                 return logits
         if self.packs:
-            return packed_step(self.model, rows, logits_of, self.plain_refusal is None)
-        return self._one_by_one(rows, logits_of)
+            return packed_step(self.model, rows, logits_of, self.plain_refusal is None, tails)
+        return self._one_by_one(rows, logits_of, tails)
 
-    def _one_by_one(self, rows: list[Row], logits_of: list[int]) -> torch.Tensor:
+    def _one_by_one(self, rows: list[Row], logits_of: list[int], tails: Sequence[int] | None) -> torch.Tensor:
         """The model's own forward on each row's cache, in turn (what it would run alone)."""
-        wanted, device = set(logits_of), self.model.device
+        device = self.model.device
+        wanted = {index: len(rows[index][1]) if tails is None else min(tails[number], len(rows[index][1]))
+                  for number, index in enumerate(logits_of)}  # a row's logits: after its last `wanted[row]` tokens
         logits: dict[int, torch.Tensor] = {}
         for index, (session, fed) in enumerate(rows):
             if not fed:
@@ -90,7 +95,7 @@ class ModelRunner:
             output = self.model(input_ids=torch.tensor([fed], device=device),
                                 position_ids=torch.arange(held, held + len(fed), device=device)[None],
                                 past_key_values=session.cache, use_cache=True,
-                                logits_to_keep=len(fed) if index in wanted else 1)
+                                logits_to_keep=wanted.get(index, 1))
             if index in wanted:
                 logits[index] = output.logits[0]
         if not logits_of:

@@ -21,7 +21,9 @@ after a chunk, not after the long prompt; a request owed a whole budget (its fai
 steps, less what it got: chat/prompt_shares.py) goes before them, so a stream of short messages
 cannot starve a long one. The
 scheduler decides; the cache owner (cache_sessions/owner.py) applies every change to the
-sessions. A request joins the decode rows once only its last prompt token is left to feed, and
+sessions. A request joins the decode rows once only its last prompt token is left to feed, or
+once the rest of its prompt goes with that token in one step (where its cache keeps nothing at
+the generation start: its first token then comes from the step that fed its prompt's end), and
 leaves at an end token, its token limit, a stop, or an error: its own (a raising logits
 processor) ends it alone, a failed forward ends every row of that step.
 """
@@ -196,7 +198,7 @@ class DecodeScheduler:
             return None
         started = self.clock()
         try:
-            logits = self.runner.run(rows, range(len(plan.decoding)))
+            logits = self.runner.run(rows, range(len(plan.decoding)), plan.tails())
             self.caches.fed(rows)
         except BaseException as error:
             self.planner.leave(plan.decoding, error)
@@ -211,7 +213,7 @@ class DecodeScheduler:
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """Each decode row's tokens by its own sampler (its guesses taken while they match); the
         caches give back guesses not taken; rows that ended leave."""
-        ended, taken = choose_tokens(plan.decoding, logits, plan.guesses, plan.inputs)
+        ended, taken = choose_tokens(plan.decoding, logits, plan.guesses)
         with self.planner.requests.lock:
             self.planner.counters.step(plan.decoding, plan.guesses, taken)
         ended += self.guesses.give_back(plan.decoding, plan.guesses, ended)

@@ -41,12 +41,18 @@ class StepPlan:
     pieces: list[tuple[GenerationRequest, list[int]]]
     started: float  # when the step's own work began (its guesses proposed): what a guess costs counts from here
     # each decode row's tokens before its guesses: its next input, after the tokens a step with
-    # guesses took and gave back (recurrent states go back to the step's start: chat/guessing.py)
+    # guesses took and gave back (recurrent states go back to the step's start: chat/guessing.py),
+    # or, in its first step, after the rest of its prompt (`pieces`)
     inputs: list[list[int]]
 
     def rows(self) -> list[Row]:
         return ([(request.session, fed + guess) for request, fed, guess in zip(self.decoding, self.inputs, self.guesses)]
                 + [(request.session, piece) for request, piece in self.pieces])
+
+    def tails(self) -> list[int]:
+        """How many logits each decode row wants: after its last input and after each guess
+        (not after inputs before its last: tokens fed again, or the rest of its prompt)."""
+        return [len(guess) + 1 for guess in self.guesses]
 
     def extra_tokens(self) -> int:
         """Tokens past one a decode row: what the prompt pieces, the guesses and the tokens fed
@@ -145,9 +151,12 @@ class StepPlanner:
     def pieces(self) -> list[tuple[GenerationRequest, list[int]]]:
         """This step's prefill pieces within its budget, in the order `PromptShares` gives (fair
         by tokens owed, see chat/prompt_shares.py); newcomers are rolled back first, and one with
-        only its last token left starts decoding now. A stopped request leaves here, whether or
-        not the budget would have reached it (it used to wait for its turn at the budget, which
-        could be after another user's whole prompt: its Stop did nothing meanwhile)."""
+        only its last token left starts decoding now, as does one whose last piece can go with
+        that token in its first decode row (its cache keeps nothing at the generation start:
+        `CacheSession.feeds_with_first_step`), so its first token comes from this step. A
+        stopped request leaves here, whether or not the budget would have reached it (it used to
+        wait for its turn at the budget, which could be after another user's whole prompt: its
+        Stop did nothing meanwhile)."""
         if self.requests.decoding:
             budget = self.step_budget.tokens(self.prefill_chunk)
         else:
@@ -174,15 +183,19 @@ class StepPlanner:
                 self.begin(request)
                 piece = self.caches.prefill_piece(request.session, request.prompt_ids, budget, work.prefix_store,
                                                   work.shared_prefix_length)
+                # its last piece with its first decode input: its first token this step, not the next
+                decodes_now = not piece or self.caches.feeds_with_first_step(
+                    request.session, request.prompt_ids, piece, work.prefix_store, work.shared_prefix_length)
             except BaseException as error:
                 self.leave_prefill(request, error)
                 continue
             if piece:
-                pieces.append((request, piece))
                 budget -= len(piece)
                 given[request.flow] = given.get(request.flow, 0) + len(piece)
-            else:
+            if decodes_now:
                 self.requests.start_decoding(request)
+            else:
+                pieces.append((request, piece))
         self.shares.settle(wanting, given, full_budget)
         return pieces
 

@@ -149,6 +149,20 @@ def test_fairness_benchmark_writes_the_documented_fields(tmp_path):
         assert run["newcomer_beside_streams"]["ttft_s"] > 0
 
 
+def test_first_token_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.first_token import ARMS, main as first_token
+
+    out = tmp_path / "first-token.json"
+    first_token(["--model", "tiny-full", "--turns", "2", "--stream-tokens", "30", "--stream-prompt", "200", "--repeats",
+                 "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == set(ARMS) and result["cpu_flags"]
+    for arm in ARMS:
+        summary = result["summary"][arm]
+        assert summary["first_turn_ttft_s"] > 0 and summary["newcomer_ttft_s"] > 0
+        assert summary["later_turns_prefilled_tokens"] > 0 and summary["stream_worst_over_median_alone"] > 0
+
+
 def test_outlier_channels_keep_the_fp32_function_and_the_exactness_run_holds(monkeypatch):
     """`benchmarks/exactness.py`: the outlier channels it puts in change the activations, not the
     fp32 model's logits (against the model before, a from-scratch forward each); one mode's run

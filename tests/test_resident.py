@@ -12,6 +12,7 @@ import torch
 from cache_sessions import CacheSession
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions import resident
+from cache_sessions.plain_step import run_plain, takes_states
 from cache_sessions.resident import forward_rows, packs, recurrent_mixers
 from cache_sessions.rollback import RecurrentState
 from chat.runner import ModelRunner
@@ -150,3 +151,28 @@ def test_stacked_query_heads_attend_as_keys_repeated_per_head():
     expected = (torch.softmax(scores, dim=-1) @ repeated_values).transpose(1, 2)
     assert output.shape == (1, chunk, kv_heads * groups, dim)
     assert torch.allclose(output, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["packed", "plain", "row by row"])
+def test_logits_are_made_only_after_the_tokens_asked(models, path):
+    """A row that feeds the rest of its prompt with its first decode input wants the logits after
+    its last token only, a row verifying two guesses after its last three (`tails`): each step
+    path returns just those rows, each the scratch forward's at its length (the head's product
+    over the vocabulary is not spent on the rest)."""
+    model = models["full"]
+    runner = ModelRunner(model)
+    runner.packs = path != "row by row"
+    step = {"packed": lambda rows, logits_of, tails: forward_rows(model, rows, logits_of, tails),
+            "plain": lambda rows, logits_of, tails: run_plain(model, rows, logits_of, tails),
+            "row by row": runner.run}[path]
+    rest = CacheSession(model)  # nothing held: its whole prompt with its first decode input
+    verifying = ready(model, PROMPTS[1], KVCacheKind())
+    fed = [PROMPTS[1][-1], 7, 8]
+    assert takes_states([rest, verifying])  # (the plain step takes them: a growing buffer each)
+    logits = step([(verifying, fed), (rest, PROMPTS[2])], [1, 0], [1, 3])
+    assert logits.shape == (4, model.config.vocab_size)
+    expected = [scratch_logits(model, PROMPTS[2], KVCacheKind())] + [
+        scratch_logits(model, PROMPTS[1][:-1] + fed[:place + 1], KVCacheKind()) for place in range(3)]
+    for got, want in zip(logits, expected):
+        assert float((got - want).abs().max()) < LOGIT_TOLERANCE
+

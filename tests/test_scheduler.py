@@ -135,12 +135,12 @@ def batches(monkeypatch):
     built: list[tuple[int, ...]] = []
     run = ModelRunner.run
 
-    def recording(runner, rows, logits_of):
+    def recording(runner, rows, logits_of, tails=None):
         rows, logits_of = list(rows), list(logits_of)
         decoded = tuple(id(rows[i][0]) for i in logits_of)
         if decoded and (not built or built[-1] != decoded):
             built.append(decoded)
-        return run(runner, rows, logits_of)
+        return run(runner, rows, logits_of, tails)
 
     monkeypatch.setattr(ModelRunner, "run", recording)
     return built
@@ -281,12 +281,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, 
     model = models["full"]
     engine = make_engine("full", prefill_chunk=16, step_gap_factor=None)  # chunks of 16 however busy the machine
     runner, newcomer = engine.conversation("You are terse."), engine.conversation("You are terse.")
-    forwards: list[tuple[int, list[int]]] = []  # (decode rows, tokens of each prefill piece) per forward
+    # per forward: (decode rows, tokens of each prefill piece, tokens of each decode row)
+    forwards: list[tuple[int, list[int], list[int]]] = []
     packed = chat.runner.packed_step
 
-    def logged(model, rows, logits_of, plain):
-        forwards.append((len(logits_of), [len(fed) for _, fed in rows[len(logits_of):]]))
-        return packed(model, rows, logits_of, plain)
+    def logged(model, rows, logits_of, plain, tails=None):
+        forwards.append((len(logits_of), [len(fed) for _, fed in rows[len(logits_of):]],
+                         [len(fed) for _, fed in rows[:len(logits_of)]]))
+        return packed(model, rows, logits_of, plain, tails)
 
     monkeypatch.setattr(chat.runner, "packed_step", logged)
     consumer = Consumer(runner, runner.send("Talk for a while.", max_new_tokens=PAUSES_AT_THIRD_TOKEN,
@@ -301,15 +303,62 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, 
     assert consumer.error is None and late.error is None
     after = forwards[arrived:]
     prompt_length = newcomer.stats.prompt_tokens
-    first_joint = next(i for i, (decoding, _) in enumerate(after) if decoding == 2)
+    first_joint = next(i for i, (decoding, _, _) in enumerate(after) if decoding == 2)
     prefill_phase = after[:first_joint]
-    pieces = [tokens for _, step in prefill_phase for tokens in step]
-    assert len(pieces) >= (prompt_length - 1) // 16 >= 4  # the prompt really needed several chunks
-    assert sum(pieces) <= prompt_length - 1 and all(tokens <= 16 for tokens in pieces)
+    pieces = [tokens for _, step, _ in prefill_phase for tokens in step]
+    assert len(pieces) >= (prompt_length - 1) // 16 - 1 >= 4  # the prompt really needed several chunks
+    assert all(tokens <= 16 for tokens in pieces)
+    # its last piece (a chunk at most) goes with its last prompt token in its first decode row,
+    # its first token chosen in that step (a full-attention cache keeps nothing at that point)
+    rest = prompt_length - newcomer.stats.reused_tokens - sum(pieces)
+    assert 1 < rest <= 17 and after[first_joint][1:] == ([], [1, rest])
     # the runner's token rides in every forward that prefills: it never waits for a chunk
-    assert all(decoding == 1 and len(step) <= 1 for decoding, step in prefill_phase)
+    assert all(decoding == 1 and len(step) <= 1 for decoding, step, _ in prefill_phase)
     check_exact(runner, model, tokenizers[THINKING_TEMPLATE], max_new_tokens=PAUSES_AT_THIRD_TOKEN)
     check_exact(newcomer, model, tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_first_token_comes_from_the_step_that_feeds_the_prompts_end(make_engine, models, tokenizers, monkeypatch,
+                                                                      arch):
+    """#43: every reply's first token took two steps on an idle engine: its prompt up to the last
+    token, then a decode step of that one token. Where the cache keeps nothing at the generation
+    start (every layer full attention: a Regenerate crops back to it), the last piece now goes
+    with that token in the first decode row, whose first token is chosen after it: one step.
+    Where a checkpoint is kept there (sliding windows, recurrent states), the piece still ends
+    there and the token follows. The reply, and a Regenerate, are exact either way."""
+    engine = make_engine(arch, draft="off")
+    conv = engine.conversation()
+    steps: list[tuple[list[int], list[int]]] = []  # per step: tokens of each decode row, of each piece
+    first_token_after: list[int] = []  # steps run when the reply's first token came
+    run, emit = ModelRunner.run, chat.scheduler.GenerationRequest._emit
+
+    def recorded(runner, rows, logits_of, tails=None):
+        rows, logits_of = list(rows), list(logits_of)
+        steps.append(([len(rows[i][1]) for i in logits_of], [len(fed) for i, (_, fed) in enumerate(rows)
+                                                             if i not in logits_of]))
+        return run(runner, rows, logits_of, tails)
+
+    def noted(request, token_id):
+        if request.token_count == 0:
+            first_token_after.append(len(steps))
+        emit(request, token_id)
+
+    monkeypatch.setattr(ModelRunner, "run", recorded)
+    monkeypatch.setattr(chat.scheduler.GenerationRequest, "_emit", noted)
+    list(conv.send("Tell me about the cache, please.", **GREEDY))
+    prompt = conv.stats.prompt_tokens
+    assert conv.stats.reused_tokens == 0 and prompt > 8
+    if arch == "full":
+        assert steps[0] == ([prompt], []) and first_token_after == [1]
+    else:
+        assert steps[:2] == [([], [prompt - 1]), ([1], [])] and first_token_after == [2]
+    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
+    check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW)
+    steps.clear()
+    list(conv.regenerate(**GREEDY))  # back to the generation start: its last token fed again, alone
+    assert steps[0] == ([1], []) and conv.stats.prefilled_tokens == 1
+    check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW)
 
 
 def test_batch_size_is_bounded_and_the_rest_wait_their_turn(make_engine, models, tokenizers):
@@ -422,7 +471,8 @@ def test_a_short_message_behind_a_long_one_is_prefilled_first(make_engine, model
     expected = [short_conv.session, long_conv.session] if order == "shortest" else [long_conv.session,
                                                                                    short_conv.session]
     assert first_tokens == expected
-    assert max(widths) <= 32  # chunked while nobody decoded too
+    # chunked while nobody decoded too (a last piece goes with the prompt's last token: one more)
+    assert max(widths) <= 32 + 1
     monkeypatch.undo()
     for conv in (long_conv, short_conv):
         check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
@@ -435,12 +485,12 @@ def costed_steps(engine, monkeypatch, *, beside_decode_rows: bool) -> list[int]:
     now, pieces, packed = [0.0], [], chat.runner.packed_step
     engine.scheduler.clock = lambda: now[0]
 
-    def costed(model, rows, logits_of, plain):
+    def costed(model, rows, logits_of, plain, tails=None):
         prompt_tokens = sum(len(fed) for _, fed in rows[len(logits_of):])
         now[0] += 10 + 2 * prompt_tokens
         if prompt_tokens and (logits_of or not beside_decode_rows):
             pieces.append(prompt_tokens)
-        return packed(model, rows, logits_of, plain)
+        return packed(model, rows, logits_of, plain, tails)
 
     monkeypatch.setattr(chat.runner, "packed_step", costed)
     return pieces
@@ -523,12 +573,12 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
     forwards, reached, release, ended_after = [0], threading.Event(), threading.Event(), []
     packed = chat.runner.packed_step
 
-    def held(model, rows, logits_of, plain):
+    def held(model, rows, logits_of, plain, tails=None):
         forwards[0] += 1
         if forwards[0] == 1:
             reached.set()
             release.wait(60)
-        return packed(model, rows, logits_of, plain)
+        return packed(model, rows, logits_of, plain, tails)
 
     end = chat.scheduler.GenerationRequest._end
 
