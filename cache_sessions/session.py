@@ -134,7 +134,9 @@ class CacheSession(SegmentedStates):
         reply's first decode step instead of a step of its own, its first token chosen after it
         (as vLLM samples after a prompt's last piece): only where `piece_fed` would keep nothing
         at its end, i.e. it reaches the generation start and every layer crops anywhere (no
-        checkpoint there: regenerate crops back to it), and no shared prefix is stored there."""
+        checkpoint there: regenerate crops back to it), and no shared prefix is stored there. A
+        sliding window needs its checkpoint there: a crop (a refused guess, chat/drafting.py) keeps
+        only a window of what it recorded, so a Regenerate could not crop back that far."""
         held = len(self.token_ids) + len(piece)
         stores_prefix = prefix_store is not None and held == shared_prefix_length < len(prompt_ids)
         return held == len(prompt_ids) - 1 and self.crops_anywhere() and not stores_prefix
