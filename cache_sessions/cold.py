@@ -56,6 +56,7 @@ from typing import Any, BinaryIO, Callable
 import torch
 
 from cache_sessions.states import CacheStates
+from cache_sessions.tensors import filled_bytes
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,6 @@ class ColdStats:
     dropped: int  # files pushed out by the folder's bound (those sessions rebuild)
     writing_bytes: int = 0  # states handed to the writer, still in memory until written
     failed: int = 0  # writes that failed (those sessions rebuild, as after an eviction)
-
-
-def _file_tensor_bytes(session: CacheStates) -> int:
-    """What `session`'s tensors take in its file: each tensor object once, its own elements (a
-    grown buffer's room to grow, counted by `nbytes`, is not written)."""
-    unique = {id(tensor): tensor for tensor in session.tensors()}
-    return sum(tensor.numel() * tensor.element_size() for tensor in unique.values())
 
 
 class _Pickler(pickle.Pickler):
@@ -229,7 +223,9 @@ class ColdStore:
         bound, and the budget evicts instead. A write that fails later loses them (the session
         rebuilds, as after an eviction) and drops no other file."""
         nbytes = session.nbytes()
-        if _file_tensor_bytes(session) > self.max_bytes:
+        # what its file holds: each tensor object once (as the pickler writes it), without the room
+        # a grown buffer keeps to grow, which `nbytes` counts
+        if filled_bytes({id(tensor): tensor for tensor in session.tensors()}.values()) > self.max_bytes:
             return False
         write = _Write(copy.copy(session), nbytes)  # takes its objects: release() gives it new ones
         session.release()  # marks its states lost: what it says if its file is pushed out or fails
@@ -344,7 +340,7 @@ class ColdStore:
         pickler.dump(states)
         structure, tensors = buffer.getvalue(), pickler.tensors
         table = json.dumps([[str(t.dtype), list(t.shape)] for t in tensors]).encode()
-        tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        tensor_bytes = filled_bytes(tensors)
         header = _MAGIC + _HEADER.pack(len(table), tensor_bytes, len(structure))
         size = len(header) + len(table) + tensor_bytes + len(structure) + _DIGEST_BYTES
         if size > self.max_bytes:
