@@ -36,11 +36,18 @@ class ChatEngine:
         `worker`: the compute thread the model was built on, if any (build it there for full CPU speed)."""
         config = replace(config or EngineConfig(), **settings)
         self.config = config
+        worker = worker or ModelWorker()
+        # Timed and converted on the compute thread, as every torch operation of the engine
+        # (chat/worker.py): here, on the caller's thread, their products left that thread an
+        # OpenMP pool of its own for the life of the process, and with more pooled threads than
+        # cores libgomp barely spins between parallel regions, so the model thread's every
+        # region waited on a wake-up: a compiled int8 step at Qwen3-0.6B's shape took 50-58 ms
+        # in the engine against 27-34 ms alone (docs/performance.md).
         # "auto": full or packed, as this host multiplies faster (timed once on the model's own
         # layer: `apply_weight_format` reads the same choice)
-        self.weight_choice = choose_weight_format(model) if config.weights == "auto" else None
+        self.weight_choice = worker.run(choose_weight_format, model) if config.weights == "auto" else None
         self.weights = str(self.weight_choice["chosen"]) if self.weight_choice else config.weights
-        self.model = apply_weight_format(model, config.weights).eval()
+        self.model = worker.run(apply_weight_format, model, config.weights).eval()
         config.kv_cache_kind.check_applies(model)
         # Steps run eager at once; the compiled one takes over when its thread has built it.
         self.compiled = CompiledDecode(self.model, config.compile if config.kv_cache == "dynamic" else "off",
@@ -52,7 +59,7 @@ class ChatEngine:
         cold_store = ColdStore(config.cache_dir, config.cache_dir_bytes) if config.cache_dir else None
         if cold_store is not None:
             weakref.finalize(self, cold_store.close)  # its files go with the engine, or at exit
-        scheduler = DecodeScheduler(self.model, worker or ModelWorker(), max_batch_size=config.max_batch_size,
+        scheduler = DecodeScheduler(self.model, worker, max_batch_size=config.max_batch_size,
                                     prefill_chunk=config.prefill_chunk,
                                     prefill_chunk_alone=config.prefill_chunk_alone,
                                     prefill_order=config.prefill_order, compiled=self.compiled,

@@ -4,6 +4,8 @@ against plain `generate` on the same quantized model (tests/reference.py), every
 layer mix, alone and batched. `--weights packed` (the fp32 weights in oneDNN's layout): the layer
 against a float64 product, and every operation held to the fp32 references."""
 
+import threading
+
 import pytest
 import torch
 from conftest import THINKING_TEMPLATE
@@ -61,6 +63,32 @@ def test_the_layer_is_the_product_of_int8_weights_and_bf16_inputs(dtype, in_feat
     alone = torch.cat([layer(hidden[row:row + 1]) for row in range(rows)])
     if prompt_kernel == "fp32" or rows <= Int8Linear.KERNEL_ROWS and layer.kernel_fits:
         torch.testing.assert_close(alone.double(), got.double(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("in_features", [96, 36])
+def test_a_compiled_one_row_product_is_the_same_product_of_int8_weights(in_features, monkeypatch):
+    """Traced for one row (the compiled one-row decode step), the layer multiplies through
+    `one_row_product`, the sum inductor fuses: the input as it is (not rounded to bf16) times the
+    int8 weight, within fp32's sum noise of that product in float64, at widths the eager kernel
+    does not take too; and within one bf16 step of the eager layer (whose input is rounded)."""
+    import chat.weights
+    traced = []
+    product = chat.weights.one_row_product
+    monkeypatch.setattr(chat.weights, "one_row_product", lambda *args: traced.append(1) or product(*args))
+    generator = torch.Generator().manual_seed(1)
+    linear = nn.Linear(in_features, 40)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, in_features, generator=generator) * 0.3)
+    layer = Int8Linear(linear)
+    hidden = torch.randn(1, in_features, generator=generator)
+    got = torch.compile(layer, fullgraph=True, dynamic=False)(hidden)
+    assert traced, "the compiled one-row product did not take one_row_product"
+    levels, scales = layer.weight_int8.double(), layer.scales.double()[:, None]
+    expected = hidden.double() @ (levels * scales).T + linear.bias.double()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    eager = layer(hidden)  # the kernel (or, at 36, the prompt path): the input rounded to bf16
+    magnitudes = hidden.double().abs() @ (levels * scales).abs().T
+    assert ((eager.double() - got.double()).abs() <= 2**-7 * magnitudes + 1e-5).all()
 
 
 def quantized_model(arch, tokenizer):
@@ -264,3 +292,24 @@ def test_auto_leaves_a_head_tied_to_the_embedding_shared(tokenizers, monkeypatch
     check_exact(conv, tied, tokenizer, max_new_tokens=MAX_NEW)
     by_name = apply_weight_format(build_named("demo", len(tokenizer), end), "packed")
     assert isinstance(by_name.get_output_embeddings(), PackedLinear)
+
+
+@pytest.mark.parametrize("weights", ["auto", "int8"])
+def test_the_engine_times_and_converts_its_weights_on_its_compute_thread(tokenizers, monkeypatch, weights):
+    """Every torch operation of an engine runs on its compute thread (chat/worker.py), the weights'
+    timing and conversion too: run on the caller's thread, their parallel products left that thread
+    an OpenMP pool for the life of the process, and with more pooled threads than cores libgomp
+    stops spinning between parallel regions, which made the model thread's steps 1.5-2x slower."""
+    import chat.engine
+
+    threads: list[str] = []
+    for name in ("choose_weight_format", "apply_weight_format"):
+        original = getattr(chat.engine, name)
+        monkeypatch.setattr(chat.engine, name, lambda *args, original=original, **kwargs: (
+            threads.append(threading.current_thread().name), original(*args, **kwargs))[1])
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    engine = ChatEngine(build_model("full", len(tokenizer), None), tokenizer, weights=weights)
+    assert len(threads) == (2 if weights == "auto" else 1)
+    caller = threading.current_thread().name
+    assert engine.runtime.scheduler.worker is not None
+    assert all(name.startswith("model-") and name != caller for name in threads), threads  # ModelWorker's threads
