@@ -37,12 +37,8 @@ class ChatEngine:
         config = replace(config or EngineConfig(), **settings)
         self.config = config
         worker = worker or ModelWorker()
-        # Timed and converted on the compute thread, as every torch operation of the engine
-        # (chat/worker.py): here, on the caller's thread, their products left that thread an
-        # OpenMP pool of its own for the life of the process, and with more pooled threads than
-        # cores libgomp barely spins between parallel regions, so the model thread's every
-        # region waited on a wake-up: a compiled int8 step at Qwen3-0.6B's shape took 50-58 ms
-        # in the engine against 27-34 ms alone (docs/performance.md).
+        # Timed and converted on the compute thread, as every torch operation of the engine:
+        # on the caller's thread they slowed every later step (chat/worker.py says why).
         # "auto": full or packed, as this host multiplies faster (timed once on the model's own
         # layer: `apply_weight_format` reads the same choice)
         self.weight_choice = worker.run(choose_weight_format, model) if config.weights == "auto" else None
