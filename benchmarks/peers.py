@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from benchmarks.models import VOCAB, Words, build_bench_tokenizer
-from benchmarks.report import publish, target_table
+from benchmarks.report import cpu_flags, publish, target_table
 from cache_sessions.compiled import COMPILE_MODES
 from chat import ChatEngine
 from chat.models import build_model, parameter_count
@@ -236,6 +236,7 @@ def run(args: argparse.Namespace) -> dict:
             "parameters": parameters(),
             "config": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
+            "cpu_flags": cpu_flags(),
             "command": "python -m benchmarks.peers " + " ".join(sys.argv[1:])}
 
 

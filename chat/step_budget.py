@@ -12,6 +12,24 @@ a newcomer waits behind. Before any step with both was timed, a token's cost is 
 from prefills that ran alone (dearer per token than beside a decode step, at small chunks: a
 safe first guess; at Qwen3-0.6B's shape the cap's 64 tokens held the first mixed step ~2 s);
 with neither, the cap.
+
+A step that carries prompt tokens costs more than their share even when they are few: it runs
+eagerly where a step of decode rows alone runs a compiled graph, and at int8 a few more rows
+re-read the weights. Charging that fixed part to the tokens, as a cost per token measured from
+small pieces did, shrank the next piece, which made the charge per token larger again: at
+Qwen3-0.6B's shape with int8 weights, four rows decoding beside four waiting prompts, the pieces
+fell 12, 8, 6, 4, 3, 2 to 1 token a step (a token "cost" 48 ms against the 14.5 ms one-row
+decode step it was compared with) and the four prompts waited until the rows beside them had
+finished (docs/performance.md, "Prompt pieces that do not starve"). While the fixed part is within the
+allowance, the budget that keeps a step within it converges to where a line's would (a few
+tokens fewer each step until it does); past it, there is no such point. So the budget watches for
+that: steps with prefill are also fitted as a line (least squares over recent steps,
+exponentially weighted) over the decode step of as many rows as they carry (each row count timed
+on its own), and once a piece of `SMALL_PIECE` tokens or fewer has added more than the allowance
+(the bound cannot be kept at any size), a piece is as large as makes that fixed part at most half
+of what the step adds: a step that breaks the bound anyway should move the prompt, not feed it a
+token at a time. (The fitted fixed part alone would decide too soon: with pieces of a few dozen
+tokens its noise put a streaming user's worst gap at 5.7x its median, against 3.9x.)
 """
 
 from __future__ import annotations
@@ -22,6 +40,39 @@ DEFAULT_ALONE_STEP_S = 2.0  # a prefill step with no row decoding: what a messag
 # benchmarks/results/fairness-qwen3-0.6b-alone*.json)
 MIN_ALONE_TOKENS = 32  # (below that a step's fixed cost, reading the weights, outweighs its tokens)
 _WEIGHT = 0.25  # of the newest sample in each moving average
+_FIT_WEIGHT = 0.1  # of the newest step in the fit of steps with prefill (slower: it needs pieces of several sizes)
+SMALL_PIECE = 2  # a piece this small that still breaks the allowance: the fixed part is past it
+_FIT_SPREAD = 1.0  # the least variance of the fitted steps' token counts (tokens squared) for a slope of its own
+
+
+class _LineFit:
+    """Exponentially weighted least squares of a step's added seconds against its prompt tokens:
+    a fixed part and a cost per token. With pieces all of one size there is no slope to fit, and
+    the last line fitted stands."""
+
+    def __init__(self) -> None:
+        self.weight = self.tokens = self.seconds = self.tokens_sq = self.cross = 0.0
+        self.last: tuple[float, float] | None = None
+
+    def add(self, tokens: int, seconds: float) -> None:
+        keep = 1 - _FIT_WEIGHT if self.weight else 0.0
+        self.weight = keep * self.weight + 1
+        self.tokens = keep * self.tokens + tokens
+        self.seconds = keep * self.seconds + seconds
+        self.tokens_sq = keep * self.tokens_sq + tokens * tokens
+        self.cross = keep * self.cross + tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds a token): fitted now, else the last line fitted, else None."""
+        if self.weight:
+            mean_tokens, mean_seconds = self.tokens / self.weight, self.seconds / self.weight
+            spread = self.tokens_sq / self.weight - mean_tokens ** 2
+            if spread >= _FIT_SPREAD:
+                slope = (self.cross / self.weight - mean_tokens * mean_seconds) / spread
+                fixed = mean_seconds - slope * mean_tokens
+                if slope > 0 and fixed >= 0:
+                    self.last = (fixed, slope)
+        return self.last
 
 
 class StepBudget:
@@ -34,8 +85,10 @@ class StepBudget:
         if alone_step_s is not None and not alone_step_s > 0:
             raise ValueError("alone_step_s must be above 0 seconds (or None)")
         self.gap_factor, self.alone_step_s = gap_factor, alone_step_s
-        self.decode_s: float | None = None  # a step with decode rows only
-        self.token_s: float | None = None  # what one prompt token adds to a step with decode rows
+        self.decode_steps: dict[int, float] = {}  # a step of decode rows only, by its rows
+        self.token_s: float | None = None  # what one prompt token adds to a step with decode rows (through zero)
+        self.mixed = _LineFit()  # the same steps as a line: a fixed part and a cost per token
+        self.small_piece_s: float | None = None  # what a piece of at most SMALL_PIECE tokens added
         self.alone_token_s: float | None = None  # a prompt token in a step with no decode rows
 
     def record(self, seconds: float, decode_rows: int, prompt_tokens: int) -> None:
@@ -45,9 +98,22 @@ class StepBudget:
                 self.alone_token_s = _average(self.alone_token_s, seconds / prompt_tokens)
             return
         if not prompt_tokens:
-            self.decode_s = _average(self.decode_s, seconds)
-        elif self.decode_s is not None:
-            self.token_s = _average(self.token_s, max(0.0, seconds - self.decode_s) / prompt_tokens)
+            self.decode_steps[decode_rows] = _average(self.decode_steps.get(decode_rows), seconds)
+            return
+        decode_s = self.decode_s(decode_rows)
+        if decode_s is not None:
+            added = max(0.0, seconds - decode_s)
+            self.token_s = _average(self.token_s, added / prompt_tokens)
+            self.mixed.add(prompt_tokens, added)
+            if prompt_tokens <= SMALL_PIECE:
+                self.small_piece_s = _average(self.small_piece_s, added)
+
+    def decode_s(self, rows: int = 1) -> float | None:
+        """A step of `rows` decode rows alone: as timed, else the nearest row count timed (fewer
+        first), else None."""
+        if not self.decode_steps:
+            return None
+        return self.decode_steps[min(self.decode_steps, key=lambda timed: (abs(timed - rows), timed))]
 
     def alone_tokens(self, cap: int) -> int:
         """This step's prompt tokens when no row decodes: as many as fit in `alone_step_s`, the longest a
@@ -59,20 +125,29 @@ class StepBudget:
         step_s = self.alone_step_s
         if step_s is None or self.gap_factor is None:
             return cap
-        if self.token_s and self.decode_s is not None:
-            fitting = (step_s - self.decode_s) / self.token_s
+        decode_s = self.decode_s(1)
+        if self.token_s and decode_s is not None:
+            fitting = (step_s - decode_s) / self.token_s
         elif self.alone_token_s:
             fitting = step_s / self.alone_token_s
         else:
             fitting = MIN_ALONE_TOKENS  # a small first step, timed, then sized
         return max(min(cap, MIN_ALONE_TOKENS), min(cap, int(fitting)))
 
-    def tokens(self, cap: int) -> int:
-        """This step's prompt tokens while others decode."""
-        token_s = self.token_s or self.alone_token_s
-        if self.gap_factor is None or self.decode_s is None or not token_s:
+    def tokens(self, cap: int, decode_rows: int = 1) -> int:
+        """This step's prompt tokens beside `decode_rows` decoding, between 1 and `cap`: as many
+        as keep the step within `gap_factor` decode steps of those rows; or, where a small piece
+        already added more than that allows, as many as make that fixed part at most half of
+        what the step adds (at the fitted cost of a token)."""
+        decode_s, token_s = self.decode_s(decode_rows), self.token_s or self.alone_token_s
+        if self.gap_factor is None or decode_s is None or not token_s:
             return cap
-        return max(1, min(cap, int((self.gap_factor - 1) * self.decode_s / token_s)))
+        allowed = (self.gap_factor - 1) * decode_s
+        if self.small_piece_s is not None and self.small_piece_s > allowed:
+            line = self.mixed.fit()
+            per_token = line[1] if line else self.alone_token_s or token_s
+            return max(1, min(cap, int(self.small_piece_s / per_token)))
+        return max(1, min(cap, int(allowed / token_s)))
 
 
 def _average(old: float | None, new: float) -> float:

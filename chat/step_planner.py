@@ -132,7 +132,8 @@ class StepPlanner:
                 prepared=counters.prepared, steps=counters.steps, guessed=counters.guessed,
                 guesses_taken=counters.guesses_taken, joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
-                packed=packed, prompt_tokens_per_step=self.step_budget.tokens(self.prefill_chunk))
+                packed=packed,
+                prompt_tokens_per_step=self.step_budget.tokens(self.prefill_chunk, max(1, len(requests.decoding))))
 
     def plan(self, clock: Callable[[], float], graph_ready: Callable[[int], bool]) -> StepPlan:
         """Who leaves (stopped wherever they wait), who is admitted, this step's prompt pieces
@@ -158,7 +159,7 @@ class StepPlanner:
         wait for its turn at the budget, which could be after another user's whole prompt: its
         Stop did nothing meanwhile)."""
         if self.requests.decoding:
-            budget = self.step_budget.tokens(self.prefill_chunk)
+            budget = self.step_budget.tokens(self.prefill_chunk, len(self.requests.decoding))
         else:
             budget = self.step_budget.alone_tokens(self.prefill_chunk_alone)
         full_budget, pieces = budget, []

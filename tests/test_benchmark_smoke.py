@@ -163,6 +163,23 @@ def test_first_token_benchmark_writes_the_documented_fields(tmp_path):
         assert summary["later_turns_prefilled_tokens"] > 0 and summary["stream_worst_over_median_alone"] > 0
 
 
+def test_api_decode_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.api_decode import main as api_decode
+
+    out = tmp_path / "api-decode.json"
+    result = api_decode(["--model", "tiny-full", "--lengths", "60,120", "--new-tokens", "6", "--repeats", "2",
+                         "--message-words", "30", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert written["cpu_flags"] and [row["prompt_tokens"] for row in written["lengths"]] == \
+        [row["prompt_tokens"] for row in result["lengths"]]
+    first, second = written["lengths"]
+    assert 60 <= first["prompt_tokens"] < second["prompt_tokens"] and second["prompt_tokens"] >= 120
+    for row in written["lengths"]:
+        assert len(row["api_tokens_per_s"]) == len(row["bare_tokens_per_s"]) == 2
+        assert min(row["api_tokens_per_s"] + row["bare_tokens_per_s"]) > 0
+    assert written["targets"][0][1].endswith("x")
+
+
 def test_outlier_channels_keep_the_fp32_function_and_the_exactness_run_holds(monkeypatch):
     """`benchmarks/exactness.py`: the outlier channels it puts in change the activations, not the
     fp32 model's logits (against the model before, a from-scratch forward each); one mode's run

@@ -640,3 +640,27 @@ def test_a_client_holding_every_row_gives_one_to_another_client_at_once(make_eng
     for conv in hog:
         check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=80)
     check_exact(other, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
+
+
+def test_a_step_budget_does_not_starve_prompts_when_a_step_with_prefill_has_a_fixed_cost():
+    """A step with prefill runs eagerly where decode rows alone run a compiled graph: it costs a
+    fixed part more, whatever its tokens. Charged to the tokens, that part shrank each piece
+    until prompts were fed a token a step (measured at Qwen3-0.6B's shape, int8: 12, 8, 6, 4, 3,
+    2, 1). On a made-up clock with that shape of cost (one decode row alone 14.5 ms, four 35 ms;
+    four rows with a piece 62 ms and 3 ms a prompt token), the budget settles where a step adds
+    where a step adds its fixed part twice, and four 45-token prompts are fed in a few steps, not
+    one token a step (101 steps before)."""
+    budget = StepBudget(3.0)
+    budget.record(0.0145, decode_rows=1, prompt_tokens=0)
+    step_s = lambda tokens: 0.062 + 0.003 * tokens  # noqa: E731  (four decode rows beside `tokens`)
+    pieces, owed = [], 4 * 45
+    while owed > 0 and len(pieces) < 200:
+        piece = min(owed, budget.tokens(64, decode_rows=4))
+        budget.record(step_s(piece), decode_rows=4, prompt_tokens=piece)
+        pieces.append(piece)
+        owed -= piece
+    assert owed <= 0 and len(pieces) <= 16, pieces
+    small = next(index for index, piece in enumerate(pieces) if piece <= 2)  # found out by a small piece
+    assert small <= 8 and min(pieces[small + 1:-1]) >= 12, pieces  # then never a token at a time
+    fixed, token_s = budget.mixed.fit()
+    assert abs(token_s - 0.003) < 1e-4 and abs(fixed - (0.062 - 0.0145)) < 2e-3  # the clock's own line
