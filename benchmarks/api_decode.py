@@ -20,7 +20,6 @@ at Qwen3-0.6B's shape with int8 weights, where the compiled step alone was 1.47x
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import platform
 import statistics
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks.models import Words, build_bench_tokenizer
-from benchmarks.report import TokenClock, cpu_flags, decode_rate, publish, target_table
+from benchmarks.report import bare_generate_rate, cpu_flags, publish, target_table
 from chat import ChatEngine
 from chat.drafting import DRAFT_MODES
 from chat.models import build_model
@@ -40,18 +39,6 @@ from chat.worker import ModelWorker
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 TARGET = 1.35  # issue #43: int8 decode at one user through the public API over a bare eager loop
-
-
-@torch.no_grad()
-def bare_rate(model: Any, conv: Any, prompt: list[int], new_tokens: int) -> float:
-    """`generate` on a copy of the conversation's cache, prepared as the session would (it holds
-    `prompt[:-1]`); tokens/s between the first and the last streamed token."""
-    session = copy.deepcopy(conv.session, memo={id(model): model})
-    session.prepare(prompt)
-    clock, ids = TokenClock(), torch.tensor([prompt])
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=session.cache,
-                   max_new_tokens=new_tokens, do_sample=False, streamer=clock)
-    return decode_rate(clock.times)
 
 
 def grow(conv: Any, words: Words, history: int, message_words: int) -> None:
@@ -80,7 +67,7 @@ def run(args: argparse.Namespace) -> dict:
         for repeat in range(args.repeats):
             for way in ("bare", "api") if repeat % 2 == 0 else ("api", "bare"):
                 if way == "bare":
-                    bare.append(engine.worker.run(bare_rate, model, conv, prompt, args.new_tokens))
+                    bare.append(engine.worker.run(bare_generate_rate, model, conv.session, prompt, args.new_tokens))
                 else:
                     for _ in conv.regenerate(max_new_tokens=args.new_tokens, do_sample=False):
                         pass

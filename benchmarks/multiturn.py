@@ -32,7 +32,7 @@ from benchmarks.models import (
     parameter_count,
     script_think_block,
 )
-from benchmarks.report import TokenClock, decode_rate, peak_rss_bytes, publish, target_table
+from benchmarks.report import TokenClock, bare_generate_rate, decode_rate, peak_rss_bytes, publish, target_table
 from cache_sessions import common_prefix_length
 from chat import ChatEngine
 from chat.loading import load_model_and_tokenizer
@@ -187,23 +187,12 @@ class Bench:
                            "naive_prefilled_tokens": naive.prefilled_tokens}
         return results
 
-    @torch.no_grad()
-    def _bare_decode(self, conv: Any, prompt: list[int], new_tokens: int) -> float:
-        """Plain `generate` on a copy of the session's cache, prepared as the session would."""
-        before = copy.deepcopy(conv.session, memo={id(self.model): self.model})
-        before.prepare(prompt)  # the cache holds prompt[:-1]
-        clock = TokenClock()
-        ids = torch.tensor([prompt])
-        self.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=before.cache,
-                            max_new_tokens=new_tokens, do_sample=False, streamer=clock)
-        return decode_rate(clock.times)
-
     def decode(self, conv: Any, new_tokens: int, repeats: int) -> dict:
         """Tokens/s of the session against bare `generate` on the same cache and prompt."""
         session_rates, bare_rates = [], []
         prompt = self.engine.template.render(conv.messages[:-1]).ids
         for _ in range(repeats):
-            bare_rates.append(self.engine.worker.run(self._bare_decode, conv, prompt, new_tokens))
+            bare_rates.append(self.engine.worker.run(bare_generate_rate, self.model, conv.session, prompt, new_tokens))
             timing, _ = self.session(conv.regenerate(max_new_tokens=new_tokens, do_sample=False), conv)
             session_rates.append(timing.decode_tokens_per_s)
         return {"new_tokens": new_tokens, "session_tokens_per_s": statistics.median(session_rates),

@@ -3,12 +3,13 @@ and writing the result."""
 
 from __future__ import annotations
 
+import copy
 import json
 import resource
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers.generation.streamers import BaseStreamer
@@ -32,6 +33,18 @@ class TokenClock(BaseStreamer):
 
 def decode_rate(times: list[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+
+
+@torch.no_grad()
+def bare_generate_rate(model: torch.nn.Module, session: Any, prompt: list[int], new_tokens: int) -> float:
+    """Plain `generate` (greedy) on a copy of `session`'s cache, prepared as the session would (it
+    then holds `prompt[:-1]`): the tokens/s a bare loop of the same model decodes at there."""
+    copied = copy.deepcopy(session, memo={id(model): model})
+    copied.prepare(prompt)
+    clock, ids = TokenClock(), torch.tensor([prompt])
+    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=copied.cache,
+                   max_new_tokens=new_tokens, do_sample=False, streamer=clock)
+    return decode_rate(clock.times)
 
 
 def cpu_flags() -> str:

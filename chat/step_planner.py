@@ -133,7 +133,7 @@ class StepPlanner:
                 guesses_taken=counters.guesses_taken, joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
                 packed=packed,
-                prompt_tokens_per_step=self.step_budget.tokens(self.prefill_chunk, max(1, len(requests.decoding))))
+                prompt_tokens_per_step=self.step_budget.tokens(self.prefill_chunk, len(requests.decoding)))
 
     def plan(self, clock: Callable[[], float], graph_ready: Callable[[int], bool]) -> StepPlan:
         """Who leaves (stopped wherever they wait), who is admitted, this step's prompt pieces

@@ -648,7 +648,7 @@ def test_a_step_budget_does_not_starve_prompts_when_a_step_with_prefill_has_a_fi
     until prompts were fed a token a step (measured at Qwen3-0.6B's shape, int8: 12, 8, 6, 4, 3,
     2, 1). On a made-up clock with that shape of cost (one decode row alone 14.5 ms, four 35 ms;
     four rows with a piece 62 ms and 3 ms a prompt token), the budget settles where a step adds
-    where a step adds its fixed part twice, and four 45-token prompts are fed in a few steps, not
+    its fixed part twice, and four 45-token prompts are fed in a few steps, not
     one token a step (101 steps before)."""
     budget = StepBudget(3.0)
     budget.record(0.0145, decode_rows=1, prompt_tokens=0)
