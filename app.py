@@ -313,12 +313,12 @@ def serve(demo: gr.Blocks, config: AppConfig, extra_routes: list[Any], middlewar
                                                *middleware],
                                 "routes": extra_routes,
                                 "max_body_size": int(config.max_request_mb * 2**20)})  # larger: 413, unread
-    except KeyboardInterrupt:  # stopped while starting
+        waiting.alive = lambda event_id: event_id in demo._queue.event_ids_to_events  # queued, not yet ended
+        print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",
+              flush=True)
+    except KeyboardInterrupt:  # stopped while starting, until `block_thread` takes over the Ctrl-C
         demo.close()
         return 0
-    waiting.alive = lambda event_id: event_id in demo._queue.event_ids_to_events  # queued, not yet ended
-    print(f"rewind-chat: open {demo.local_url} (health: {demo.local_url}healthz, metrics: {demo.local_url}metrics)",
-          flush=True)
     demo.block_thread()
     return 0
 
