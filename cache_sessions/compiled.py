@@ -381,6 +381,7 @@ class CompiledDecode:
         if self.store is None:
             self.store = default_store()
         self.store_refused = trusted_inductor_cache()
+        trace_inductors_placeholder()
         self._thread = threading.Thread(target=self._warm_beside, name="compile-decode-step", daemon=True)
         self._thread.start()
 
@@ -422,6 +423,23 @@ class CompiledDecode:
             log.warning("decode step not compiled: %s", self.error)
         finally:
             self._all_ready.set()
+
+
+def trace_inductors_placeholder() -> None:
+    """Have inductor trace its placeholder graph here, before the compiling thread starts.
+
+    Lowering a graph, inductor builds one placeholder with `torch.fx.symbolic_trace`, once a process
+    (`InterpreterShim._dummy_gm`, cached). While it traces, `torch.nn.Module.__call__` is patched for
+    the whole process, and an eager step running on the loop at that moment fails with "NameError:
+    module is not installed as a submodule" (a cold start's replies failed so, 2 runs in 15). Traced
+    here it is never traced on the compiling thread. torch's later tracers (make_fx) patch too, but
+    their patched call runs the module as it is."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+        InterpreterShim._dummy_gm()
+    except (ImportError, AttributeError) as error:  # another torch: the race may be back, say so
+        log.warning("inductor's placeholder graph not traced ahead (%s): an eager step may fail "
+                    "while the first graph lowers", error)
 
 
 def _lower_thread_priority(nice: int) -> str:

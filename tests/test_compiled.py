@@ -242,6 +242,34 @@ def test_a_ready_graph_serves_while_another_is_being_built(base_tokenizer):
     assert other.wait(0) and other.error is None and ready.error is None
 
 
+def test_no_tracer_that_patches_every_modules_call_runs_on_the_compiling_thread(base_tokenizer, tmp_path,
+                                                                               monkeypatch):
+    """While `torch.fx.symbolic_trace` traces, `nn.Module.__call__` is patched for the whole
+    process and an eager step on the loop fails ("module is not installed as a submodule"); inductor
+    traces one such placeholder when it first lowers a graph. It must be traced before the compiling
+    thread starts, so a cold start's eager replies never meet it. Lowered for real here: inductor's
+    caches off and the placeholder forgotten, as in a fresh process."""
+    from torch._inductor.loop_body import InterpreterShim
+
+    traced_on: list[str] = []
+    original = torch.fx.Tracer.trace
+
+    def recording(tracer, *args, **kwargs):
+        if type(tracer).call_module is torch.fx.Tracer.call_module:  # make_fx's tracers run modules as they are
+            traced_on.append(threading.current_thread().name)
+        return original(tracer, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.Tracer, "trace", recording)
+    InterpreterShim._dummy_gm.cache_clear()
+    model = build_model("full", len(base_tokenizer), None)
+    compiled = CompiledDecode(model, "on", max_rows=1, store=tmp_path / "steps")
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled.start()
+        assert compiled.wait(WAIT_S) and compiled.error is None
+    assert compiled.loaded == set()  # compiled, not loaded: the graph was lowered
+    assert traced_on and "compile-decode-step" not in traced_on, traced_on
+
+
 def test_every_operation_of_a_compiled_engine_is_exact(tokenizers):
     tokenizer = tokenizers[THINKING_TEMPLATE]
     model = build_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
