@@ -13,6 +13,10 @@ reply tokens a second, and each mode's ratio to off.
   as a reply that restates code or text does: guessed from the prompt by its n-grams.
 - **fresh**: a new message answered freely: random weights repeat little of anything, so this is
   what guessing costs where it finds nothing (auto's probes and the lookups).
+- **right**: the same fresh reply, every step guessing the next 8 tokens of the reply
+  drafting-off gives: every guess right by construction, where a Retry's can part from the
+  version it replaces (with int8 weights the first reply's first token came from a step of the
+  whole prompt, the Retry's from a step of one token: other roundings).
 - **wrong**: the same fresh reply, every step guessing 8 tokens of which the first is wrong (the
   reply drafting-off gives says what is right): what wrong guesses cost, and how fast auto stops.
 - **demo** (`--demo N`): the trained demo model on N of its held-out conversations (chat/assets;
@@ -50,7 +54,7 @@ from chat import ChatEngine
 from chat.drafting import DRAFT_MODES
 from chat.models import build_model, parameter_count, script_reply
 
-SCENARIOS = ("retry", "retry-sampled", "quote", "fresh", "wrong")
+SCENARIOS = ("retry", "retry-sampled", "quote", "fresh", "right", "wrong")
 
 
 def timed_reply(stream) -> tuple[float, int]:
@@ -63,15 +67,18 @@ def timed_reply(stream) -> tuple[float, int]:
 
 
 @contextmanager
-def guessing_wrong(truth: list[int], vocabulary: int) -> Iterator[None]:
-    """Every guess a wrong first token (the one after the right one), then more of it."""
+def guessing_from(truth: list[int], vocabulary: int, right: bool) -> Iterator[None]:
+    """Every guess what `truth` has next (`right`), or a wrong first token (the one after the
+    right one) then more of it."""
     own = chat.drafting.Drafter.propose
 
-    def wrong(self, sequence, limit):
-        right = truth[len(sequence)] if len(sequence) < len(truth) else 0
-        return [(right + 1) % vocabulary] * limit
+    def from_truth(self, sequence, limit):
+        if right:
+            return truth[len(sequence):len(sequence) + limit]
+        token = truth[len(sequence)] if len(sequence) < len(truth) else 0
+        return [(token + 1) % vocabulary] * limit
 
-    chat.drafting.Drafter.propose = wrong
+    chat.drafting.Drafter.propose = from_truth
     try:
         yield
     finally:
@@ -80,9 +87,9 @@ def guessing_wrong(truth: list[int], vocabulary: int) -> Iterator[None]:
 
 def one_reply(model, tokenizer, mode: str, scenario: str, tokens: int, passage: str, compile: str,
               weights: str, truth: list[int] | None = None) -> dict:
-    if scenario == "wrong":
+    if scenario in ("right", "wrong"):
         assert truth is not None
-        with guessing_wrong(truth, len(tokenizer)):
+        with guessing_from(truth, len(tokenizer), right=scenario == "right"):
             return one_reply(model, tokenizer, mode, "fresh", tokens, passage, compile, weights)
     engine = ChatEngine(model, tokenizer, draft=mode, compile=compile, weights=weights)
     conversation = engine.conversation("You are a helpful assistant.")
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     cells: dict[str, dict[str, list[dict]]] = {}
     scenarios = args.scenarios.split(",")
     truth = None
-    if "wrong" in scenarios:  # the fresh reply, as drafting-off gives it: what "right" is
+    if {"right", "wrong"} & set(scenarios):  # the fresh reply, as drafting-off gives it: what is right
         truth = one_reply(model, tokenizer, "off", "fresh", args.tokens, passage, args.compile, args.weights)["sequence"]
     for repeat in range(args.repeats):
         modes = DRAFT_MODES[repeat % 3:] + DRAFT_MODES[:repeat % 3]  # rotating order

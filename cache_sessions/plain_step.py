@@ -75,20 +75,27 @@ def layer_windows(model: PreTrainedModel) -> list[int | None]:
 
 def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span],
                keys: Sequence[torch.Tensor | None], values: Sequence[torch.Tensor | None], logits_at: torch.Tensor,
-               windows: Sequence[DynamicSlidingWindowLayer | None] = ()) -> torch.Tensor:
+               windows: Sequence[DynamicSlidingWindowLayer | None] = (), alone: Sequence[int] = ()) -> torch.Tensor:
     """`model`'s decoder on the packed `tokens` (at `positions`, both shaped (tokens,)); row r
     feeds `tokens[start:end]` of `spans[r] = (start, end, held)`. At a full-attention layer it
     writes the keys and values at positions held..held + (end - start) of its buffers
     (`keys[r * layers + layer]`, with room for them) and attends to their first held + (end -
     start) positions; at a sliding one it hands them to `windows[r * layers + layer]` and attends
     to what that returns. The logits after the tokens at `logits_at` (indices into `tokens`),
-    shaped (len(logits_at), vocab)."""
+    shaped (len(logits_at), vocab).
+
+    The last `alone[r]` tokens of row r (guesses being verified) each attend as a decode row of
+    their own would, one call each over the states up to them, the rest of the row as it would
+    alone: the step then gives them the bits decoding them one step at a time gives, where every
+    other operation gives a row the same bits whatever rows are beside it (int8 weights:
+    chat/runner.py). One call for the row instead rounds another way (its kernel blocks the
+    queries otherwise), and with bf16 products a near-tie then goes the other way."""
     core, config = model.model, model.config
     layers, windowed = len(core.layers), layer_windows(model)
     hidden = core.embed_tokens(tokens)[None]
     cos, sin = core.rotary_emb(hidden, positions[None])
     masks = _causal_masks(spans, tokens.device)
-    window_masks: dict[tuple[int, int], torch.Tensor | None] = {}
+    window_masks: dict[tuple[int, int], torch.Tensor | None] = {}  # by row and first token of a call
     softcap = getattr(config, "attn_logit_softcapping", None)
     count = tokens.shape[0]
     for index, layer in enumerate(core.layers):
@@ -110,18 +117,25 @@ def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Te
                 row_keys, row_values = keys[slot], values[slot]
                 row_keys.index_copy_(2, positions[start:end], key[:, :, start:end])
                 row_values.index_copy_(2, positions[start:end], value[:, :, start:end])
-                row_keys, row_values = row_keys[:, :, :held + length], row_values[:, :, :held + length]
-                mask = masks[row]
+                kept = held  # states before the row's first token
             else:
                 row_keys, row_values = windows[slot].update(key[:, :, start:end], value[:, :, start:end])
-                stored = row_keys.shape[2]
-                if (row, stored) not in window_masks:
-                    window_masks[row, stored] = _window_mask(held, length, stored, window, tokens.device)
-                mask = window_masks[row, stored]
-            stacked = query[:, :, start:end].reshape(1, kv_heads, groups * length, attention.head_dim)
-            output = _attend(stacked, row_keys, row_values, None if mask is None else mask.repeat(groups, 1),
-                             attention.scaling, softcap)
-            outputs.append(output.reshape(heads, length, -1).transpose(0, 1).reshape(length, -1))
+                kept = row_keys.shape[2] - length
+            for first, width in _attention_calls(length, alone[row] if row < len(alone) else 0):
+                seen = kept + first + width  # the states up to the call's last query
+                if window is None:
+                    mask = masks[row] if width == length else None if width == 1 else masks[row][:width, :seen]
+                    since = 0
+                else:  # as this layer would hold them then: window - 1 states kept after each update
+                    since = max(0, kept + first - (window - 1)) if first else 0
+                    if (row, first) not in window_masks:
+                        window_masks[row, first] = _window_mask(held + first, width, seen - since, window, tokens.device)
+                    mask = window_masks[row, first]
+                stacked = query[:, :, start + first:start + first + width].reshape(
+                    1, kv_heads, groups * width, attention.head_dim)
+                output = _attend(stacked, row_keys[:, :, since:seen], row_values[:, :, since:seen],
+                                 None if mask is None else mask.repeat(groups, 1), attention.scaling, softcap)
+                outputs.append(output.reshape(heads, width, -1).transpose(0, 1).reshape(width, -1))
         mixed = attention.o_proj(torch.cat(outputs)[None])
         if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma2: a norm after attention, two around the MLP
             hidden = hidden + layer.post_attention_layernorm(mixed)
@@ -132,6 +146,13 @@ def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Te
     logits = model.lm_head(core.norm(hidden[:, logits_at]))[0]
     final_cap = getattr(config, "final_logit_softcapping", None)
     return logits if final_cap is None else torch.tanh(logits / final_cap) * final_cap
+
+
+def _attention_calls(length: int, alone: int) -> list[tuple[int, int]]:
+    """A row's attention calls, (first token, tokens) within the row: its tokens but the last
+    `alone` together, then each of those by itself."""
+    together = length - alone
+    return ([(0, together)] if together else []) + [(first, 1) for first in range(together, length)]
 
 
 def _causal_masks(spans: Sequence[Span], device: torch.device) -> list[torch.Tensor | None]:
@@ -234,16 +255,17 @@ def logit_places(spans: Sequence[Sequence[int]], logits_of: Sequence[int], tails
 
 @torch.no_grad()
 def run_plain(model: PreTrainedModel, rows: Sequence[tuple[Any, Sequence[int]]], logits_of: Sequence[int],
-              tails: Sequence[int] | None = None) -> torch.Tensor:
+              tails: Sequence[int] | None = None, alone: Sequence[int] = ()) -> torch.Tensor:
     """Feed each session its tokens through `plain_step` (rows whose states `takes_states`); the
-    logits `logit_places` reads, in that order, as `forward_rows` returns them. The ledgers are
-    the caller's; if this raises, a row's buffers may hold part of the step past what they say
-    they hold (nothing reads it)."""
+    logits `logit_places` reads, in that order, as `forward_rows` returns them; each row's last
+    `alone[r]` tokens attend one by one (`plain_step`). The ledgers are the caller's; if this
+    raises, a row's buffers may hold part of the step past what they say they hold (nothing
+    reads it)."""
     tokens, positions, spans, keys, values, windows = row_inputs(model, rows)
     wanted = logit_places(spans, logits_of, tails)
     device = model.device
     logits = plain_step(model, torch.tensor(tokens, device=device), torch.tensor(positions, device=device), spans,
-                        keys, values, torch.tensor(wanted, dtype=torch.long, device=device), windows)
+                        keys, values, torch.tensor(wanted, dtype=torch.long, device=device), windows, alone)
     for (session, fed), (_, _, held) in zip(rows, spans):
         for layer in session.cache.layers:
             if isinstance(layer, GrowingLayer):

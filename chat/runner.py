@@ -28,16 +28,18 @@ from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.plain_step import plain_refusal, run_plain, takes_states
 from cache_sessions.resident import forward_rows, packs
 from cache_sessions.session import CacheSession
+from chat.weights import products_keep_rows_apart
 
 Row = tuple[CacheSession, list[int]]  # a session and the tokens it feeds this step
 
 
 def packed_step(model: PreTrainedModel, rows: Sequence[Row], logits_of: Sequence[int], plain: bool,
-                tails: Sequence[int] | None = None) -> torch.Tensor:
+                tails: Sequence[int] | None = None, alone: Sequence[int] = ()) -> torch.Tensor:
     """One eager step of every row, packed: the plain step where the model is of its families
-    (`plain`) and every row's states are buffers it writes, else the model's own forward."""
+    (`plain`) and every row's states are buffers it writes (each row's last `alone[r]` tokens
+    attending one by one), else the model's own forward."""
     if plain and takes_states([session for session, _ in rows]):
-        return run_plain(model, rows, logits_of, tails)
+        return run_plain(model, rows, logits_of, tails, alone)
     return forward_rows(model, rows, logits_of, tails)
 
 
@@ -50,6 +52,9 @@ class ModelRunner:
         # Why steps do not run as the plain step (None: they do, where the states allow).
         self.plain_refusal = plain_refusal(model) or (
             None if kv_cache.name == "dynamic" else f"the {kv_cache.name} cache's states are not buffers it writes")
+        # Whether guesses attend one by one: where every product gives a row the same bits
+        # whatever rows are beside it, that makes a greedy reply with guesses the one without.
+        self.guesses_alone = products_keep_rows_apart(model)
 
     def graph_ready(self, rows: int) -> bool:
         """Whether a compiled graph would take a step of `rows` single tokens."""
@@ -67,19 +72,24 @@ class ModelRunner:
         return {"eager": step, "not_plain_because": self.plain_refusal}
 
     @torch.no_grad()
-    def run(self, rows: Sequence[Row], logits_of: Sequence[int], tails: Sequence[int] | None = None
-            ) -> torch.Tensor:
+    def run(self, rows: Sequence[Row], logits_of: Sequence[int], tails: Sequence[int] | None = None,
+            guessed: Sequence[int] = ()) -> torch.Tensor:
         """Feed every row its tokens on its own cache; the logits after every token of the rows
         `logits_of` (indices into `rows`), in that order, or with `tails` only after the last
-        `tails[n]` tokens of the nth of them. The ledgers are the owner's: it notes what was fed,
-        or, if this raises, every row's states may hold part of the step."""
+        `tails[n]` tokens of the nth of them, of which the last `guessed[n]` are guesses to
+        verify. The ledgers are the owner's: it notes what was fed, or, if this raises, every
+        row's states may hold part of the step."""
         rows, logits_of = list(rows), list(logits_of)
+        alone = [0] * len(rows)
+        if self.guesses_alone:
+            for index, count in zip(logits_of, guessed):
+                alone[index] = count
         if self.compiled is not None and self.compiled.takes(rows, logits_of):  # one token a row: tails are 1
             logits = self.compiled.step(rows)
             if logits is not None:
                 return logits
         if self.packs:
-            return packed_step(self.model, rows, logits_of, self.plain_refusal is None, tails)
+            return packed_step(self.model, rows, logits_of, self.plain_refusal is None, tails, alone)
         return self._one_by_one(rows, logits_of, tails)
 
     def _one_by_one(self, rows: list[Row], logits_of: list[int], tails: Sequence[int] | None) -> torch.Tensor:

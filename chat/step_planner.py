@@ -54,6 +54,10 @@ class StepPlan:
         (not after inputs before its last: tokens fed again, or the rest of its prompt)."""
         return [len(guess) + 1 for guess in self.guesses]
 
+    def guessed(self) -> list[int]:
+        """How many of each decode row's tokens are guesses (its last ones)."""
+        return [len(guess) for guess in self.guesses]
+
     def extra_tokens(self) -> int:
         """Tokens past one a decode row: what the prompt pieces, the guesses and the tokens fed
         again add to the step."""

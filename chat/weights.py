@@ -162,6 +162,16 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, bf16 inputs"
 
 
+def products_keep_rows_apart(model: nn.Module) -> bool:
+    """Whether every product of `model` gives a row the same bits whatever rows are beside it (up
+    to `Int8Linear.KERNEL_ROWS` rows): int8 weights, whose weight-only kernel sums each row alone
+    (tests/test_weights.py holds it). MKL's and oneDNN's fp32 products block the rows and give a
+    row of several other bits than the row alone (float noise, where int8's bf16 outputs can round
+    a near-tie the other way)."""
+    linears = [module for module in model.modules() if isinstance(module, (nn.Linear, PackedLinear, Int8Linear))]
+    return bool(linears) and all(isinstance(module, Int8Linear) and module.kernel_fits for module in linears)
+
+
 PROMPT_KERNELS = ("fp32", "bf16")
 PROMPT_PROBE_ROWS = 256  # a prompt piece's rows, as the choice is timed
 _PROMPT_CHOICE: dict[str, object] = {}  # what `choose_prompt_kernel` measured and chose, for /status

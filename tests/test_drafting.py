@@ -237,20 +237,29 @@ def test_auto_guesses_beside_a_compiled_step_only_where_they_beat_it():
     assert policy.length(0.3, 1, compiled=True) == 0  # ~1.4 tokens in 11-12 ms: the graph wins
 
 
-def test_with_int8_weights_guessed_replies_keep_the_int8_models_bound(tokenizers):
-    """Int8 products round to bf16 and their sums' order follows the rows in a step, so a step of
-    9 tokens can move a near-tie that 9 steps of one would not, as batching with other users
-    already can (chat/weights.py): each reply token is the top one of a from-scratch forward of
-    the same int8 model, or within its tolerance, and the cache holds that forward's states."""
+@pytest.mark.parametrize("arch", ["full", "sliding"])
+def test_with_int8_weights_a_greedy_reply_with_guesses_is_the_reply_without(tokenizers, arch):
+    """Int8 products round to bf16, so a step that verified guesses in one attention call could move
+    a near-tie that decoding one token a step would not; guesses attend one by one instead, with
+    the bits of decode steps (tests/test_plain_step.py holds the step to that). Through the engine:
+    a reply and its greedy Retry are, token for token, what the same model with drafting off
+    gives, the Retry takes every guess from the version it replaces, and each token is within the
+    int8 model's bound of a from-scratch forward."""
     from reference import int8_logit_tolerance
-    from tiny_models import build_model
+    from tiny_models import wide_heads_model
 
     tokenizer = tokenizers[THINKING_TEMPLATE]
-    model = build_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    engine = ChatEngine(model, tokenizer, draft="ngram", weights="int8")
-    conversation = engine.conversation()
-    list(conversation.send("int8 guesses", **GREEDY))
-    list(conversation.regenerate(**GREEDY))
-    assert guess_counts(engine)[1] > 0
+    replies = {}
+    for draft in ("off", "ngram"):
+        model = wide_heads_model(arch, len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        engine = ChatEngine(model, tokenizer, draft=draft, weights="int8")
+        conversation = engine.conversation()
+        list(conversation.send("int8 guesses", **GREEDY))
+        first, (guessed_before, taken_before) = list(conversation.reply_ids), guess_counts(engine)
+        list(conversation.regenerate(**GREEDY))
+        replies[draft] = [first, list(conversation.reply_ids)]
+    guessed, taken = guess_counts(engine)
+    assert replies["ngram"] == replies["off"] and replies["ngram"][1] == replies["ngram"][0]
+    assert taken - taken_before == guessed - guessed_before > 0
     check_exact(conversation, model, tokenizer, max_new_tokens=GREEDY["max_new_tokens"], near_greedy=True,
                 logit_tolerance=int8_logit_tolerance(model))

@@ -103,6 +103,33 @@ def test_every_position_of_a_row_is_kept_where_asked(families, name):
     assert all(layer.get_seq_length() == len(PROMPTS[0]) for layer in fresh.cache.layers)
 
 
+@pytest.mark.parametrize("arch,held", [("full", 40), ("sliding", 3), ("sliding", 40)])
+def test_with_int8_weights_guesses_verified_alone_get_the_bits_of_decoding_them_one_by_one(arch, held):
+    """Int8 products give a row the same bits whatever rows are beside it, so a row verifying
+    guesses (its rest of prompt, then its guesses attending one by one) must give exactly what
+    feeding those tokens as decode steps gives, beside another row as well: same bits, so a greedy
+    reply with guesses is the reply without. Heads as wide as real models' (one call for the whole
+    row rounds another way there); a sliding window filled and not yet filled."""
+    from chat.weights import apply_weight_format, products_keep_rows_apart
+    from tiny_models import wide_heads_model
+
+    model = apply_weight_format(wide_heads_model(arch, 300, None), "int8")
+    assert products_keep_rows_apart(model)
+    history, other = list(range(60, 61 + held)), PROMPTS[0]  # (`ready` holds all but the last)
+    for inputs in (1, 3):  # its next input alone, or with the rest of its prompt
+        fed = [5, 6, 7][:inputs] + [11, 12, 13, 14, 15, 16]
+        one_by_one, beside = ready(model, history, KVCacheKind()), ready(model, other, KVCacheKind())
+        expected = [run_plain(model, [(one_by_one, fed[:inputs])], [0], [1])]
+        one_by_one.note_extended(fed[:inputs])
+        for token in fed[inputs:]:
+            expected.append(run_plain(model, [(one_by_one, [token])], [0]))
+            one_by_one.note_extended([token])
+        verifying, beside = ready(model, history, KVCacheKind()), ready(model, other, KVCacheKind())
+        logits = run_plain(model, [(beside, [other[-1]]), (verifying, fed)], [1], [len(fed) - inputs + 1],
+                           alone=[0, len(fed) - inputs])
+        assert torch.equal(logits, torch.cat(expected)), (arch, held, inputs)
+
+
 def test_what_the_plain_step_does_not_take(models, families):
     """Recurrent layers and other families refuse it (the model's own forward runs them); a
     quantized cache's states are not buffers it writes; a ledger out of step with the cache is

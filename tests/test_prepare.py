@@ -71,9 +71,9 @@ def test_a_draft_never_runs_while_a_reply_has_work(make_engine, models, tokenize
     carried: list[tuple[bool, bool]] = []  # per forward: (the draft's session in it, a reply decoding)
     forward = chat.runner.packed_step
 
-    def watched(model, rows, logits_of, plain, tails=None):
+    def watched(model, rows, logits_of, plain, tails=None, alone=()):
         carried.append((any(session is typing.session for session, _ in rows), bool(logits_of)))
-        return forward(model, rows, logits_of, plain, tails)
+        return forward(model, rows, logits_of, plain, tails, alone)
 
     monkeypatch.setattr(chat.runner, "packed_step", watched)
     stream = streaming.send("Talk for a while.", max_new_tokens=60, do_sample=False)

@@ -135,12 +135,12 @@ def batches(monkeypatch):
     built: list[tuple[int, ...]] = []
     run = ModelRunner.run
 
-    def recording(runner, rows, logits_of, tails=None):
+    def recording(runner, rows, logits_of, tails=None, guessed=()):
         rows, logits_of = list(rows), list(logits_of)
         decoded = tuple(id(rows[i][0]) for i in logits_of)
         if decoded and (not built or built[-1] != decoded):
             built.append(decoded)
-        return run(runner, rows, logits_of, tails)
+        return run(runner, rows, logits_of, tails, guessed)
 
     monkeypatch.setattr(ModelRunner, "run", recording)
     return built
@@ -285,10 +285,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, 
     forwards: list[tuple[int, list[int], list[int]]] = []
     packed = chat.runner.packed_step
 
-    def logged(model, rows, logits_of, plain, tails=None):
+    def logged(model, rows, logits_of, plain, tails=None, alone=()):
         forwards.append((len(logits_of), [len(fed) for _, fed in rows[len(logits_of):]],
                          [len(fed) for _, fed in rows[:len(logits_of)]]))
-        return packed(model, rows, logits_of, plain, tails)
+        return packed(model, rows, logits_of, plain, tails, alone)
 
     monkeypatch.setattr(chat.runner, "packed_step", logged)
     consumer = Consumer(runner, runner.send("Talk for a while.", max_new_tokens=PAUSES_AT_THIRD_TOKEN,
@@ -333,11 +333,11 @@ def test_a_first_token_comes_from_the_step_that_feeds_the_prompts_end(make_engin
     first_token_after: list[int] = []  # steps run when the reply's first token came
     run, emit = ModelRunner.run, chat.scheduler.GenerationRequest._emit
 
-    def recorded(runner, rows, logits_of, tails=None):
+    def recorded(runner, rows, logits_of, tails=None, guessed=()):
         rows, logits_of = list(rows), list(logits_of)
         steps.append(([len(rows[i][1]) for i in logits_of], [len(fed) for i, (_, fed) in enumerate(rows)
                                                              if i not in logits_of]))
-        return run(runner, rows, logits_of, tails)
+        return run(runner, rows, logits_of, tails, guessed)
 
     def noted(request, token_id):
         if request.token_count == 0:
@@ -485,12 +485,12 @@ def costed_steps(engine, monkeypatch, *, beside_decode_rows: bool) -> list[int]:
     now, pieces, packed = [0.0], [], chat.runner.packed_step
     engine.scheduler.clock = lambda: now[0]
 
-    def costed(model, rows, logits_of, plain, tails=None):
+    def costed(model, rows, logits_of, plain, tails=None, alone=()):
         prompt_tokens = sum(len(fed) for _, fed in rows[len(logits_of):])
         now[0] += 10 + 2 * prompt_tokens
         if prompt_tokens and (logits_of or not beside_decode_rows):
             pieces.append(prompt_tokens)
-        return packed(model, rows, logits_of, plain, tails)
+        return packed(model, rows, logits_of, plain, tails, alone)
 
     monkeypatch.setattr(chat.runner, "packed_step", costed)
     return pieces
@@ -573,12 +573,12 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
     forwards, reached, release, ended_after = [0], threading.Event(), threading.Event(), []
     packed = chat.runner.packed_step
 
-    def held(model, rows, logits_of, plain, tails=None):
+    def held(model, rows, logits_of, plain, tails=None, alone=()):
         forwards[0] += 1
         if forwards[0] == 1:
             reached.set()
             release.wait(60)
-        return packed(model, rows, logits_of, plain, tails)
+        return packed(model, rows, logits_of, plain, tails, alone)
 
     end = chat.scheduler.GenerationRequest._end
 

@@ -100,6 +100,23 @@ def quantized_model(arch, tokenizer):
     return model
 
 
+@pytest.mark.parametrize("in_features,out_features", [(1024, 3072), (3072, 1024), (256, 96)])
+def test_an_int8_layer_gives_a_row_the_same_bits_whatever_rows_are_beside_it(in_features, out_features):
+    """What lets guesses be verified with the bits of decode steps (cache_sessions/plain_step.py,
+    `alone`): up to `KERNEL_ROWS` rows, each row of a product is the product of that row alone, to
+    the bit; and the model-level check says so for int8 layers only."""
+    linear = nn.Linear(in_features, out_features, bias=False)
+    layer = Int8Linear(linear)
+    rows = torch.randn(Int8Linear.KERNEL_ROWS, in_features, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        alone = torch.cat([layer(rows[index:index + 1]) for index in range(len(rows))])
+        for count in range(2, Int8Linear.KERNEL_ROWS + 1):
+            assert torch.equal(layer(rows[:count]), alone[:count]), count
+    assert chat.weights.products_keep_rows_apart(nn.Sequential(layer))
+    assert not chat.weights.products_keep_rows_apart(nn.Sequential(layer, linear))
+    assert not chat.weights.products_keep_rows_apart(nn.Sequential(PackedLinear(linear)))
+
+
 @pytest.mark.parametrize("arch,prompt_kernel", [(arch, "fp32") for arch in ARCHS]
                          + [(arch, "bf16") for arch in ARCHS if arch != "hybrid"])  # (recurrent: fp32 only)
 def test_every_operation_is_exact_for_the_model_as_quantized(tokenizers, arch, prompt_kernel):

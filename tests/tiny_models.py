@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 
-from transformers import PreTrainedModel
+import torch
+from transformers import MistralConfig, MistralForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from chat import models
 from chat.models import TINY_SLIDING_WINDOW as SLIDING_WINDOW  # noqa: F401  (tests read it)
@@ -14,6 +15,19 @@ ARCHS = ("full", "sliding", "mixed", "hybrid")
 
 def build_model(arch: str, vocab_size: int, eos_token_id: int, seed: int = 0) -> PreTrainedModel:
     return models.build_model(f"tiny-{arch}", vocab_size, eos_token_id, seed=seed)
+
+
+def wide_heads_model(arch: str, vocab_size: int, eos_token_id: int | None) -> PreTrainedModel:
+    """A one-layer Qwen3 ("full") or Mistral ("sliding", the tiny window) with heads 128 wide, as
+    real models have: there SDPA's CPU kernel rounds a call of several queries otherwise than a
+    call of one, which the tiny heads (16 wide) do not show."""
+    wide = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                num_hidden_layers=1, vocab_size=vocab_size, initializer_range=0.2, max_position_embeddings=2048,
+                eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(5)
+    if arch == "full":
+        return Qwen3ForCausalLM(Qwen3Config(**wide)).eval()
+    return MistralForCausalLM(MistralConfig(**wide, sliding_window=SLIDING_WINDOW)).eval()
 
 
 def with_scripted_think_block(model: PreTrainedModel, tokenizer) -> PreTrainedModel:
