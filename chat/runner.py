@@ -52,9 +52,10 @@ class ModelRunner:
         # Why steps do not run as the plain step (None: they do, where the states allow).
         self.plain_refusal = plain_refusal(model) or (
             None if kv_cache.name == "dynamic" else f"the {kv_cache.name} cache's states are not buffers it writes")
-        # Whether guesses attend one by one: where every product gives a row the same bits
-        # whatever rows are beside it, that makes a greedy reply with guesses the one without.
-        self.guesses_alone = products_keep_rows_apart(model)
+        # Whether every product gives a row the bits it gets alone (int8 weights): then guesses
+        # attend one by one, so a greedy reply with guesses is the one without, and a prompt's
+        # last token goes in a step of its own (chat/step_planner.py).
+        self.rows_apart = products_keep_rows_apart(model)
 
     def graph_ready(self, rows: int) -> bool:
         """Whether a compiled graph would take a step of `rows` single tokens."""
@@ -81,7 +82,7 @@ class ModelRunner:
         row's states may hold part of the step."""
         rows, logits_of = list(rows), list(logits_of)
         alone = [0] * len(rows)
-        if self.guesses_alone:
+        if self.rows_apart:
             for index, count in zip(logits_of, guessed):
                 alone[index] = count
         if self.compiled is not None and self.compiled.takes(rows, logits_of):  # one token a row: tails are 1

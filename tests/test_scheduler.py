@@ -17,8 +17,8 @@ import torch
 from conftest import THINKING_TEMPLATE, on_model_input
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import check_exact, render_ids
-from tiny_models import ARCHS
+from reference import check_exact, int8_logit_tolerance, render_ids
+from tiny_models import ARCHS, build_model
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -318,16 +318,24 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, 
     check_exact(newcomer, model, tokenizers[THINKING_TEMPLATE], max_new_tokens=MAX_NEW)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch,weights", [(arch, "full") for arch in ARCHS] + [("full", "int8")])
 def test_a_first_token_comes_from_the_step_that_feeds_the_prompts_end(make_engine, models, tokenizers, monkeypatch,
-                                                                      arch):
+                                                                      arch, weights):
     """#43: every reply's first token took two steps on an idle engine: its prompt up to the last
     token, then a decode step of that one token. Where the cache keeps nothing at the generation
     start (every layer full attention: a Regenerate crops back to it), the last piece now goes
     with that token in the first decode row, whose first token is chosen after it: one step.
     Where a checkpoint is kept there (sliding windows, recurrent states), the piece still ends
-    there and the token follows. The reply, and a Regenerate, are exact either way."""
-    engine = make_engine(arch, draft="off")
+    there and the token follows; and with int8 weights, so that the token gets the bits a
+    Regenerate's step of that token alone gives (#45: a greedy Retry is the reply it replaces).
+    The reply, and a Regenerate, are exact either way."""
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    if weights == "int8":  # converted in place: a model of its own, not the suite's
+        model = build_model(arch, len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        engine = ChatEngine(model, tokenizer, draft="off", weights="int8")
+        bound = dict(near_greedy=True, logit_tolerance=int8_logit_tolerance(model))
+    else:
+        model, engine, bound = models[arch], make_engine(arch, draft="off"), {}
     conv = engine.conversation()
     steps: list[tuple[list[int], list[int]]] = []  # per step: tokens of each decode row, of each piece
     first_token_after: list[int] = []  # steps run when the reply's first token came
@@ -349,16 +357,17 @@ def test_a_first_token_comes_from_the_step_that_feeds_the_prompts_end(make_engin
     list(conv.send("Tell me about the cache, please.", **GREEDY))
     prompt = conv.stats.prompt_tokens
     assert conv.stats.reused_tokens == 0 and prompt > 8
-    if arch == "full":
+    if arch == "full" and weights == "full":
         assert steps[0] == ([prompt], []) and first_token_after == [1]
     else:
         assert steps[:2] == [([], [prompt - 1]), ([1], [])] and first_token_after == [2]
-    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
-    check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW)
+    check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, **bound)
     steps.clear()
+    first = list(conv.reply_ids)
     list(conv.regenerate(**GREEDY))  # back to the generation start: its last token fed again, alone
     assert steps[0] == ([1], []) and conv.stats.prefilled_tokens == 1
-    check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW)
+    assert conv.reply_ids == first
+    check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, **bound)
 
 
 def test_batch_size_is_bounded_and_the_rest_wait_their_turn(make_engine, models, tokenizers):
