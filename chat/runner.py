@@ -28,7 +28,7 @@ from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.plain_step import plain_refusal, run_plain, takes_states
 from cache_sessions.resident import forward_rows, packs
 from cache_sessions.session import CacheSession
-from chat.weights import products_keep_rows_apart
+from chat.weights import Int8Linear, products_keep_rows_apart
 
 Row = tuple[CacheSession, list[int]]  # a session and the tokens it feeds this step
 
@@ -52,10 +52,11 @@ class ModelRunner:
         # Why steps do not run as the plain step (None: they do, where the states allow).
         self.plain_refusal = plain_refusal(model) or (
             None if kv_cache.name == "dynamic" else f"the {kv_cache.name} cache's states are not buffers it writes")
-        # Whether every product gives a row the bits it gets alone (int8 weights): then guesses
-        # attend one by one, so a greedy reply with guesses is the one without, and a prompt's
-        # last token goes in a step of its own (chat/step_planner.py).
-        self.rows_apart = products_keep_rows_apart(model)
+        # Up to how many rows every product gives a row the bits it gets alone (int8 weights;
+        # None: no such bound). Then a decode row's last input and its guesses attend one by one,
+        # so a greedy reply with guesses is the one without, and a prompt's last piece goes with
+        # its last token only within that many rows (chat/step_planner.py).
+        self.rows_apart = Int8Linear.KERNEL_ROWS if products_keep_rows_apart(model) else None
 
     def graph_ready(self, rows: int) -> bool:
         """Whether a compiled graph would take a step of `rows` single tokens."""
@@ -78,13 +79,13 @@ class ModelRunner:
         """Feed every row its tokens on its own cache; the logits after every token of the rows
         `logits_of` (indices into `rows`), in that order, or with `tails` only after the last
         `tails[n]` tokens of the nth of them, of which the last `guessed[n]` are guesses to
-        verify. The ledgers are the owner's: it notes what was fed, or, if this raises, every
+        verify (after the row's last input). The ledgers are the owner's: it notes what was fed, or, if this raises, every
         row's states may hold part of the step."""
         rows, logits_of = list(rows), list(logits_of)
         alone = [0] * len(rows)
         if self.rows_apart:
             for index, count in zip(logits_of, guessed):
-                alone[index] = count
+                alone[index] = count + 1
         if self.compiled is not None and self.compiled.takes(rows, logits_of):  # one token a row: tails are 1
             logits = self.compiled.step(rows)
             if logits is not None:

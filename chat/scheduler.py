@@ -85,7 +85,7 @@ class DecodeScheduler:
         self.step_budget, self.clock = StepBudget(step_gap_factor, alone_step_s), time.perf_counter
         self.planner = StepPlanner(model, self.caches, self.guesses, self.step_budget, max_batch_size=max_batch_size,
                                    prefill_chunk=prefill_chunk, prefill_chunk_alone=prefill_chunk_alone,
-                                   prefill_order=prefill_order, last_token_apart=self.runner.rows_apart)
+                                   prefill_order=prefill_order, last_piece_rows=self.runner.rows_apart)
         self.ahead = AheadSteps(self.planner, self.caches, self.runner)
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch

@@ -112,19 +112,21 @@ class StepPlanner:
 
     def __init__(self, model: PreTrainedModel, caches: CacheOwner, guesses: StepGuesses, step_budget: StepBudget, *,
                  max_batch_size: int, prefill_chunk: int, prefill_chunk_alone: int, prefill_order: str,
-                 last_token_apart: bool = False):
-        """`last_token_apart`: a prompt's last token never goes with its last piece. Where every
-        product gives a row the bits it gets alone (int8 weights, chat/runner.py), the token then
-        gets the bits a Retry gets, which feeds it alone after rolling back to it: a greedy Retry
-        is the reply it replaces (the benchmark model parted at token 19 otherwise), and that
-        reply its own best guesses. It costs a turn one step of one token before its first."""
+                 last_piece_rows: int | None = None):
+        """`last_piece_rows`: a prompt's last piece goes with its last token in the first decode
+        row only if the two are at most this many tokens (None: any). Where every product gives
+        a row the bits it gets alone up to that many rows (int8 weights, chat/runner.py), the
+        token then gets the bits a Retry gets, which feeds it alone after rolling back to it: a
+        greedy Retry is the reply it replaces (the benchmark model parted at token 19 otherwise),
+        and that reply its own best guesses. A longer last piece goes in a step of its own, and
+        the token in the next (one step more before the first token)."""
         if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
             raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
         if prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}")
         self.model, self.caches, self.guesses, self.step_budget = model, caches, guesses, step_budget
         self.max_batch_size, self.prefill_chunk, self.prefill_chunk_alone = max_batch_size, prefill_chunk, prefill_chunk_alone
-        self.prefill_order, self.last_token_apart = prefill_order, last_token_apart
+        self.prefill_order, self.last_piece_rows = prefill_order, last_piece_rows
         self.reset()
 
     def reset(self) -> None:
@@ -195,7 +197,8 @@ class StepPlanner:
                 piece = self.caches.prefill_piece(request.session, request.prompt_ids, budget, work.prefix_store,
                                                   work.shared_prefix_length)
                 # its last piece with its first decode input: its first token this step, not the next
-                decodes_now = not piece or not self.last_token_apart and self.caches.feeds_with_first_step(
+                fits = self.last_piece_rows is None or len(piece) + 1 <= self.last_piece_rows
+                decodes_now = not piece or fits and self.caches.feeds_with_first_step(
                     request.session, request.prompt_ids, piece, work.prefix_store, work.shared_prefix_length)
             except BaseException as error:
                 self.leave_prefill(request, error)

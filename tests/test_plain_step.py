@@ -106,27 +106,30 @@ def test_every_position_of_a_row_is_kept_where_asked(families, name):
 @pytest.mark.parametrize("arch,held", [("full", 40), ("sliding", 3), ("sliding", 40)])
 def test_with_int8_weights_guesses_verified_alone_get_the_bits_of_decoding_them_one_by_one(arch, held):
     """Int8 products give a row the same bits whatever rows are beside it, so a row verifying
-    guesses (its rest of prompt, then its guesses attending one by one) must give exactly what
-    feeding those tokens as decode steps gives, beside another row as well: same bits, so a greedy
-    reply with guesses is the reply without. Heads as wide as real models' (one call for the whole
-    row rounds another way there); a sliding window filled and not yet filled."""
+    guesses (the rest of its prompt together, then its last input and its guesses attending one
+    by one) must give exactly what feeding the rest, then each token as a decode step, gives,
+    beside another row as well: same bits, so a greedy reply with guesses is the reply without,
+    and a Retry's step of the prompt's last token alone gives what the first reply's step gave.
+    Heads as wide as real models' (one call for the whole row rounds another way there); a
+    sliding window filled and not yet filled."""
     from chat.weights import apply_weight_format, products_keep_rows_apart
     from tiny_models import wide_heads_model
 
     model = apply_weight_format(wide_heads_model(arch, 300, None), "int8")
     assert products_keep_rows_apart(model)
     history, other = list(range(60, 61 + held)), PROMPTS[0]  # (`ready` holds all but the last)
-    for inputs in (1, 3):  # its next input alone, or with the rest of its prompt
-        fed = [5, 6, 7][:inputs] + [11, 12, 13, 14, 15, 16]
-        one_by_one, beside = ready(model, history, KVCacheKind()), ready(model, other, KVCacheKind())
-        expected = [run_plain(model, [(one_by_one, fed[:inputs])], [0], [1])]
-        one_by_one.note_extended(fed[:inputs])
-        for token in fed[inputs:]:
+    for inputs in (1, 3, 9):  # its next input alone, or with the rest of its prompt
+        fed = list(range(5, 5 + inputs)) + [31, 32, 33, 34, 35, 36]
+        one_by_one, expected = ready(model, history, KVCacheKind()), []
+        if inputs > 1:
+            run_plain(model, [(one_by_one, fed[:inputs - 1])], [])
+            one_by_one.note_extended(fed[:inputs - 1])
+        for token in fed[inputs - 1:]:
             expected.append(run_plain(model, [(one_by_one, [token])], [0]))
             one_by_one.note_extended([token])
         verifying, beside = ready(model, history, KVCacheKind()), ready(model, other, KVCacheKind())
         logits = run_plain(model, [(beside, [other[-1]]), (verifying, fed)], [1], [len(fed) - inputs + 1],
-                           alone=[0, len(fed) - inputs])
+                           alone=[0, len(fed) - inputs + 1])
         assert torch.equal(logits, torch.cat(expected)), (arch, held, inputs)
 
 

@@ -326,9 +326,10 @@ def test_a_first_token_comes_from_the_step_that_feeds_the_prompts_end(make_engin
     start (every layer full attention: a Regenerate crops back to it), the last piece now goes
     with that token in the first decode row, whose first token is chosen after it: one step.
     Where a checkpoint is kept there (sliding windows, recurrent states), the piece still ends
-    there and the token follows; and with int8 weights, so that the token gets the bits a
-    Regenerate's step of that token alone gives (#45: a greedy Retry is the reply it replaces).
-    The reply, and a Regenerate, are exact either way."""
+    there and the token follows; and with int8 weights where the two would pass the rows their
+    products keep apart (16), so that the token gets the bits a Regenerate's step of that token
+    alone gives (#45: a greedy Retry is the reply it replaces); a short follow-up's still go
+    together there. The reply, and a Regenerate, are exact either way."""
     tokenizer = tokenizers[THINKING_TEMPLATE]
     if weights == "int8":  # converted in place: a model of its own, not the suite's
         model = build_model(arch, len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
@@ -368,6 +369,16 @@ def test_a_first_token_comes_from_the_step_that_feeds_the_prompts_end(make_engin
     assert steps[0] == ([1], []) and conv.stats.prefilled_tokens == 1
     assert conv.reply_ids == first
     check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, **bound)
+    if weights == "int8":  # the first prompt passed 16 tokens; a follow-up of a word does not
+        assert prompt > 16
+        steps.clear()
+        list(conv.send("ok", **GREEDY))
+        fed = conv.stats.prefilled_tokens
+        assert fed <= 16 and steps[0] == ([fed], [])
+        first = list(conv.reply_ids)
+        list(conv.regenerate(**GREEDY))
+        assert conv.reply_ids == first
+        check_exact(conv, model, tokenizer, max_new_tokens=MAX_NEW, **bound)
 
 
 def test_batch_size_is_bounded_and_the_rest_wait_their_turn(make_engine, models, tokenizers):
