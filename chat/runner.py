@@ -55,8 +55,11 @@ class ModelRunner:
         # Up to how many rows every product gives a row the bits it gets alone (int8 weights;
         # None: no such bound). Then a decode row's last input and its guesses attend one by one,
         # so a greedy reply with guesses is the one without, and a prompt's last piece goes with
-        # its last token only within that many rows (chat/step_planner.py).
-        self.rows_apart = Int8Linear.KERNEL_ROWS if products_keep_rows_apart(model) else None
+        # its last token only within that many rows (chat/step_planner.py). Not beside compiled
+        # steps: their one-row products sum in a loop of their own (cache_sessions/compiled.py),
+        # so an eager step cannot give their bits and keeping rows apart would buy nothing.
+        eager_only = compiled is None or not compiled.enabled
+        self.rows_apart = Int8Linear.KERNEL_ROWS if eager_only and products_keep_rows_apart(model) else None
 
     def graph_ready(self, rows: int) -> bool:
         """Whether a compiled graph would take a step of `rows` single tokens."""

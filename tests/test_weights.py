@@ -117,6 +117,21 @@ def test_an_int8_layer_gives_a_row_the_same_bits_whatever_rows_are_beside_it(in_
     assert not chat.weights.products_keep_rows_apart(nn.Sequential(PackedLinear(linear)))
 
 
+def test_the_runner_keeps_rows_apart_for_eager_int8_steps_only(tokenizers):
+    """Guesses attending alone, and a last prompt piece held to the kernel's rows, buy exactness
+    only where every step is eager and int8: a compiled one-row step sums in its own order."""
+    from cache_sessions.compiled import CompiledDecode
+    from chat.runner import ModelRunner
+
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    model = build_model("full", len(tokenizer), None)
+    assert ModelRunner(model).rows_apart is None
+    apply_weight_format(model, "int8")
+    assert ModelRunner(model).rows_apart == Int8Linear.KERNEL_ROWS
+    assert ModelRunner(model, CompiledDecode(model, "off")).rows_apart == Int8Linear.KERNEL_ROWS
+    assert ModelRunner(model, CompiledDecode(model, "on")).rows_apart is None
+
+
 @pytest.mark.parametrize("arch,prompt_kernel", [(arch, "fp32") for arch in ARCHS]
                          + [(arch, "bf16") for arch in ARCHS if arch != "hybrid"])  # (recurrent: fp32 only)
 def test_every_operation_is_exact_for_the_model_as_quantized(tokenizers, arch, prompt_kernel):
