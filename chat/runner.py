@@ -55,11 +55,12 @@ class ModelRunner:
         # Up to how many rows every product gives a row the bits it gets alone (int8 weights;
         # None: no such bound). Then a decode row's last input and its guesses attend one by one,
         # so a greedy reply with guesses is the one without, and a prompt's last piece goes with
-        # its last token only within that many rows (chat/step_planner.py). Not beside compiled
-        # steps: their one-row products sum in a loop of their own (cache_sessions/compiled.py),
-        # so an eager step cannot give their bits and keeping rows apart would buy nothing.
-        eager_only = compiled is None or not compiled.enabled
-        self.rows_apart = Int8Linear.KERNEL_ROWS if eager_only and products_keep_rows_apart(model) else None
+        # its last token only within that many rows (chat/step_planner.py). Only where every
+        # step is the plain one, eager: the model's own forward attends a row in one call, and a
+        # compiled one-row step sums its products in a loop of its own (cache_sessions/compiled.py),
+        # so there no other step gives their bits and keeping rows apart would buy nothing.
+        plain_eager = self.plain_refusal is None and (compiled is None or not compiled.enabled)
+        self.rows_apart = Int8Linear.KERNEL_ROWS if plain_eager and products_keep_rows_apart(model) else None
 
     def graph_ready(self, rows: int) -> bool:
         """Whether a compiled graph would take a step of `rows` single tokens."""
@@ -70,11 +71,12 @@ class ModelRunner:
         """Steps the compiled graphs ran so far (a step that ran one is timed apart)."""
         return self.compiled.steps if self.compiled is not None else 0
 
-    def stats(self) -> dict[str, str | None]:
-        """For `/status`: which eager step runs, and why not the plain one."""
+    def stats(self) -> dict[str, str | int | None]:
+        """For `/status`: which eager step runs, why not the plain one, and up to how many rows
+        steps keep rows apart (None: they do not)."""
         step = ("plain" if self.plain_refusal is None else "the model's own forward, packed" if self.packs
                 else "the model's own forward, row by row")
-        return {"eager": step, "not_plain_because": self.plain_refusal}
+        return {"eager": step, "not_plain_because": self.plain_refusal, "rows_kept_apart": self.rows_apart}
 
     @torch.no_grad()
     def run(self, rows: Sequence[Row], logits_of: Sequence[int], tails: Sequence[int] | None = None,

@@ -174,8 +174,10 @@ def test_the_runner_runs_the_plain_step_where_it_takes(models, monkeypatch, arch
 
 def test_status_says_which_step_runs(make_engine):
     """`/status` names the eager step and why it is not the plain one."""
-    assert make_engine("full").status()["model_step"] == {"eager": "plain", "not_plain_because": None}
-    assert make_engine("mixed").status()["model_step"] == {"eager": "plain", "not_plain_because": None}
+    assert make_engine("full").status()["model_step"] == {"eager": "plain", "not_plain_because": None,
+                                                           "rows_kept_apart": None}
+    assert make_engine("mixed").status()["model_step"] == {"eager": "plain", "not_plain_because": None,
+                                                           "rows_kept_apart": None}
     hybrid = make_engine("hybrid").status()["model_step"]
     assert hybrid["eager"] == "the model's own forward, packed" and "Qwen3Next" in hybrid["not_plain_because"]
     quantized = make_engine("full", kv_cache="quantized").status()["model_step"]

@@ -119,8 +119,10 @@ def test_an_int8_layer_gives_a_row_the_same_bits_whatever_rows_are_beside_it(in_
 
 def test_the_runner_keeps_rows_apart_for_eager_int8_steps_only(tokenizers):
     """Guesses attending alone, and a last prompt piece held to the kernel's rows, buy exactness
-    only where every step is eager and int8: a compiled one-row step sums in its own order."""
+    only where every step is the plain one, eager, with int8 weights: a compiled one-row step sums
+    in its own order, and the model's own forward attends a row in one call."""
     from cache_sessions.compiled import CompiledDecode
+    from cache_sessions.kv_cache import KVCacheKind
     from chat.runner import ModelRunner
 
     tokenizer = tokenizers[THINKING_TEMPLATE]
@@ -130,6 +132,7 @@ def test_the_runner_keeps_rows_apart_for_eager_int8_steps_only(tokenizers):
     assert ModelRunner(model).rows_apart == Int8Linear.KERNEL_ROWS
     assert ModelRunner(model, CompiledDecode(model, "off")).rows_apart == Int8Linear.KERNEL_ROWS
     assert ModelRunner(model, CompiledDecode(model, "on")).rows_apart is None
+    assert ModelRunner(model, kv_cache=KVCacheKind("quantized", 8)).rows_apart is None  # the model's own forward
 
 
 @pytest.mark.parametrize("arch,prompt_kernel", [(arch, "fp32") for arch in ARCHS]
