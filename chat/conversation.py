@@ -5,6 +5,9 @@ only then run, so bad input raises before anything changes. Running means: the s
 reply (chat/sources.py: the embedded engine, a model server, a ZeroGPU worker) and the reply is
 recorded in the history (chat/history.py). A branch switch, an undo or a hand-edited reply tells
 the source how the shown path changes, so it can keep and put back its states.
+
+Three classes by role, each on the one before: `ConversationView` (the state and what any thread
+may read), `PathChanges` (what is shown changes, nothing generated) and `Conversation` (replies).
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ from chat.sources import ReplySource, ReplyStream, TurnStats
 Cancelled = Callable[[], bool]  # True once whoever asked for the operation went away
 
 
-class Conversation:
+class ConversationView:
+    """A conversation's state and what can be read of it from any thread: its history (the tree
+    and the shown path), the reply running now, whether it is busy. The operations are in the
+    classes below: `PathChanges` (what is shown changes, nothing generated) and `Conversation`
+    (a reply is made)."""
+
     def __init__(self, planner: Planner, source: ReplySource, history: History | None = None,
                  system_prompt: str | None = None):
         self.planner, self.source = planner, source
@@ -115,109 +123,24 @@ class Conversation:
             version = running.stopped_now()
         return saved.reply_fields(version)
 
-    # ---- operations that make a reply ----------------------------------------------------------
-    def send(self, text: str, *, fit_context: bool = False, **options: Any) -> ReplyStream:
-        """Add a user message and stream the reply (see `operations.Send` for `fit_context`)."""
-        return self.start(Send(text, fit_context), GenerationOptions.from_kwargs(**options))
-
-    def regenerate(self, index: int | None = None, *, fit_context: bool = False, **options: Any) -> ReplyStream:
-        """A new sibling of the reply at `index` (default: the last); the others stay switchable."""
-        return self.start(Regenerate(index, fit_context), GenerationOptions.from_kwargs(**options))
-
-    def edit(self, index: int, text: str, *, fit_context: bool = False, **options: Any) -> ReplyStream:
-        """A new branch at the user message `index`, answered; the old one is kept."""
-        return self.start(Edit(index, text, fit_context), GenerationOptions.from_kwargs(**options))
-
-    def continue_reply(self, **options: Any) -> ReplyStream:
-        """Extend the last reply in the same turn: the cache goes on from where it stopped."""
-        return self.start(Continue(), GenerationOptions.from_kwargs(**options))
-
-    def prepare(self, text: str, generation: GenerationOptions | None = None, *, fit_context: bool = True,
-                **options: Any) -> bool:
-        """Prefill the conversation as it will be once `text` is sent (the message being typed),
-        in the steps where no reply has work (issue #45): a Send of the same text with the same
-        options then finds its prompt in the cache and starts at once. One at a time: a newer one,
-        a Send, a change of what is shown or a close calls it off; what it fed stays where the
-        Send's prompt shares it. Nothing is recorded and the text is kept nowhere but in the
-        cache's token ids. False where nothing was started: a reply runs, the text is empty or
-        cannot fit, or the replies come from a model server (which keeps its own cache)."""
-        self.cancel_prepared()
-        prepare = getattr(self.source, "prepare", None)
-        if prepare is None or self.is_busy or not isinstance(text, str) or not text.strip():
-            return False
-        try:
-            plan = self.planner.plan(Send(text, fit_context), self.history,
-                                     generation or GenerationOptions.from_kwargs(**options), self._revision)
-            self.source.check(plan.request)
-        except ChatError:
-            return False
-        self._prepared = prepare(plan.request)
-        return True
-
+    # ---- shared by the operations ----------------------------------------------------------
     def cancel_prepared(self) -> None:
         """Call off the prompt being prepared, if one is (what it fed stays)."""
         if self._prepared is not None:
             self._prepared.set()
             self._prepared = None
 
-    def start(self, operation: Operation, options: GenerationOptions | None = None,
-              cancelled: Cancelled = lambda: False) -> ReplyStream:
-        """Plan `operation` now (raising before anything changes) and return its stream. From now
-        until the stream ends, `snapshot()` includes the new message and the text so far, and a
-        `stop()` ends it (even one before its first step: it then ends at once)."""
-        self.cancel_prepared()
-        plan = self.plan(operation, options or GenerationOptions(), cancelled)
-        self._stop.clear()
-        self._running = RunningReply(plan)
-        stream = ReplyStream(self.run(plan), plan.dropped_turns, plan.dropped_turns > plan.dropped_before)
-        weakref.finalize(stream, self._end_running, plan)  # a stream dropped unread frees the conversation
-        return stream
+    def exclusive(self) -> "_Exclusive":
+        """Hold the conversation for one operation (its states are in use while the scheduler
+        holds a request of it: chat/scheduler.py keeps that record); refused while a reply runs."""
+        return _Exclusive(self._lock, lambda: self._running is not None)
 
-    def plan(self, operation: Operation, options: GenerationOptions, cancelled: Cancelled = lambda: False) -> Plan:
-        if self.is_busy:
-            raise ConversationBusyError("a reply is still being generated; stop it first")
-        plan = self.planner.plan(operation, self.history, options, self._revision, cancelled)
-        self.source.check(plan.request)
-        return plan
 
-    def run(self, plan: Plan) -> Iterator[Delta]:
-        """Stream the reply of a plan made by `plan()`; refused if the conversation changed since."""
-        started = self._running is not None and self._running.plan is plan  # by start(), which cleared Stop
-        running = self._running if started else RunningReply(plan)
-        try:
-            with _Exclusive(self._lock, lambda: self._running is not None and not started):
-                if plan.revision != self._revision:
-                    raise StalePlanError("the conversation changed after this operation was planned")
-                if not started:
-                    self._stop.clear()
-                run = self.source.reply(plan.request, self._stop)
-                try:
-                    for delta in run:
-                        running.take(delta)
-                        yield delta
-                finally:
-                    reply = run.result()
-                    with self._recording:  # a snapshot sees the reply running or recorded, never both
-                        if reply is not None:  # recorded, stopped or not
-                            if plan.reply is None:  # the reply's prompt, and its cut, as they were
-                                version = replace(running.recorded(reply.version),
-                                                  dropped_turns=plan.history[-1].reply.dropped_turns)
-                                self.history.record_continuation(plan.history, version)
-                            else:
-                                version = replace(running.recorded(reply.version), dropped_turns=plan.dropped_turns)
-                                self.history.record_reply(plan.history, plan.reply, version)
-                            self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
-                            self._revision += 1
-                            self.cancel_prepared()  # one planned before this reply began: stale now
-                        self._end_running(plan)
-        finally:
-            self._end_running(plan)  # (refused before it ran)
+class PathChanges(ConversationView):
+    """The operations that change what is shown and generate nothing: a branch switch, an undo,
+    a hand-edited reply, a new system prompt; and Stop and close. Each tells the reply source how
+    the shown path changes, so it can keep the branch left and put back the one arriving."""
 
-    def _end_running(self, plan: Plan) -> None:
-        if self._running is not None and self._running.plan is plan:
-            self._running = None
-
-    # ---- operations that change what is shown --------------------------------------------------
     def edit_reply(self, index: int, text: str) -> None:
         """A new sibling of the reply at `index` with this text (nothing generated); the next turn
         or Continue goes on from it."""
@@ -289,10 +212,106 @@ class Conversation:
             self._revision += 1
         return moved
 
-    def exclusive(self) -> "_Exclusive":
-        """Hold the conversation for one operation (its states are in use while the scheduler
-        holds a request of it: chat/scheduler.py keeps that record); refused while a reply runs."""
-        return _Exclusive(self._lock, lambda: self._running is not None)
+
+class Conversation(PathChanges):
+    """A conversation's operations that make a reply (send, regenerate, edit, continue; and
+    prepare, which prefills a message being typed): planned first, then run by the reply source
+    and recorded in the history."""
+
+    def send(self, text: str, *, fit_context: bool = False, **options: Any) -> ReplyStream:
+        """Add a user message and stream the reply (see `operations.Send` for `fit_context`)."""
+        return self.start(Send(text, fit_context), GenerationOptions.from_kwargs(**options))
+
+    def regenerate(self, index: int | None = None, *, fit_context: bool = False, **options: Any) -> ReplyStream:
+        """A new sibling of the reply at `index` (default: the last); the others stay switchable."""
+        return self.start(Regenerate(index, fit_context), GenerationOptions.from_kwargs(**options))
+
+    def edit(self, index: int, text: str, *, fit_context: bool = False, **options: Any) -> ReplyStream:
+        """A new branch at the user message `index`, answered; the old one is kept."""
+        return self.start(Edit(index, text, fit_context), GenerationOptions.from_kwargs(**options))
+
+    def continue_reply(self, **options: Any) -> ReplyStream:
+        """Extend the last reply in the same turn: the cache goes on from where it stopped."""
+        return self.start(Continue(), GenerationOptions.from_kwargs(**options))
+
+    def prepare(self, text: str, generation: GenerationOptions | None = None, *, fit_context: bool = True,
+                **options: Any) -> bool:
+        """Prefill the conversation as it will be once `text` is sent (the message being typed),
+        in the steps where no reply has work (issue #45): a Send of the same text with the same
+        options then finds its prompt in the cache and starts at once. One at a time: a newer one,
+        a Send, a change of what is shown or a close calls it off; what it fed stays where the
+        Send's prompt shares it. Nothing is recorded and the text is kept nowhere but in the
+        cache's token ids. False where nothing was started: a reply runs, the text is empty or
+        cannot fit, or the replies come from a model server (which keeps its own cache)."""
+        self.cancel_prepared()
+        prepare = getattr(self.source, "prepare", None)
+        if prepare is None or self.is_busy or not isinstance(text, str) or not text.strip():
+            return False
+        try:
+            plan = self.planner.plan(Send(text, fit_context), self.history,
+                                     generation or GenerationOptions.from_kwargs(**options), self._revision)
+            self.source.check(plan.request)
+        except ChatError:
+            return False
+        self._prepared = prepare(plan.request)
+        return True
+
+    def start(self, operation: Operation, options: GenerationOptions | None = None,
+              cancelled: Cancelled = lambda: False) -> ReplyStream:
+        """Plan `operation` now (raising before anything changes) and return its stream. From now
+        until the stream ends, `snapshot()` includes the new message and the text so far, and a
+        `stop()` ends it (even one before its first step: it then ends at once)."""
+        self.cancel_prepared()
+        plan = self.plan(operation, options or GenerationOptions(), cancelled)
+        self._stop.clear()
+        self._running = RunningReply(plan)
+        stream = ReplyStream(self.run(plan), plan.dropped_turns, plan.dropped_turns > plan.dropped_before)
+        weakref.finalize(stream, self._end_running, plan)  # a stream dropped unread frees the conversation
+        return stream
+
+    def plan(self, operation: Operation, options: GenerationOptions, cancelled: Cancelled = lambda: False) -> Plan:
+        if self.is_busy:
+            raise ConversationBusyError("a reply is still being generated; stop it first")
+        plan = self.planner.plan(operation, self.history, options, self._revision, cancelled)
+        self.source.check(plan.request)
+        return plan
+
+    def run(self, plan: Plan) -> Iterator[Delta]:
+        """Stream the reply of a plan made by `plan()`; refused if the conversation changed since."""
+        started = self._running is not None and self._running.plan is plan  # by start(), which cleared Stop
+        running = self._running if started else RunningReply(plan)
+        try:
+            with _Exclusive(self._lock, lambda: self._running is not None and not started):
+                if plan.revision != self._revision:
+                    raise StalePlanError("the conversation changed after this operation was planned")
+                if not started:
+                    self._stop.clear()
+                run = self.source.reply(plan.request, self._stop)
+                try:
+                    for delta in run:
+                        running.take(delta)
+                        yield delta
+                finally:
+                    reply = run.result()
+                    with self._recording:  # a snapshot sees the reply running or recorded, never both
+                        if reply is not None:  # recorded, stopped or not
+                            if plan.reply is None:  # the reply's prompt, and its cut, as they were
+                                version = replace(running.recorded(reply.version),
+                                                  dropped_turns=plan.history[-1].reply.dropped_turns)
+                                self.history.record_continuation(plan.history, version)
+                            else:
+                                version = replace(running.recorded(reply.version), dropped_turns=plan.dropped_turns)
+                                self.history.record_reply(plan.history, plan.reply, version)
+                            self.stats = replace(reply.stats, dropped_turns=plan.dropped_turns)
+                            self._revision += 1
+                            self.cancel_prepared()  # one planned before this reply began: stale now
+                        self._end_running(plan)
+        finally:
+            self._end_running(plan)  # (refused before it ran)
+
+    def _end_running(self, plan: Plan) -> None:
+        if self._running is not None and self._running.plan is plan:
+            self._running = None
 
 
 @dataclass
