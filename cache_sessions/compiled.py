@@ -391,7 +391,9 @@ class CompiledDecode:
         return self.enabled and set(self.buckets) <= self._ready_rows
 
     def _warm_beside(self) -> None:
-        """`warm` on the compiling thread, at the lowest CPU priority where the OS allows it."""
+        """`warm` on the compiling thread, at the lowest CPU priority where the OS allows it (after
+        `probe_vector_instructions`, at the steps' priority)."""
+        probe_vector_instructions()
         self.priority = _lower_thread_priority(COMPILE_NICE)
         self.warm()
 
@@ -440,6 +442,21 @@ def trace_inductors_placeholder() -> None:
     except (ImportError, AttributeError) as error:  # another torch: the race may be back, say so
         log.warning("inductor's placeholder graph not traced ahead (%s): an eager step may fail "
                     "while the first graph lowers", error)
+
+
+def probe_vector_instructions() -> None:
+    """Have inductor find which vector instructions this CPU runs, once a process: it builds a
+    small program for each and loads it in a child process, which inherits the calling thread's
+    priority. At the compiling thread's nice 19 beside a busy loop those children got almost no
+    CPU: the probe had not ended after 400 s (two busy processes on 2 cores; at nice 0, 6.7 s), and
+    a child that passes 60 s counts as a failed probe, so the graph would be generated without
+    those instructions and saved so. Probed first, at the steps' priority, it is cached for the
+    compile. A failure here is the compile's to meet and report."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        pick_vec_isa()
+    except Exception as error:  # (the compile meets it again and says why)
+        log.warning("inductor's probe of vector instructions failed here: %s", error)
 
 
 def _lower_thread_priority(nice: int) -> str:

@@ -270,6 +270,24 @@ def test_no_tracer_that_patches_every_modules_call_runs_on_the_compiling_thread(
     assert traced_on and "compile-decode-step" not in traced_on, traced_on
 
 
+def test_the_cpus_vector_instructions_are_probed_before_the_compiling_thread_lowers_its_priority(
+        base_tokenizer, tmp_path, monkeypatch):
+    """Inductor probes them in child processes that inherit the thread's priority; at nice 19
+    beside a busy loop the probe starved (and a probe that passes 60 s counts as failed: a graph
+    without them). The first probe must come before the thread's priority drops."""
+    from torch._inductor import cpu_vec_isa
+
+    events: list[str] = []
+    own_pick, own_lower = cpu_vec_isa.pick_vec_isa, compiled_module._lower_thread_priority
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: events.append("probe") or own_pick())
+    monkeypatch.setattr(compiled_module, "_lower_thread_priority", lambda nice: events.append("nice") or own_lower(nice))
+    compiled = CompiledDecode(build_model("full", len(base_tokenizer), None), "on", max_rows=1, store=tmp_path / "s")
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled.start()
+        assert compiled.wait(WAIT_S) and compiled.error is None
+    assert "nice" in events and "probe" in events[:events.index("nice")], events[:5]
+
+
 def test_every_operation_of_a_compiled_engine_is_exact(tokenizers):
     tokenizer = tokenizers[THINKING_TEMPLATE]
     model = build_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
