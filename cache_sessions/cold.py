@@ -159,6 +159,79 @@ class _Unpickler(pickle.Unpickler):
         return self._tensors[index].to(device)
 
 
+class _StateFiles:
+    """The files of one store: a session's states written as a header, a table of its tensors,
+    their bytes and the pickled structure around them, then a keyed digest over all of it. The
+    key lives only in this process, so a file is read back only if this store wrote it as it
+    is (another process, or anyone who can write the folder, cannot make one it accepts)."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.key = os.urandom(32)
+
+    def write(self, states: CacheStates) -> tuple[Path, int, bytes]:
+        """Write `states` to a new file of the folder; its path, size and the tag its
+        digest is bound to (kept in memory with it: see `_File`)."""
+        buffer = io.BytesIO()
+        pickler = _Pickler(buffer)
+        pickler.dump(states)
+        structure, tensors = buffer.getvalue(), pickler.tensors
+        table = json.dumps([[str(t.dtype), list(t.shape)] for t in tensors]).encode()
+        tensor_bytes = filled_bytes(tensors)
+        header = _MAGIC + _HEADER.pack(len(table), tensor_bytes, len(structure))
+        size = len(header) + len(table) + tensor_bytes + len(structure) + _DIGEST_BYTES
+        if size > self.max_bytes:
+            raise ValueError("larger than the whole folder may hold")
+        digest = hashlib.blake2b(key=self.key, digest_size=_DIGEST_BYTES)
+        tag = os.urandom(16)
+        digest.update(tag)
+        handle, name = tempfile.mkstemp(prefix="session-", suffix=".cold", dir=self.folder)
+        path = Path(name)
+        try:
+            with open(handle, "wb") as file:
+                for part in (header, table, *(_raw(t) for t in tensors), structure):  # one tensor at a time
+                    file.write(part)
+                    digest.update(part)
+                file.write(digest.digest())
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return path, size, tag
+
+    def read(self, path: Path, tag: bytes) -> CacheStates:
+        """The session a file holds, each tensor read into its own buffer; parsed only once the
+        digest proves these files' key wrote it as it is, for the write `tag` names."""
+        digest = hashlib.blake2b(key=self.key, digest_size=_DIGEST_BYTES)
+        digest.update(tag)
+        with open(path, "rb") as file:
+            fixed = _read_exact(file, len(_MAGIC) + _HEADER.size)
+            if not fixed.startswith(_MAGIC):
+                raise ValueError(f"{path.name}: not a file of this store's format")
+            table_bytes, tensor_bytes, structure_bytes = _HEADER.unpack(fixed[len(_MAGIC):])
+            if len(fixed) + table_bytes + tensor_bytes + structure_bytes + _DIGEST_BYTES != os.fstat(file.fileno()).st_size:
+                raise ValueError(f"{path.name}: its size is not what its header says")
+            table_raw = _read_exact(file, table_bytes)
+            table = [(_DTYPES[dtype], [int(n) for n in shape]) for dtype, shape in json.loads(table_raw)]
+            if sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+                   for dtype, shape in table) != tensor_bytes:
+                raise ValueError(f"{path.name}: its tensors do not add up to its header")
+            for part in (fixed, table_raw):
+                digest.update(part)
+            tensors = []
+            for dtype, shape in table:
+                tensor = torch.empty(shape, dtype=dtype)
+                raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                if file.readinto(raw) != len(raw):
+                    raise ValueError(f"{path.name}: cut short")
+                digest.update(raw)
+                tensors.append(tensor)
+            structure = _read_exact(file, structure_bytes)
+            digest.update(structure)
+            if not hmac.compare_digest(digest.digest(), _read_exact(file, _DIGEST_BYTES)):
+                raise ValueError(f"{path.name}: not a file this store wrote, or changed since")
+        return _Unpickler(io.BytesIO(structure), tensors).load()
+
+
 class ColdStore:
     def __init__(self, folder: str | Path, max_bytes: int):
         if max_bytes < 0:
@@ -176,7 +249,7 @@ class ColdStore:
         self.own = Path(tempfile.mkdtemp(prefix=f"process-{os.getpid()}-", dir=self.folder))  # mode 0700
         self._held = open(self.own / "lock", "w")  # noqa: SIM115 (held open: the lock lasts as long as the store)
         fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._key = os.urandom(32)  # only this store can write a file it will accept
+        self._sealed = _StateFiles(self.own, self.max_bytes)  # only this store can write a file it will accept
         # Keyed by the session object itself, never by a reusable id. Files: oldest first.
         self._files: OrderedDict[CacheStates, _File] = OrderedDict()
         self._writes: dict[CacheStates, _Write] = {}  # handed to the writer, not yet in a file
@@ -313,7 +386,7 @@ class ColdStore:
     def _write(self, session: CacheStates, write: _Write) -> None:
         path: Path | None = None
         try:
-            path, size, tag = self._write_file(write.states)
+            path, size, tag = self._sealed.write(write.states)
         except Exception:  # noqa: BLE001 (a full disk, no memory: the states are lost, no other file is)
             if path is not None:
                 path.unlink(missing_ok=True)
@@ -332,73 +405,11 @@ class ColdStore:
             self._files[session] = _File(path, size, tag)
             self.spilled += 1
 
-    def _write_file(self, states: CacheStates) -> tuple[Path, int, bytes]:
-        """Write `states` to a new file of this store's folder; its path, size and the tag its
-        digest is bound to (kept in memory with it: see `_File`)."""
-        buffer = io.BytesIO()
-        pickler = _Pickler(buffer)
-        pickler.dump(states)
-        structure, tensors = buffer.getvalue(), pickler.tensors
-        table = json.dumps([[str(t.dtype), list(t.shape)] for t in tensors]).encode()
-        tensor_bytes = filled_bytes(tensors)
-        header = _MAGIC + _HEADER.pack(len(table), tensor_bytes, len(structure))
-        size = len(header) + len(table) + tensor_bytes + len(structure) + _DIGEST_BYTES
-        if size > self.max_bytes:
-            raise ValueError("larger than the whole folder may hold")
-        digest = hashlib.blake2b(key=self._key, digest_size=_DIGEST_BYTES)
-        tag = os.urandom(16)
-        digest.update(tag)
-        handle, name = tempfile.mkstemp(prefix="session-", suffix=".cold", dir=self.own)
-        path = Path(name)
-        try:
-            with open(handle, "wb") as file:
-                for part in (header, table, *(_raw(t) for t in tensors), structure):  # one tensor at a time
-                    file.write(part)
-                    digest.update(part)
-                file.write(digest.digest())
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        return path, size, tag
-
     def _read_and_remove(self, entry: _File) -> CacheStates:
         try:
-            return self._read(entry.path, entry.tag)
+            return self._sealed.read(entry.path, entry.tag)
         finally:
             entry.path.unlink(missing_ok=True)
-
-    def _read(self, path: Path, tag: bytes) -> CacheStates:
-        """The session a file holds, each tensor read into its own buffer; parsed only once the
-        digest proves this store wrote it as it is, for the write `tag` names."""
-        digest = hashlib.blake2b(key=self._key, digest_size=_DIGEST_BYTES)
-        digest.update(tag)
-        with open(path, "rb") as file:
-            fixed = _read_exact(file, len(_MAGIC) + _HEADER.size)
-            if not fixed.startswith(_MAGIC):
-                raise ValueError(f"{path.name}: not a file of this store's format")
-            table_bytes, tensor_bytes, structure_bytes = _HEADER.unpack(fixed[len(_MAGIC):])
-            if len(fixed) + table_bytes + tensor_bytes + structure_bytes + _DIGEST_BYTES != os.fstat(file.fileno()).st_size:
-                raise ValueError(f"{path.name}: its size is not what its header says")
-            table_raw = _read_exact(file, table_bytes)
-            table = [(_DTYPES[dtype], [int(n) for n in shape]) for dtype, shape in json.loads(table_raw)]
-            if sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-                   for dtype, shape in table) != tensor_bytes:
-                raise ValueError(f"{path.name}: its tensors do not add up to its header")
-            for part in (fixed, table_raw):
-                digest.update(part)
-            tensors = []
-            for dtype, shape in table:
-                tensor = torch.empty(shape, dtype=dtype)
-                raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-                if file.readinto(raw) != len(raw):
-                    raise ValueError(f"{path.name}: cut short")
-                digest.update(raw)
-                tensors.append(tensor)
-            structure = _read_exact(file, structure_bytes)
-            digest.update(structure)
-            if not hmac.compare_digest(digest.digest(), _read_exact(file, _DIGEST_BYTES)):
-                raise ValueError(f"{path.name}: not a file this store wrote, or changed since")
-        return _Unpickler(io.BytesIO(structure), tensors).load()
 
     def _drop_oldest(self) -> None:
         _, file = self._files.popitem(last=False)

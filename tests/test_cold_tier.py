@@ -401,14 +401,14 @@ def test_a_session_needed_while_its_spill_is_being_written_waits_beside_the_loop
     list(conv.send("Hello there?", **OPTIONS))
     before = held(engine, conv)
     store, writing, gate = engine.caches.cold_store, threading.Event(), threading.Event()
-    write_file = ColdStore._write_file
+    write_file = cache_sessions.cold._StateFiles.write
 
     def slow_disk(self, states):
         writing.set()
         assert gate.wait(60)
         return write_file(self, states)
 
-    monkeypatch.setattr(ColdStore, "_write_file", slow_disk)
+    monkeypatch.setattr(cache_sessions.cold._StateFiles, "write", slow_disk)
     engine.caches.budget_bytes = 0
     engine.caches.enforce_budget()
     engine.caches.budget_bytes = None
@@ -476,7 +476,7 @@ def test_a_forked_worker_has_a_cold_tier_of_its_own_and_leaves_the_parents_alone
 
     def worker() -> None:
         torch.set_num_threads(1)  # OpenMP's pool does not survive a fork
-        results.put((str(store.own), len(store._files), store._key))
+        results.put((str(store.own), len(store._files), store._sealed.key))
         store.close()  # what its exit does (the engine's finalizer)
 
     process = context.Process(target=worker, daemon=True)
@@ -484,7 +484,7 @@ def test_a_forked_worker_has_a_cold_tier_of_its_own_and_leaves_the_parents_alone
     own, files, key = results.get()
     process.join(60)
     assert process.exitcode == 0
-    assert own != str(store.own) and files == 0 and key != store._key
+    assert own != str(store.own) and files == 0 and key != store._sealed.key
     assert path.exists() and store.own.exists() and not Path(own).exists()
     held_tokens = engine.caches.stats().cold.sessions
     list(conv.send("And then?", **OPTIONS))
