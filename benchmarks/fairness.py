@@ -263,7 +263,7 @@ def targets(result: dict) -> list[tuple[str, str, bool]]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="before,64/512",
+    parser.add_argument("--configs", default="before,128/512",
                         help="comma-separated: before, CHUNK/ALONE (packed, measured), alone-fixed:CHUNK/ALONE (measured "
                         "beside decode rows only), or fixed:CHUNK/ALONE")
     parser.add_argument("--model", default="bench-full", help="a row of chat/models.py (bench-full, real-qwen3-0.6b)")

@@ -13,7 +13,11 @@ from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR
 from chat.weights import check_weight_format
 
 DEFAULT_MAX_BATCH_SIZE = 8
-DEFAULT_PREFILL_CHUNK = 64
+# A cap under the timed step budget (chat/step_budget.py), which decides on a real model's shape; on
+# the 33.6 M benchmark model the cap decides, and 128 took a newcomer's message beside 8 streams
+# from 2.0-2.4x an idle engine's first token to 1.6-1.8x with the streams' worst gap unchanged
+# (docs/performance.md, "Fairness"; 64 before).
+DEFAULT_PREFILL_CHUNK = 128
 DEFAULT_PREFILL_CHUNK_ALONE = 512
 DEFAULT_CACHE_DIR_BYTES = 4 * 2**30
 
