@@ -91,6 +91,7 @@ class NgramIndex:
 
 
 SOURCES = ("earlier version", "conversation")  # where a guess came from (acceptance is kept for each)
+EARLIER_VERSION = SOURCES[0]
 PRIOR_WEIGHT = 4.0  # guesses' worth of what earlier replies' guesses from a source scored
 
 

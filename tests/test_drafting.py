@@ -16,6 +16,7 @@ from conftest import THINKING_TEMPLATE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import check_exact, render_ids, scratch_greedy_reply
+from test_prepare import wait_until
 from tiny_models import SLIDING_WINDOW, scripted_reply_model
 
 import chat.drafting
@@ -108,6 +109,39 @@ def test_a_greedy_retry_takes_its_earlier_version_as_guesses_in_a_few_steps(make
     assert taken - taken_before == guessed - guessed_before > 0
     assert engine.runtime.scheduler.stats().steps - steps_before <= -(-len(conversation.reply_ids) // 9) + 1
     check_exact(conversation, models[arch], tokenizers[THINKING_TEMPLATE], max_new_tokens=GREEDY["max_new_tokens"])
+
+
+def test_a_replys_first_step_guesses_only_from_an_earlier_version(make_engine, monkeypatch):
+    """The first token is what the person waits for: a new reply's first step carries no guesses
+    from the conversation's n-grams (here a lookup that always has some), its later steps do;
+    a Retry's first step guesses from the version it replaces."""
+    from chat.runner import ModelRunner
+
+    engine = make_engine("full", draft="ngram")
+    conversation = engine.conversation()
+    steps: list[list[int]] = []  # each step's count of guesses, per decode row
+    run, proposed = ModelRunner.run, chat.drafting.Drafter.propose
+
+    def recorded(runner, rows, logits_of, tails=None, guessed=()):
+        steps.append(list(guessed))
+        return run(runner, rows, logits_of, tails, guessed)
+
+    def always(self, sequence, limit):  # the lookup's source, a guess every time
+        self.source = "conversation"
+        return [7] * limit
+
+    monkeypatch.setattr(ModelRunner, "run", recorded)
+    monkeypatch.setattr(chat.drafting.Drafter, "propose", always)
+    assert conversation.prepare("first", **GREEDY)  # so the reply's first step feeds one token, as a Retry's
+    wait_until(lambda: engine.batch_stats().drafts == 0)
+    steps.clear()
+    list(conversation.send("first", **GREEDY))
+    assert conversation.stats.prefilled_tokens == 1
+    assert steps[0] == [0] and any(guessed and guessed[0] > 0 for guessed in steps[1:])
+    monkeypatch.setattr(chat.drafting.Drafter, "propose", proposed)
+    steps.clear()
+    list(conversation.regenerate(**GREEDY))
+    assert steps[0][0] > 0  # a Retry: the earlier version's first tokens, fed at once
 
 
 def test_an_edited_message_guesses_from_the_answer_it_replaces(tokenizers):
