@@ -82,14 +82,8 @@ def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Te
     (`keys[r * layers + layer]`, with room for them) and attends to their first held + (end -
     start) positions; at a sliding one it hands them to `windows[r * layers + layer]` and attends
     to what that returns. The logits after the tokens at `logits_at` (indices into `tokens`),
-    shaped (len(logits_at), vocab).
-
-    The last `alone[r]` tokens of row r (guesses being verified) each attend as a decode row of
-    their own would, one call each over the states up to them, the rest of the row as it would
-    alone: the step then gives them the bits decoding them one step at a time gives, where every
-    other operation gives a row the same bits whatever rows are beside it (int8 weights:
-    chat/runner.py). One call for the row instead rounds another way (its kernel blocks the
-    queries otherwise), and with bf16 products a near-tie then goes the other way."""
+    shaped (len(logits_at), vocab). The last `alone[r]` tokens of row r attend one call each
+    (`_attention_calls`)."""
     core, config = model.model, model.config
     layers, windowed = len(core.layers), layer_windows(model)
     hidden = core.embed_tokens(tokens)[None]
@@ -122,12 +116,10 @@ def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Te
                 row_keys, row_values = windows[slot].update(key[:, :, start:end], value[:, :, start:end])
                 kept = row_keys.shape[2] - length
             for first, width in _attention_calls(length, alone[row] if row < len(alone) else 0):
-                seen = kept + first + width  # the states up to the call's last query
+                since, seen = _call_states(kept, first, width, window)
                 if window is None:
                     mask = masks[row] if width == length else None if width == 1 else masks[row][:width, :seen]
-                    since = 0
-                else:  # as this layer would hold them then: window - 1 states kept after each update
-                    since = max(0, kept + first - (window - 1)) if first else 0
+                else:
                     if (row, first) not in window_masks:
                         window_masks[row, first] = _window_mask(held + first, width, seen - since, window, tokens.device)
                     mask = window_masks[row, first]
@@ -150,9 +142,24 @@ def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Te
 
 def _attention_calls(length: int, alone: int) -> list[tuple[int, int]]:
     """A row's attention calls, (first token, tokens) within the row: its tokens but the last
-    `alone` together, then each of those by itself."""
+    `alone` together, then each of those by itself, over the states up to it, as a decode row of
+    its own would. The step then gives those tokens (a decode row's last input and its guesses)
+    the bits decoding them one step at a time gives, where every other operation gives a row the
+    same bits whatever rows are beside it (int8 weights: chat/runner.py). One call for the row
+    rounds another way (SDPA's kernel blocks the queries otherwise), and with bf16 products a
+    near-tie then goes the other way."""
     together = length - alone
     return ([(0, together)] if together else []) + [(first, 1) for first in range(together, length)]
+
+
+def _call_states(kept: int, first: int, width: int, window: int | None) -> tuple[int, int]:
+    """Which of a layer's states (after the row's update; `kept` of them before its first token)
+    a call of `width` tokens from the row's `first` attends to, as (since, seen): up to its last
+    query, and at a sliding layer from where that layer would hold them then (window - 1 states
+    kept after each update; a call from the row's start reads all it returned, as before)."""
+    seen = kept + first + width
+    since = max(0, kept + first - (window - 1)) if window is not None and first else 0
+    return since, seen
 
 
 def _causal_masks(spans: Sequence[Span], device: torch.device) -> list[torch.Tensor | None]:

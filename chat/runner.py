@@ -79,23 +79,24 @@ class ModelRunner:
         return {"eager": step, "not_plain_because": self.plain_refusal, "rows_kept_apart": self.rows_apart}
 
     @torch.no_grad()
-    def run(self, rows: Sequence[Row], logits_of: Sequence[int], tails: Sequence[int] | None = None,
-            guessed: Sequence[int] = ()) -> torch.Tensor:
+    def run(self, rows: Sequence[Row], logits_of: Sequence[int], tails: Sequence[int] | None = None
+            ) -> torch.Tensor:
         """Feed every row its tokens on its own cache; the logits after every token of the rows
         `logits_of` (indices into `rows`), in that order, or with `tails` only after the last
-        `tails[n]` tokens of the nth of them, of which the last `guessed[n]` are guesses to
-        verify (after the row's last input). The ledgers are the owner's: it notes what was fed, or, if this raises, every
-        row's states may hold part of the step."""
+        `tails[n]` tokens of the nth of them (a decode row's last input and its guesses). Where
+        rows are kept apart, each token whose logits are read attends alone. The ledgers are the
+        owner's: it notes what was fed, or, if this raises, every row's states may hold part of
+        the step."""
         rows, logits_of = list(rows), list(logits_of)
-        alone = [0] * len(rows)
-        if self.rows_apart:
-            for index, count in zip(logits_of, guessed):
-                alone[index] = count + 1
         if self.compiled is not None and self.compiled.takes(rows, logits_of):  # one token a row: tails are 1
             logits = self.compiled.step(rows)
             if logits is not None:
                 return logits
         if self.packs:
+            alone = [0] * len(rows)
+            if self.rows_apart:
+                for number, index in enumerate(logits_of):
+                    alone[index] = len(rows[index][1]) if tails is None else min(tails[number], len(rows[index][1]))
             return packed_step(self.model, rows, logits_of, self.plain_refusal is None, tails, alone)
         return self._one_by_one(rows, logits_of, tails)
 

@@ -198,7 +198,7 @@ class DecodeScheduler:
             return None
         started = self.clock()
         try:
-            logits = self.runner.run(rows, range(len(plan.decoding)), plan.tails(), plan.guessed())
+            logits = self.runner.run(rows, range(len(plan.decoding)), plan.tails())
             self.caches.fed(rows)
         except BaseException as error:
             self.planner.leave(plan.decoding, error)

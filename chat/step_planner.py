@@ -54,10 +54,6 @@ class StepPlan:
         (not after inputs before its last: tokens fed again, or the rest of its prompt)."""
         return [len(guess) + 1 for guess in self.guesses]
 
-    def guessed(self) -> list[int]:
-        """How many of each decode row's tokens are guesses (its last ones)."""
-        return [len(guess) for guess in self.guesses]
-
     def extra_tokens(self) -> int:
         """Tokens past one a decode row: what the prompt pieces, the guesses and the tokens fed
         again add to the step."""
@@ -114,12 +110,9 @@ class StepPlanner:
                  max_batch_size: int, prefill_chunk: int, prefill_chunk_alone: int, prefill_order: str,
                  last_piece_rows: int | None = None):
         """`last_piece_rows`: a prompt's last piece goes with its last token in the first decode
-        row only if the two are at most this many tokens (None: any). Where every product gives
-        a row the bits it gets alone up to that many rows (int8 weights, chat/runner.py), the
-        token then gets the bits a Retry gets, which feeds it alone after rolling back to it: a
-        greedy Retry is the reply it replaces (the benchmark model parted at token 19 otherwise),
-        and that reply its own best guesses. A longer last piece goes in a step of its own, and
-        the token in the next (one step more before the first token)."""
+        row only within this many tokens (None: any), else a step before it. Where products keep
+        rows apart up to that many (int8, chat/runner.py), the token then gets the bits a Retry's
+        step of it alone gives: a greedy Retry is the reply it replaces (docs/performance.md)."""
         if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
             raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
         if prefill_order not in PREFILL_ORDERS:

@@ -122,9 +122,9 @@ def test_a_replys_first_step_guesses_only_from_an_earlier_version(make_engine, m
     steps: list[list[int]] = []  # each step's count of guesses, per decode row
     run, proposed = ModelRunner.run, chat.drafting.Drafter.propose
 
-    def recorded(runner, rows, logits_of, tails=None, guessed=()):
-        steps.append(list(guessed))
-        return run(runner, rows, logits_of, tails, guessed)
+    def recorded(runner, rows, logits_of, tails=None):
+        steps.append([tail - 1 for tail in tails or ()])  # logits after its last input and each guess
+        return run(runner, rows, logits_of, tails)
 
     def always(self, sequence, limit):  # the lookup's source, a guess every time
         self.source = "conversation"
