@@ -21,42 +21,24 @@ which is the code before it), through the public API, greedy, end token off:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import sys
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Iterator
-
-import torch
+from typing import ContextManager
 
 from benchmarks.fairness import (SYSTEM_PROMPT, Sender, message_of, newcomer_beside_streams_scenario, session_id,
                                  stream_scenario, token_clock)
-from benchmarks.models import Words, build_bench_tokenizer
-from benchmarks.report import cpu_flags
+from benchmarks.models import Words
+from benchmarks.report import arms_record, engine_at_size, patched
 from cache_sessions.session import CacheSession
 from chat import ChatEngine
-from chat.models import build_model
-from chat.weights import WEIGHT_FORMATS, apply_weight_format
-from chat.worker import ModelWorker
+from chat.weights import WEIGHT_FORMATS
 
 ARMS = ("one step", "a step apart")
 
 
-@contextmanager
-def arm(name: str) -> Iterator[None]:
+def arm(name: str) -> ContextManager[None]:
     """"a step apart": the prompt's last piece never goes with the first decode input."""
-    if name == "one step":
-        yield
-        return
-    own = CacheSession.feeds_with_first_step
-    CacheSession.feeds_with_first_step = lambda *args, **kwargs: False  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        CacheSession.feeds_with_first_step = own  # type: ignore[method-assign]
+    return patched(CacheSession, "feeds_with_first_step", lambda *args, **kwargs: False, apply=name == "a step apart")
 
 
 def follow_ups(engine: ChatEngine, questions: list[str], reply_tokens: int) -> list[dict]:
@@ -85,14 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    worker = ModelWorker()
-    tokenizer = build_bench_tokenizer()
-    model = worker.run(build_model, args.model, len(tokenizer), tokenizer.eos_token_id)
-    worker.run(apply_weight_format, model, args.weights)
-    model.generation_config.eos_token_id = None  # every reply runs to its length
-    engine = ChatEngine(model, tokenizer, worker=worker, shared_prefixes=0)
-    if engine.compiled is not None:
-        engine.compiled.wait(1800)  # the decode graphs (from 200 M parameters) built first: they take a core meanwhile
+    engine, tokenizer = engine_at_size(args.model, args.weights, shared_prefixes=0)
     list(engine.conversation(SYSTEM_PROMPT).send("Warm up.", max_new_tokens=4))  # untimed: lazy set-up
     words = Words(seed=5)
     questions = [words.sentence(12) for _ in range(args.turns)]
@@ -121,14 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
             "stream_worst_over_median_alone": statistics.median(
                 run["worst_over_median_alone"] for run in runs[name]["stream"]) if long_text else None,
         }
-    result = {"args": vars(args), "cpu_flags": cpu_flags(), "machine": f"{platform.machine()}, "
-              f"{torch.get_num_threads()} threads", "torch": torch.__version__, "load_before": load_before,
-              "load_after": os.getloadavg(), "summary": summary, "runs": runs,
-              "command": "python -m benchmarks.first_token " + " ".join(sys.argv[1:] if argv is None else argv)}
-    print(markdown(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return arms_record("first_token", args, argv, summary, runs, load_before, markdown)
 
 
 def markdown(result: dict) -> str:

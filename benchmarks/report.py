@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import platform
 import resource
 import subprocess
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers.generation.streamers import BaseStreamer
+
+from benchmarks.models import build_bench_tokenizer
+from chat import ChatEngine
+from chat.models import build_model
+from chat.weights import apply_weight_format
+from chat.worker import ModelWorker
 
 
 class TokenClock(BaseStreamer):
@@ -45,6 +55,52 @@ def bare_generate_rate(model: torch.nn.Module, session: Any, prompt: list[int], 
     model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=copied.cache,
                    max_new_tokens=new_tokens, do_sample=False, streamer=clock)
     return decode_rate(clock.times)
+
+
+@contextmanager
+def patched(owner: Any, name: str, value: Any, apply: bool = True) -> Iterator[None]:
+    """`owner.name` is `value` inside (where `apply`), as it was after: a benchmark's "before" arm,
+    the code before a change switched back in for one run."""
+    if not apply:
+        yield
+        return
+    own = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, own)
+
+
+def engine_at_size(model_name: str, weights: str, **options: Any) -> tuple[ChatEngine, Any]:
+    """A `ChatEngine` over the row `model_name` of chat/models.py with the benchmark tokenizer, its
+    weights in `weights`, every reply run to its length (no end token), and its decode graphs built
+    before anything is timed (from 200 M parameters they take a core meanwhile). `options`: the
+    engine's. Returns the engine and the tokenizer."""
+    worker = ModelWorker()
+    tokenizer = build_bench_tokenizer()
+    model = worker.run(build_model, model_name, len(tokenizer), tokenizer.eos_token_id)
+    worker.run(apply_weight_format, model, weights)
+    model.generation_config.eos_token_id = None
+    engine = ChatEngine(model, tokenizer, worker=worker, **options)
+    if engine.compiled is not None:
+        engine.compiled.wait(1800)
+    return engine, tokenizer
+
+
+def arms_record(module: str, args: Any, argv: list[str] | None, summary: dict, runs: dict, load_before: tuple,
+                markdown: Callable[[dict], str]) -> dict:
+    """A run of alternated arms as a benchmark keeps it: its arguments, the host's flags and load
+    before and after, the summary and every run, the command; printed as `markdown`, written to
+    `args.json` if given."""
+    result = {"args": vars(args), "cpu_flags": cpu_flags(), "machine": f"{platform.machine()}, "
+              f"{torch.get_num_threads()} threads", "torch": torch.__version__, "load_before": load_before,
+              "load_after": os.getloadavg(), "summary": summary, "runs": runs,
+              "command": f"python -m benchmarks.{module} " + " ".join(sys.argv[1:] if argv is None else argv)}
+    print(markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def cpu_flags() -> str:

@@ -54,9 +54,11 @@ def move_branch(session: CacheSession, move: BranchMove) -> bool:
     return holds(session, move.target[: move.index + 1])
 
 
-def keep_before_reply(session: CacheSession, keep: BranchKeep, prompt_ids: Sequence[int]) -> None:
-    """What `prepare(prompt_ids)` is about to roll back of the shown branch, kept under its label."""
-    _keep(session, keep.shown, keep.index, session.reachable(session.rollback_target(prompt_ids)))
+def keep_before_reply(session: CacheSession, keep: BranchKeep, prompt_ids: Sequence[int], whole: bool = False
+                      ) -> None:
+    """What `prepare(prompt_ids, whole=whole)` is about to roll back of the shown branch, kept
+    under its label."""
+    _keep(session, keep.shown, keep.index, session.reachable(session.rollback_target(prompt_ids, whole)))
 
 
 def holds(session: CacheSession, labels: Sequence[Hashable]) -> bool:

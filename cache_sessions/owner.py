@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Protocol, Sequence, TypeVar
 
+import torch
 from transformers import PreTrainedModel
 
 from cache_sessions.accounts import Accounts
@@ -111,14 +112,25 @@ class CacheOwner:
     def begin(self, session: CacheSession, prompt_ids: Sequence[int], keep: BranchKeep | None,
               prefix_store: PrefixStore | None, shared_prefix_length: int) -> PrefillResult:
         """A reply is admitted: its session to the model's device, the branch it replaces kept,
-        the cache rolled back to where the prompt parts from it."""
+        the cache rolled back to where the prompt parts from it; to its end where the logits
+        after it were kept (`next_logits`: its first token then needs no step)."""
         self._on_loop(session, used=True)
         if self.offload:
             session.to(self.model.device)
         if keep is not None:
-            keep_before_reply(session, keep, prompt_ids)
+            keep_before_reply(session, keep, prompt_ids, whole=True)
         return session.prepare(prompt_ids, prefix_store=prefix_store, shared_prefix_length=shared_prefix_length,
-                               prefill=False)
+                               prefill=False, whole=True)
+
+    def next_logits(self, session: CacheSession, prompt_ids: Sequence[int]) -> torch.Tensor | None:
+        """The logits kept after its whole prompt, which its cache holds (None: not kept)."""
+        self._on_loop(session)
+        return session.next_logits(prompt_ids)
+
+    def keep_next_logits(self, session: CacheSession, prompt_ids: Sequence[int], logits: torch.Tensor) -> None:
+        """The step that fed its prompt's last token gave `logits` after it: kept for a Retry."""
+        self._on_loop(session)
+        session.keep_next_logits(prompt_ids, logits)
 
     def prefill_piece(self, session: CacheSession, prompt_ids: Sequence[int], budget: int,
                       prefix_store: PrefixStore | None, shared_prefix_length: int) -> list[int]:

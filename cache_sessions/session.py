@@ -40,7 +40,7 @@ class CacheSession(SegmentedStates):
 
     # ---- the main path -----------------------------------------------------------------------
     def prepare(self, prompt_ids: Sequence[int], *, prefix_store: PrefixStore | None = None,
-                shared_prefix_length: int = 0, prefill: bool = True) -> PrefillResult:
+                shared_prefix_length: int = 0, prefill: bool = True, whole: bool = False) -> PrefillResult:
         """Roll the cache back to the longest exact prefix of `prompt_ids`, and prefill.
 
         Afterwards the cache holds `prompt_ids[:-1]`, checkpointed there (the generation start,
@@ -48,14 +48,15 @@ class CacheSession(SegmentedStates):
         cache that covers the whole input, `generate` would re-feed all of it, so one is always
         left. With `prefill=False` only the rollback happens; `prefill()` then goes on in chunks.
         `shared_prefix_length` tokens of the prompt (a system prompt) are shared through
-        `prefix_store` with other sessions.
+        `prefix_store` with other sessions. With `whole` (and `prefill=False`), a prompt whose
+        `next_logits` the session kept is kept whole: its first token comes from them.
         """
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise ValueError("cannot prepare an empty prompt")
         rebuilt, self._states_lost = self._states_lost, False
         copied = self._start_from_shared_prefix(prefix_store, prompt_ids)
-        target = self.rollback_target(prompt_ids)
+        target = self.rollback_target(prompt_ids, whole and not prefill)
         result = self.rollback_to(target)
         self._checkpoint_here()  # a turn boundary: where this prompt starts to differ
         self._fork = target if result.position < target else None
@@ -70,9 +71,30 @@ class CacheSession(SegmentedStates):
             shared_prefix_tokens=min(copied, result.position),
         )
 
-    def rollback_target(self, prompt_ids: Sequence[int]) -> int:
-        """Where `prepare(prompt_ids)` rolls back to: the common prefix, one token always left to feed."""
+    def rollback_target(self, prompt_ids: Sequence[int], whole: bool = False) -> int:
+        """Where `prepare(prompt_ids)` rolls back to: the common prefix, one token always left to
+        feed; with `whole`, the whole prompt where the logits after it were kept (`next_logits`)."""
+        if whole and self.next_logits(prompt_ids) is not None:
+            return len(prompt_ids)
         return min(common_prefix_length(self.token_ids, prompt_ids), len(prompt_ids) - 1)
+
+    def keep_next_logits(self, prompt_ids: Sequence[int], logits: torch.Tensor) -> None:
+        """The logits after `prompt_ids` (the cache holds them all now), as the step that fed the
+        last one gave them: kept while the ledger starts with that prompt, so a Retry of its reply
+        (or the Send of a prompt prepared whole) chooses its first token from them with no model
+        step, and a greedy Retry starts as the reply it replaces did. Only where every layer
+        crops anywhere: a sliding window or a recurrent state would need a checkpoint after the
+        prompt's last token as well as before it, and one more kept set of logits is not worth that."""
+        if self.crops_anywhere() and list(self.token_ids[:len(prompt_ids)]) == list(prompt_ids):
+            self._next_logits = (list(prompt_ids), logits.detach().reshape(1, -1).clone())
+
+    def next_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor | None:
+        """The logits kept after `prompt_ids` (1 x vocabulary), if the cache still holds that whole
+        prompt, else None."""
+        kept = self._next_logits
+        if kept is None or kept[0] != list(prompt_ids) or self.token_ids[:len(prompt_ids)] != kept[0]:
+            return None
+        return kept[1]
 
     def prefill(self, prompt_ids: Sequence[int], *, budget: int | None = None,
                 prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0) -> bool:

@@ -55,6 +55,10 @@ class CacheStates:
         self.checkpoints = CheckpointStore(self.max_checkpoints if self._uses_checkpoints else 0)
         self.token_ids = []
         self.labels = []
+        # The logits after a prompt this cache holds, as the step that fed its last token gave
+        # them: a Retry of that prompt, or the Send of a prepared one, takes its first token from
+        # them with no step (cache_sessions/session.py, `next_logits`).
+        self._next_logits: tuple[list[int], torch.Tensor] | None = None
 
     @property
     def kinds(self) -> tuple[LayerKind, ...]:
@@ -166,6 +170,8 @@ class CacheStates:
             yield from kind.tensors()
         yield from self.checkpoints.tensors()
         yield from self._segments.tensors()
+        if self._next_logits is not None:
+            yield self._next_logits[1]
 
     def nbytes(self) -> int:
         """Bytes held by the cache, checkpoints and segments, each storage once (crops are views)."""
@@ -178,3 +184,5 @@ class CacheStates:
         for checkpoint in self.checkpoints:
             checkpoint.to(device)
         self._segments.to(device)
+        if self._next_logits is not None:
+            self._next_logits = (self._next_logits[0], self._next_logits[1].to(device))

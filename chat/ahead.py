@@ -3,10 +3,12 @@ messages not sent yet, into their conversations' own caches.
 
 A draft runs only in a step no reply wants (the scheduler asks for one when its table is idle of
 replies), a piece of at most `prefill_chunk` tokens a step, so a reply arriving waits at most that
-piece. What it fed stays in the cache: the Send's ordinary rollback keeps the common prefix. A
-draft ends once only its last token is left, at the first step after its stop (a newer draft, the
-Send, a close), or with an error of its own; it is rested like any request (the planner's
-`finish`), so its cache is checked against its ledger.
+piece. What it fed stays in the cache: the Send's ordinary rollback keeps the common prefix. Where
+the cache crops anywhere, the last piece takes the prompt's last token too and the logits after it
+are kept with the cache, so the Send's first token needs no step (`CacheSession.next_logits`). A
+draft ends once its prompt is fed (all of it, or all but the last token where nothing is kept), at
+the first step after its stop (a newer draft, the Send, a close), or with an error of its own; it
+is rested like any request (the planner's `finish`), so its cache is checked against its ledger.
 """
 from __future__ import annotations
 
@@ -29,28 +31,37 @@ class AheadSteps:
             self.end(draft)
 
     def step(self) -> None:
-        """With no reply to work on: one piece of the oldest draft, in a step of its own."""
+        """With no reply to work on: one piece of the oldest draft, in a step of its own. Its last
+        piece goes with the prompt's last token where the cache crops anywhere (as a reply's
+        does: `CacheSession.feeds_with_first_step`; with int8 weights only within the rows their
+        products keep apart, else in a step of its own), and the logits after it are kept: the
+        Send then chooses its first token from them with no step."""
         chosen = self._next_piece()
         if chosen is None:
             return
-        draft, piece = chosen
+        draft, piece, whole = chosen
+        rows = [(draft.session, piece)]
         try:
-            self.runner.run([(draft.session, piece)], [])
-            self.caches.fed([(draft.session, piece)])
+            logits = self.runner.run(rows, [0] if whole else [], [1] if whole else None)
+            self.caches.fed(rows)
         except BaseException as error:
             self.end(draft, error)
             return
-        if self.planner.prefilled(draft, self.end):
+        if whole:
+            self.caches.keep_next_logits(draft.session, draft.prompt_ids, logits[-1])
             self._prepared(draft)
+        else:  # noted (a checkpoint, a shared prefix); its last token, if it takes one, next step
+            self.planner.prefilled(draft, self.end)
 
     def end(self, draft: GenerationRequest, error: BaseException | None = None) -> None:
         with self.planner.requests.lock:
             self.planner.requests.drafts.remove(draft)
         self.planner.finish(draft, error)
 
-    def _next_piece(self) -> tuple[GenerationRequest, list[int]] | None:
-        """The oldest draft whose states are at hand, and its next piece. A draft with nothing
-        left to feed is prefilled and ends here; one whose rollback fails ends with its error."""
+    def _next_piece(self) -> tuple[GenerationRequest, list[int], bool] | None:
+        """The oldest draft whose states are at hand, its next piece, and whether that piece ends
+        with the prompt's last token. A draft with nothing left to feed is prepared and ends here;
+        one whose rollback fails ends with its error."""
         planner = self.planner
         planner.on_disk = set()
         for draft in list(planner.requests.drafts):
@@ -58,15 +69,24 @@ class AheadSteps:
                 planner.on_disk.add(draft)  # read beside the loop; the loop is woken when it is in
                 continue
             work = draft.work
+            prompt = draft.prompt_ids
             try:
                 planner.begin(draft)
-                piece = self.caches.prefill_piece(draft.session, draft.prompt_ids, planner.prefill_chunk,
+                if len(draft.session.token_ids) == len(prompt):
+                    self._prepared(draft)  # held whole already, the logits after it kept
+                    return None
+                piece = self.caches.prefill_piece(draft.session, prompt, planner.prefill_chunk,
                                                   work.prefix_store, work.shared_prefix_length)
+                fits = planner.last_piece_rows is None or len(piece) + 1 <= planner.last_piece_rows
+                whole = fits and self.caches.feeds_with_first_step(draft.session, prompt, piece, work.prefix_store,
+                                                                   work.shared_prefix_length)
             except BaseException as error:
                 self.end(draft, error)
                 return None
+            if whole:
+                return draft, piece + prompt[-1:], True
             if piece:
-                return draft, piece
+                return draft, piece, False
             self._prepared(draft)
             return None
         return None
@@ -74,4 +94,4 @@ class AheadSteps:
     def _prepared(self, draft: GenerationRequest) -> None:
         with self.planner.requests.lock:
             self.planner.counters.prepared += 1
-        self.end(draft)  # only its last token is left, for the Send
+        self.end(draft)  # its prompt fed (whole, or all but the last token)

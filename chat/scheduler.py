@@ -23,8 +23,9 @@ cannot starve a long one. The
 scheduler decides; the cache owner (cache_sessions/owner.py) applies every change to the
 sessions. A request joins the decode rows once only its last prompt token is left to feed, or
 once the rest of its prompt goes with that token in one step (where its cache keeps nothing at
-the generation start: its first token then comes from the step that fed its prompt's end), and
-leaves at an end token, its token limit, a stop, or an error: its own (a raising logits
+the generation start: its first token then comes from the step that fed its prompt's end), or
+at once where its cache holds the whole prompt and the logits after it (a Retry, a prepared Send:
+its first token is chosen from those before the step, `CacheSession.next_logits`), and leaves at an end token, its token limit, a stop, or an error: its own (a raising logits
 processor) ends it alone, a failed forward ends every row of that step.
 """
 from __future__ import annotations
@@ -212,7 +213,13 @@ class DecodeScheduler:
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """Each decode row's tokens by its own sampler (its guesses taken while they match); the
-        caches give back guesses not taken; rows that ended leave."""
+        caches give back guesses not taken; rows that ended leave. A row's first logits, after its
+        prompt's last token, are kept with its cache for a Retry (`CacheSession.keep_next_logits`)."""
+        offset = 0
+        for request, tail in zip(plan.decoding, plan.tails()):
+            if request.token_count == 0:
+                self.caches.keep_next_logits(request.session, request.prompt_ids, logits[offset])
+            offset += tail
         ended, taken = choose_tokens(plan.decoding, logits, plan.guesses)
         with self.planner.requests.lock:
             self.planner.counters.step(plan.decoding, plan.guesses, taken)

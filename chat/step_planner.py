@@ -16,11 +16,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
+import torch
 from transformers import PreTrainedModel
 
 from cache_sessions.owner import CacheOwner
 from cache_sessions.session import common_prefix_length
-from chat.guessing import StepGuesses
+from chat.guessing import StepGuesses, choose_tokens
 from chat.prompt_shares import PromptShares
 from chat.request_table import RequestTable
 from chat.requests import GenerationRequest
@@ -149,6 +150,7 @@ class StepPlanner:
         if stopped:
             self.leave(stopped)  # its last chosen token stays unfed, as after `generate`
         pieces = self.pieces()
+        self._first_tokens_kept()
         decoding, started = list(self.requests.decoding), clock()
         inputs = [request.unfed for request in decoding]
         return StepPlan(decoding, self.guesses.propose(decoding, graph_ready(len(decoding))), pieces,
@@ -187,8 +189,11 @@ class StepPlanner:
             work = request.work
             try:
                 self.begin(request)
-                piece = self.caches.prefill_piece(request.session, request.prompt_ids, budget, work.prefix_store,
-                                                  work.shared_prefix_length)
+                if len(request.session.token_ids) == len(request.prompt_ids):
+                    piece = []  # held whole, the logits after it kept: its first token needs no step
+                else:
+                    piece = self.caches.prefill_piece(request.session, request.prompt_ids, budget,
+                                                      work.prefix_store, work.shared_prefix_length)
                 # its last piece with its first decode input: its first token this step, not the next
                 fits = self.last_piece_rows is None or len(piece) + 1 <= self.last_piece_rows
                 decodes_now = not piece or fits and self.caches.feeds_with_first_step(
@@ -205,6 +210,18 @@ class StepPlanner:
                 pieces.append((request, piece))
         self.shares.settle(wanting, given, full_budget)
         return pieces
+
+    def _first_tokens_kept(self) -> None:
+        """Rows that hold their whole prompt, the logits after it kept (a Retry, the Send of a
+        prepared message: `CacheSession.next_logits`), choose their first token from those now,
+        before the step, and feed it in this step as any decode row feeds its last token."""
+        ready = [request for request in self.requests.decoding if not request.unfed]
+        if not ready:
+            return
+        logits = torch.cat([self.caches.next_logits(request.session, request.prompt_ids) for request in ready])
+        ended, _ = choose_tokens(ready, logits, [[] for _ in ready])
+        if ended:
+            self.leave(ended)
 
     def _prefill_order(self, budget: int) -> list[GenerationRequest]:
         """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_shares.py);

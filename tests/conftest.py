@@ -1,6 +1,7 @@
 import copy
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -33,6 +34,29 @@ def count_forwards(model, monkeypatch) -> list:
 
     monkeypatch.setattr(head, "forward", counting)
     return calls
+
+
+def forwards_before_first_token(model, monkeypatch) -> Callable[[Callable[[], Any]], list[int]]:
+    """`measure(action)` runs `action` and returns, for each reply's first token emitted meanwhile,
+    how many forward passes of `model` (`count_forwards`) had run since `action` began."""
+    from chat.requests import GenerationRequest
+
+    forwards, at_first = count_forwards(model, monkeypatch), []
+    emit = GenerationRequest._emit
+
+    def noted(request, token_id):
+        if request.token_count == 0:
+            at_first.append(len(forwards))
+        emit(request, token_id)
+
+    monkeypatch.setattr(GenerationRequest, "_emit", noted)
+
+    def measure(action: Callable[[], Any]) -> list[int]:
+        forwards.clear(), at_first.clear()
+        action()
+        return list(at_first)
+
+    return measure
 
 
 def on_model_input(model, monkeypatch, seen) -> None:

@@ -66,7 +66,7 @@ def test_send_streams_and_every_button_works(client):
 
     regenerated = client.predict(*settings(temperature=1.5), api_name="/regenerate")
     assert "2 / 2" in regenerated[3]
-    assert "**1 computed**" in regenerated[2]  # regenerate prefills one token
+    assert "**0 computed**" in regenerated[2]  # regenerate: the whole prompt and the logits after it kept
     back = client.predict(*settings(), api_name="/previous_version")
     assert texts(back[0])[-1][1] == first_reply and "without running the model" in back[2]
     forward = client.predict(*settings(), api_name="/next_version")

@@ -20,7 +20,7 @@ def test_multiturn_benchmark_writes_the_documented_fields(tmp_path):
         assert row["session"]["prefilled_tokens"] == row["floor"]["prefilled_tokens"]  # no wasted prefill
     later = result["turns"][1:]
     assert all(row["session"]["prefilled_tokens"] < row["naive"]["prefilled_tokens"] for row in later)
-    assert result["regenerate"]["session_prefilled_tokens"] == 1
+    assert result["regenerate"]["session_prefilled_tokens"] == 0  # the whole prompt, the logits after it kept
     assert {"session_tokens_per_s", "bare_tokens_per_s"} <= set(result["decode"])
     assert (tmp_path / "plot.png").stat().st_size > 0
 
@@ -285,9 +285,21 @@ def test_prepare_benchmark_writes_the_documented_fields(tmp_path):
 
     result = run_to_json(prepare, tmp_path, "--model", "tiny-full", "--message", "200", "--typed-chars", "40",
                          "--chars-per-s", "400", "--pause-chars", "10", "--reply-tokens", "30", "--repeats", "1")
-    assert result["prepared"]["prepared_prefilled"] == 1 and result["prepared"]["message_tokens"] > 150
+    assert result["prepared"]["prepared_prefilled"] == 0 and result["prepared"]["message_tokens"] > 150
     assert {"typed_ttft_s", "typed_over_decode_step", "typed_prefilled"} <= set(result["typed"])
     assert {"median_gap_alone_s", "worst_gap_typists_s", "worst_over_worst_alone"} <= set(result["typists"])
+    assert len(result["typed"]["runs_over_decode_step"]) == 1
+
+
+def test_retry_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.retry import ARMS, main as retry
+
+    result = run_to_json(retry, tmp_path, "--model", "tiny-full", "--turns", "1", "--message", "40", "--retries", "1",
+                         "--repeats", "2")
+    assert set(result["summary"]) == set(ARMS) and all(len(runs) == 2 for runs in result["runs"].values())
+    # the arms are what they say: the prompt's last token fed again, or nothing fed
+    assert result["summary"]["fed again"]["retry_prefilled_tokens"] == 1
+    assert result["summary"]["kept"]["retry_prefilled_tokens"] == 0
 
 
 def test_drafting_benchmark_writes_the_documented_fields(tmp_path):

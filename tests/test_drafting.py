@@ -117,7 +117,8 @@ def test_a_replys_first_step_guesses_only_from_an_earlier_version(make_engine, m
     a Retry's first step guesses from the version it replaces."""
     from chat.runner import ModelRunner
 
-    engine = make_engine("full", draft="ngram")
+    # sliding windows: a first token always comes from a step (no logits kept after a prompt)
+    engine = make_engine("sliding", draft="ngram")
     conversation = engine.conversation()
     steps: list[list[int]] = []  # each step's count of guesses, per decode row
     run, proposed = ModelRunner.run, chat.drafting.Drafter.propose
@@ -159,10 +160,12 @@ def test_an_edited_message_guesses_from_the_answer_it_replaces(tokenizers):
 def test_a_seeded_sampled_reply_is_the_same_with_guesses_as_without(models, tokenizers):
     """One draw a token from the same distribution, guessed or not: a Retry under another seed,
     guessing from the first version (taking some guesses, refusing others), gives the reply
-    drafting-off gives."""
+    drafting-off gives. (Sliding windows: the Retry's first token comes from a step, which guesses
+    the earlier version's first tokens; with full attention it comes from the logits kept after
+    the prompt, and a first token drawn otherwise leaves no guess to make.)"""
     replies, counts = {}, {}
     for mode in ("off", "ngram"):
-        engine = ChatEngine(models["full"], tokenizers[THINKING_TEMPLATE], draft=mode)
+        engine = ChatEngine(models["sliding"], tokenizers[THINKING_TEMPLATE], draft=mode)
         conversation = engine.conversation()
         sampled = dict(max_new_tokens=24, do_sample=True, temperature=0.7, top_k=20)
         list(conversation.send("pick something", seed=1, **sampled))

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 from conftest import THINKING_TEMPLATE
 from reference import check_exact
 
@@ -31,7 +32,10 @@ def test_a_prepared_message_is_answered_from_the_cache_and_exactly(make_engine, 
     assert conv.prepare(TEXT, **GREEDY)
     wait_until(lambda: engine.batch_stats().drafts == 0)
     list(conv.send(TEXT, **GREEDY))
-    assert conv.stats.prefilled_tokens <= 1 and conv.stats.reused_tokens == conv.stats.prompt_tokens - 1
+    # full attention: held whole, its first token from the logits kept after it; windows and
+    # recurrent states: all but the last token, which the first step feeds
+    held = conv.stats.prompt_tokens - (arch != "full")
+    assert conv.stats.reused_tokens == held and conv.stats.prefilled_tokens == conv.stats.prompt_tokens - held
     check_exact(conv, models[arch], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
     # prepared, then another text sent: the shared part is reused, the reply exact all the same
     assert conv.prepare(TEXT + " And one more line I deleted.", **GREEDY)
@@ -72,7 +76,8 @@ def test_a_draft_never_runs_while_a_reply_has_work(make_engine, models, tokenize
     forward = chat.runner.packed_step
 
     def watched(model, rows, logits_of, plain, tails=None, alone=()):
-        carried.append((any(session is typing.session for session, _ in rows), bool(logits_of)))
+        carried.append((any(session is typing.session for session, _ in rows),
+                        any(session is streaming.session for session, _ in rows)))
         return forward(model, rows, logits_of, plain, tails, alone)
 
     monkeypatch.setattr(chat.runner, "packed_step", watched)
@@ -92,3 +97,41 @@ def test_a_draft_never_runs_while_a_reply_has_work(make_engine, models, tokenize
     list(typing.send(TEXT, **GREEDY))
     assert typing.stats.prefilled_tokens <= 1
     check_exact(typing, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
+
+
+@pytest.mark.parametrize("weights", ["full", "int8"])
+def test_a_prepared_sends_first_token_needs_no_step(models, tokenizers, monkeypatch, weights):
+    """A draft's last piece goes with the prompt's last token, and the logits after it stay with
+    the cache: the Send of that text chooses its first token from them, with no model step (the
+    wait is the sampling). With int8 weights too (the last piece within the rows its products keep
+    apart, the token attending alone), the reply is an unprepared one's."""
+    from chat import ChatEngine
+    from conftest import forwards_before_first_token
+    from tiny_models import wide_heads_model
+    from reference import LOGIT_TOLERANCE, int8_logit_tolerance
+
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    if weights == "int8":  # converted in place: a model of its own (128-wide heads, as at real size)
+        model = wide_heads_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    else:
+        model = models["full"]
+    replies, measure = {}, None
+    for prepared in (False, True):
+        engine = ChatEngine(model, tokenizer, draft="off", weights=weights)
+        measure = measure or forwards_before_first_token(model, monkeypatch)  # the head as converted
+        conv = engine.conversation("You are terse.")
+        list(conv.send("First question?", **GREEDY))
+        if prepared:
+            assert conv.prepare(TEXT, **GREEDY)
+            wait_until(lambda: engine.batch_stats().drafts == 0)
+        at_first = measure(lambda: list(conv.send(TEXT, **GREEDY)))
+        assert len(at_first) == 1 and (at_first[0] == 0) == prepared
+        replies[prepared] = conv.reply_ids
+        prompt = conv.session.token_ids[:conv.stats.prompt_tokens]
+        with torch.no_grad():
+            scratch = model(torch.tensor([prompt])).logits[0, -1]
+        tolerance = int8_logit_tolerance(model) if weights == "int8" else LOGIT_TOLERANCE
+        assert (conv.session.next_logits(prompt)[0] - scratch).abs().max().item() < tolerance
+        if weights == "full":
+            check_exact(conv, model, tokenizer, max_new_tokens=8)
+    assert replies[True] == replies[False]

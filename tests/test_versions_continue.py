@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from chat import ChatEngine, ContextOverflowError, ConversationError
-from conftest import PLAIN_TEMPLATE, THINKING_TEMPLATE, count_forwards
+from conftest import PLAIN_TEMPLATE, THINKING_TEMPLATE, count_forwards, forwards_before_first_token
 from reference import check_exact, render_ids, scratch_greedy_reply, cached_vs_scratch_logit_error, LOGIT_TOLERANCE
 from tiny_models import ARCHS
 
@@ -134,3 +134,34 @@ def test_continue_on_a_reply_the_model_ended_is_refused_and_changes_nothing():
     assert not conv.history.entries[-1].reply.ended
     list(conv.continue_reply(max_new_tokens=200, do_sample=False))
     assert conv.history.entries[-1].reply.ended and conv.stats.generated_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_retry_takes_its_first_token_from_the_logits_kept_after_its_prompt(make_engine, models, tokenizers,
+                                                                              monkeypatch, arch):
+    """#45: a reply's first logits, after its prompt's last token, stay with its cache; a Retry
+    keeps the whole prompt and chooses its first token from them with no model step. Where a layer
+    keeps earlier states only at checkpoints (sliding windows, recurrent states) none are kept and
+    the Retry feeds the prompt's last token again. The kept logits are a from-scratch forward's,
+    and the Retry is exact either way; a Retry of the Retry too."""
+    model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
+    conv = make_engine(arch, draft="off").conversation("Be brief.")
+    list(conv.send("Tell me about caches.", **GREEDY))
+    first, prompt = conv.reply_ids, conv.session.token_ids[:conv.stats.prompt_tokens]
+    kept, crops = conv.session.next_logits(prompt), conv.session.crops_anywhere()
+    if crops:
+        with torch.no_grad():
+            scratch = model(torch.tensor([prompt])).logits[0, -1]
+        assert kept.shape == (1, scratch.shape[-1]) and (kept[0] - scratch).abs().max().item() < LOGIT_TOLERANCE
+    else:
+        assert kept is None
+    measure = forwards_before_first_token(model, monkeypatch)
+    for _ in range(2):
+        assert measure(lambda: list(conv.regenerate(**GREEDY))) == [0 if crops else 1]
+        assert conv.reply_ids == first
+        assert conv.stats.prefilled_tokens == (0 if crops else 1)
+        check_exact(conv, model, tokenizer, max_new_tokens=8)
+    # another message: the kept logits are not its prompt's, and its first token needs a step
+    at_first = measure(lambda: list(conv.send("Next?", **GREEDY)))
+    assert len(at_first) == 1 and at_first[0] >= 1
+    check_exact(conv, model, tokenizer, max_new_tokens=8)
