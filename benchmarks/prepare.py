@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import threading
@@ -27,9 +28,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.fairness import Sender, gaps, message_of, session_id, token_clock, wait_for
-from benchmarks.models import Words, build_bench_tokenizer
+from benchmarks.models import Words
+from benchmarks.report import cpu_flags, engine_at_size
 from chat import ChatEngine
-from chat.models import build_model
+from chat.weights import WEIGHT_FORMATS
 
 SYSTEM = "You are a helpful assistant."
 GREEDY = dict(max_new_tokens=4, do_sample=False)
@@ -114,7 +116,8 @@ def typists_run(engine: ChatEngine, words: Words, reply_tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="bench-full", help="a row of chat/models.py")
+    parser.add_argument("--model", default="bench-full", help="a row of chat/models.py (bench-full, real-qwen3-0.6b)")
+    parser.add_argument("--weights", default="full", choices=WEIGHT_FORMATS)
     parser.add_argument("--message", type=int, default=1000, help="tokens of the message")
     parser.add_argument("--chars-per-s", type=float, default=5.0)
     parser.add_argument("--pause-chars", type=int, default=5,
@@ -124,20 +127,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    tokenizer = build_bench_tokenizer()
-    model = build_model(args.model, len(tokenizer), tokenizer.eos_token_id)
-    model.generation_config.eos_token_id = None  # every reply runs to its length
-    engine = ChatEngine(model, tokenizer)
+    engine, tokenizer = engine_at_size(args.model, args.weights)
+    load_before = os.getloadavg()
     words = Words(seed=11)
     text = message_of(tokenizer, words, args.message)
     typed = message_of(tokenizer, words, 10)[: args.typed_chars]
     runs = [prepared_run(engine, text) for _ in range(args.repeats)]
-    result = {"args": vars(args), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-              "torch": torch.__version__,
+    typed_runs = [typed_run(engine, typed, args.chars_per_s, args.pause_chars) for _ in range(args.repeats)]
+    typists = typists_run(engine, words, args.reply_tokens)
+    result = {"args": vars(args), "cpu_flags": cpu_flags(), "load_before": load_before, "load_after": os.getloadavg(),
+              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__,
               "prepared": {key: statistics.median(run[key] for run in runs) for key in runs[0]},
-              "typed": median_of([typed_run(engine, typed, args.chars_per_s, args.pause_chars)
-                                  for _ in range(args.repeats)]),
-              "typists": typists_run(engine, words, args.reply_tokens)}
+              "typed": median_of(typed_runs), "typists": typists}
     print(json.dumps({key: result[key] for key in ("prepared", "typed", "typists")}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
