@@ -151,3 +151,32 @@ def test_checkpoint_store_forgets_replaced_positions():
     assert store.positions() == [20]
     store.add(Checkpoint(15, []))  # a new branch at 15 replaces what came after it
     assert store.positions() == [15]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_logits_after_a_prompt_are_kept_while_the_cache_holds_it(models, arch):
+    """`keep_next_logits` holds the logits after a prompt the cache holds whole, where every layer
+    crops anywhere (else nothing: a window or a recurrent state would need a checkpoint after it);
+    `next_logits` gives them only while the ledger starts with that prompt, and only then may a
+    `whole` rollback keep the prompt to its end. They count in the session's bytes."""
+    session = CacheSession(models[arch])
+    prompt, logits = PROMPT[:20], torch.randn(1, models[arch].config.vocab_size)
+    session.prepare(prompt)  # holds all but the last token
+    session.keep_next_logits(prompt, logits)
+    assert session.next_logits(prompt) is None  # the cache does not hold the whole prompt
+    session.extend(prompt[-1:])
+    before = session.nbytes()
+    session.keep_next_logits(prompt, logits)
+    if not session.crops_anywhere():
+        assert session.next_logits(prompt) is None and session.rollback_target(prompt, whole=True) == 19
+        return
+    assert torch.equal(session.next_logits(prompt), logits) and session.next_logits(prompt[:-1]) is None
+    assert session.nbytes() == before + logits.numel() * logits.element_size()
+    session.extend([7, 8])  # a reply after it: the prompt still held
+    assert session.rollback_target(prompt, whole=True) == 20 and session.rollback_target(prompt) == 19
+    session.prepare(prompt, prefill=False, whole=True)
+    assert session.token_ids == prompt and exact(session)
+    session.rollback_to(10)  # another turn parted inside it: not held, not used
+    assert session.next_logits(prompt) is None and session.rollback_target(prompt, whole=True) == 10
+    session.release()
+    assert session.next_logits(prompt) is None
