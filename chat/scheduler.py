@@ -24,8 +24,9 @@ scheduler decides; the cache owner (cache_sessions/owner.py) applies every chang
 sessions. A request joins the decode rows once only its last prompt token is left to feed, or
 once the rest of its prompt goes with that token in one step (where its cache keeps nothing at
 the generation start: its first token then comes from the step that fed its prompt's end), or
-at once where its cache holds the whole prompt and the logits after it (a Retry, a prepared Send:
-its first token is chosen from those before the step, `CacheSession.next_logits`), and leaves at an end token, its token limit, a stop, or an error: its own (a raising logits
+at once where its cache holds the whole prompt and the logits after it (a Retry, a prepared
+Send: its first token is chosen from those before the step, `CacheSession.next_logits`), and
+leaves at an end token, its token limit, a stop, or an error: its own (a raising logits
 processor) ends it alone, a failed forward ends every row of that step.
 """
 from __future__ import annotations
