@@ -126,6 +126,7 @@ class ChatEngine:
                 "generating": batch.waiting + batch.prefilling + batch.decoding + batch.paused,
                 "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,
                           "paused": batch.paused, "drafts": batch.drafts, "prepared": batch.prepared,
+                          "first_tokens_kept": batch.first_tokens_kept,
                           "max_batch_size": batch.max_batch_size, "largest_batch": batch.largest_batch,
                           "decode_steps": batch.steps,
                           "join_wait_mean_s": round(batch.join_wait_mean_s, 4),

@@ -80,6 +80,7 @@ class SchedulerStats:
     prepared: int = 0  # drafts prefilled to their end so far
     guessed: int = 0  # tokens guessed and verified in decode steps (chat/drafting.py)
     guesses_taken: int = 0  # of them, taken into replies
+    first_tokens_kept: int = 0  # first tokens chosen from logits a cache kept, with no step (a Retry, a prepared Send)
 
 
 class _Counters:
@@ -87,6 +88,7 @@ class _Counters:
 
     def __init__(self) -> None:
         self.steps = self.joined = self.largest_batch = self.prepared = self.guessed = self.guesses_taken = 0
+        self.first_tokens_kept = 0
         self.join_waits: deque[float] = deque(maxlen=32)  # from submit to the first decode step
 
     def step(self, rows: list[GenerationRequest], guesses: list[list[int]], taken: int) -> None:
@@ -136,7 +138,8 @@ class StepPlanner:
                 max_batch_size=self.max_batch_size, decoding=len(requests.decoding), prefilling=len(requests.prefilling),
                 waiting=len(requests.waiting), paused=len(requests.paused), drafts=len(requests.drafts),
                 prepared=counters.prepared, steps=counters.steps, guessed=counters.guessed,
-                guesses_taken=counters.guesses_taken, joined=counters.joined, largest_batch=counters.largest_batch,
+                guesses_taken=counters.guesses_taken, first_tokens_kept=counters.first_tokens_kept,
+                joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
                 packed=packed,
                 prompt_tokens_per_step=self.step_budget.tokens(self.prefill_chunk, len(requests.decoding)))
@@ -220,6 +223,8 @@ class StepPlanner:
             return
         logits = torch.cat([self.caches.next_logits(request.session, request.prompt_ids) for request in ready])
         ended, _ = choose_tokens(ready, logits, [[] for _ in ready])
+        with self.requests.lock:
+            self.counters.first_tokens_kept += len(ready)
         if ended:
             self.leave(ended)
 

@@ -145,7 +145,8 @@ def test_a_retry_takes_its_first_token_from_the_logits_kept_after_its_prompt(mak
     the Retry feeds the prompt's last token again. The kept logits are a from-scratch forward's,
     and the Retry is exact either way; a Retry of the Retry too."""
     model, tokenizer = models[arch], tokenizers[THINKING_TEMPLATE]
-    conv = make_engine(arch, draft="off").conversation("Be brief.")
+    engine = make_engine(arch, draft="off")
+    conv = engine.conversation("Be brief.")
     list(conv.send("Tell me about caches.", **GREEDY))
     first, prompt = conv.reply_ids, conv.session.token_ids[:conv.stats.prompt_tokens]
     kept, crops = conv.session.next_logits(prompt), conv.session.crops_anywhere()
@@ -164,4 +165,5 @@ def test_a_retry_takes_its_first_token_from_the_logits_kept_after_its_prompt(mak
     # another message: the kept logits are not its prompt's, and its first token needs a step
     at_first = measure(lambda: list(conv.send("Next?", **GREEDY)))
     assert len(at_first) == 1 and at_first[0] >= 1
+    assert engine.status()["batch"]["first_tokens_kept"] == (2 if crops else 0)  # what /status says
     check_exact(conv, model, tokenizer, max_new_tokens=8)
