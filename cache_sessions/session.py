@@ -122,9 +122,13 @@ class CacheSession(SegmentedStates):
                       prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0) -> list[int]:
         """The next prompt tokens to feed: at most `budget`, ending at the next point where the
         session keeps something (the shared prefix, for `prefix_store`; the point this prompt
-        parts from the last one, where the rollback had to land before it, to checkpoint it)."""
+        parts from the last one, where the rollback had to land before it, to checkpoint it).
+        None left once only the last token is, or where the whole prompt is held (a `whole`
+        rollback: the logits after it were kept)."""
         prompt_ids = list(prompt_ids)
         start, end = len(self.token_ids), len(prompt_ids) - 1
+        if start == len(prompt_ids) and prompt_ids == self.token_ids:
+            return []
         if end < start or prompt_ids[:start] != self.token_ids:
             raise ValueError("the cache does not hold a prefix of this prompt; prepare it first")
         if budget is not None:

@@ -69,22 +69,16 @@ class AheadSteps:
                 planner.on_disk.add(draft)  # read beside the loop; the loop is woken when it is in
                 continue
             work = draft.work
-            prompt = draft.prompt_ids
             try:
                 planner.begin(draft)
-                if len(draft.session.token_ids) == len(prompt):
-                    self._prepared(draft)  # held whole already, the logits after it kept
-                    return None
-                piece = self.caches.prefill_piece(draft.session, prompt, planner.prefill_chunk,
+                piece = self.caches.prefill_piece(draft.session, draft.prompt_ids, planner.prefill_chunk,
                                                   work.prefix_store, work.shared_prefix_length)
-                fits = planner.last_piece_rows is None or len(piece) + 1 <= planner.last_piece_rows
-                whole = fits and self.caches.feeds_with_first_step(draft.session, prompt, piece, work.prefix_store,
-                                                                   work.shared_prefix_length)
+                whole = planner.ends_prompt(draft, piece)  # never where the prompt is held whole already
             except BaseException as error:
                 self.end(draft, error)
                 return None
             if whole:
-                return draft, piece + prompt[-1:], True
+                return draft, piece + draft.prompt_ids[-1:], True
             if piece:
                 return draft, piece, False
             self._prepared(draft)

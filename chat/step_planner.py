@@ -192,15 +192,11 @@ class StepPlanner:
             work = request.work
             try:
                 self.begin(request)
-                if len(request.session.token_ids) == len(request.prompt_ids):
-                    piece = []  # held whole, the logits after it kept: its first token needs no step
-                else:
-                    piece = self.caches.prefill_piece(request.session, request.prompt_ids, budget,
-                                                      work.prefix_store, work.shared_prefix_length)
-                # its last piece with its first decode input: its first token this step, not the next
-                fits = self.last_piece_rows is None or len(piece) + 1 <= self.last_piece_rows
-                decodes_now = not piece or fits and self.caches.feeds_with_first_step(
-                    request.session, request.prompt_ids, piece, work.prefix_store, work.shared_prefix_length)
+                piece = self.caches.prefill_piece(request.session, request.prompt_ids, budget, work.prefix_store,
+                                                  work.shared_prefix_length)
+                # nothing left (held whole: its first token from the logits kept), or its last piece
+                # with its first decode input: its first token this step, not the next
+                decodes_now = not piece or self.ends_prompt(request, piece)
             except BaseException as error:
                 self.leave_prefill(request, error)
                 continue
@@ -213,6 +209,15 @@ class StepPlanner:
                 pieces.append((request, piece))
         self.shares.settle(wanting, given, full_budget)
         return pieces
+
+    def ends_prompt(self, request: GenerationRequest, piece: list[int]) -> bool:
+        """Whether `piece` (its next) may take its prompt's last token with it, the logits after
+        that read in the same step: it reaches the generation start where the cache keeps nothing
+        (`CacheSession.feeds_with_first_step`), within `last_piece_rows`."""
+        work = request.work
+        fits = self.last_piece_rows is None or len(piece) + 1 <= self.last_piece_rows
+        return fits and self.caches.feeds_with_first_step(request.session, request.prompt_ids, piece,
+                                                          work.prefix_store, work.shared_prefix_length)
 
     def _first_tokens_kept(self) -> None:
         """Rows that hold their whole prompt, the logits after it kept (a Retry, the Send of a
