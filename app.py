@@ -79,6 +79,7 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
                      branch_go=gr.Button(visible="hidden", elem_id="branch-go"),
                      retry_go=gr.Button(visible="hidden", elem_id="retry-go"),
                      prepare_go=gr.Button(visible="hidden", elem_id="prepare-go"),
+                     prepare_asked=gr.Number(visible=False, precision=0),  # which ask the server took
                      fork_target=gr.Textbox(visible="hidden", elem_id="fork-target"),
                      fork_go=gr.Button(visible="hidden", elem_id="fork-go"),
                      list_refresh=gr.Button(visible="hidden", elem_id="list-refresh"))

@@ -39,6 +39,11 @@ from chat.templates import ChatTemplate
 AFFINITY_HEADER = "X-Session-Affinity"
 MAX_WARMING = 8  # one-token requests warming the server's prefix cache in flight, for the whole app
 _WARMING = threading.BoundedSemaphore(MAX_WARMING)
+# A conversation's warm-ups start at most this often: the page asks at each keystroke (for the
+# embedded engine, where a newer ask costs nothing but idle steps), and a request to the server a
+# keystroke is a load of its own; a prefix cache keeps whole blocks, so the last second's few
+# tokens are the Send's to compute either way.
+WARM_EVERY_S = 1.0
 PROMPT_FORMATS = ("messages", "text", "token-ids")
 # What vLLM and SGLang take to render the last (assistant) message open, as the reply so far.
 CONTINUE_FIELDS = {"continue_final_message": True, "add_generation_prompt": False}
@@ -77,6 +82,7 @@ class ServedSource:
         self.runtime = runtime
         self.cache_salt = secrets.token_urlsafe(16)
         self.affinity = secrets.token_hex(12)
+        self._warmed_at = -WARM_EVERY_S  # when this conversation's last warm-up started (monotonic)
 
     def check(self, request: ReplyRequest) -> None:
         if request.kind != "continue" or self.runtime.prompt_format != "messages":
@@ -100,12 +106,16 @@ class ServedSource:
         `cache_salt` and affinity, so a prefix-caching server such as vLLM or SGLang keeps its
         blocks where the Send finds them), asking for one token, on a thread of its own. Setting
         the returned event closes its stream (the server cancels it). At most `MAX_WARMING`
-        of them are in flight for the whole app; past that a pause in typing warms nothing. A
+        of them are in flight for the whole app, and one a conversation starts at most every
+        `WARM_EVERY_S`; past those an ask warms nothing. A
         server without a prefix cache (`transformers serve`) computes the prompt for nothing:
         the page's switch turns this off, and `--warm-served off` for everyone."""
         stop = threading.Event()
-        if not self.runtime.warm_while_typing or not _WARMING.acquire(blocking=False):
+        if not self.runtime.warm_while_typing or time.monotonic() - self._warmed_at < WARM_EVERY_S:
             return stop
+        if not _WARMING.acquire(blocking=False):
+            return stop
+        self._warmed_at = time.monotonic()
         one_token = replace(request, options=replace(request.options, max_new_tokens=1, do_sample=False))
         threading.Thread(target=self._warm, args=(one_token, stop), name="warm-served-prefix", daemon=True).start()
         return stop

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from chat.models import build_model
 
 from benchmarks.multiturn import main
@@ -283,12 +285,31 @@ def test_past_context_benchmark_writes_the_documented_fields(tmp_path):
 def test_prepare_benchmark_writes_the_documented_fields(tmp_path):
     from benchmarks.prepare import main as prepare
 
-    result = run_to_json(prepare, tmp_path, "--model", "tiny-full", "--message", "200", "--typed-chars", "40",
-                         "--chars-per-s", "400", "--pause-chars", "10", "--reply-tokens", "30", "--repeats", "1")
+    result = run_to_json(prepare, tmp_path, "--model", "tiny-full", "--message", "200", "--typed-chars", "12",
+                         "--chars-per-s", "20", "--send-after-ms", "300,0", "--reply-tokens", "30", "--repeats", "1")
     assert result["prepared"]["prepared_prefilled"] == 0 and result["prepared"]["message_tokens"] > 150
-    assert {"typed_ttft_s", "typed_over_decode_step", "typed_prefilled"} <= set(result["typed"])
+    assert set(result["typed"]) == {"send_after_300_ms", "send_after_0_ms"}
+    for case in result["typed"].values():
+        assert {"typed_ttft_s", "typed_over_decode_step", "typed_prefilled"} <= set(case)
+        assert len(case["runs_over_decode_step"]) == 1
     assert {"median_gap_alone_s", "worst_gap_typists_s", "worst_over_worst_alone"} <= set(result["typists"])
-    assert len(result["typed"]["runs_over_decode_step"]) == 1
+
+
+def test_the_benchmarks_typist_asks_when_the_page_would():
+    """`page_asks` stands for ui/page_assets.py's rule: at most every PREPARE_EVERY_MS, with the
+    text as it stands when the ask fires, the last keystroke's always asked for."""
+    from benchmarks.prepare import page_asks
+    from ui.page_assets import PAGE_SCRIPT, PREPARE_EVERY_MS
+
+    assert f"preparedAt + {PREPARE_EVERY_MS} - Date.now()" in PAGE_SCRIPT
+    every = PREPARE_EVERY_MS / 1000
+    slow = [index * (every + 0.05) for index in range(5)]  # slower than the rule: each keystroke, at once
+    assert page_asks(slow) == [(pytest.approx(at + 0.02), index + 1) for index, at in enumerate(slow)]
+    fast = [index * 0.007 for index in range(100)]  # faster: one ask every `every`, then the last
+    asks = page_asks(fast)
+    assert [at for at, _ in asks] == pytest.approx([0.02 + index * every for index in range(len(asks))])
+    assert asks[-1] == (pytest.approx(asks[-2][0] + every), 100) and asks[-2][0] < fast[-1] <= asks[-1][0]
+    assert [typed for _, typed in asks] == [min(100, int(at / 0.007) + 1) for at, _ in asks]
 
 
 def test_retry_benchmark_writes_the_documented_fields(tmp_path):

@@ -359,7 +359,9 @@ def type_system_prompt(page: Page, text: str) -> None:
     drawn its note, as `type_temperature` does for its box: a run of the whole file saw what was
     typed as the panel opened put back to the drawn value (the box read the old prompt after)."""
     box, note = page.locator("#system-prompt textarea"), page.locator("#prompt-note")
-    for _ in range(3):
+    for attempt in range(3):
+        if attempt:  # the same text again is no change: the page's note would not be drawn again
+            box.fill("")
         box.fill(text)
         try:
             expect(note).to_contain_text("Not applied yet", timeout=10_000)
@@ -367,7 +369,8 @@ def type_system_prompt(page: Page, text: str) -> None:
             return
         except AssertionError:
             continue
-    raise AssertionError(f"the system prompt {text!r} was never taken: the box holds {box.input_value()!r}")
+    raise AssertionError(f"the system prompt {text!r} was never taken: the box holds {box.input_value()!r}, "
+                         f"the note says {note.inner_text()!r}")
 
 
 def test_the_settings_and_the_theme_survive_a_reload(browser, demo_app):
@@ -1086,13 +1089,19 @@ def test_controls_are_named_and_finger_sized_and_the_list_takes_enter_and_cancel
 
 
 def test_the_reply_is_prepared_while_the_message_is_typed(browser, demo_app):
-    """#45: typed key by key, the message is prefilled once typing pauses, the logits after it
-    kept; Send then computes no prompt token. The switch in Settings is kept in the browser."""
+    """#45: typed key by key, the message is prefilled as it is typed (asked again while typing
+    goes on, not only once it pauses: typed without a pause, a message was never prepared), the
+    logits after it kept; Send then computes no prompt token. The switch in Settings is kept in
+    the browser."""
     page = open_chat(browser, demo_app.url)
     wait_reply(page, send(page, "What is 12 + 30?"))
     status = lambda: json.loads(urllib.request.urlopen(demo_app.url + "status", timeout=30).read())  # noqa: E731
     before = status()["batch"]["prepared"]
     page.locator("#message textarea").press_sequentially("And then what is 47 + 38, step by step?", delay=15)
+    # the last ask taken by the server (its draft in the table): then its draft's end is awaited
+    page.wait_for_function("() => !window.rewindPrepare.pending && window.rewindPrepare.taken > 0 "
+                           "&& window.rewindPrepare.taken === window.rewindPrepare.asked", timeout=60_000)
+    assert page.evaluate("() => window.rewindPrepare.asked") >= 2  # while typing went on (0.6 s at least)
     deadline = time.monotonic() + 60
     while status()["batch"]["prepared"] <= before or status()["batch"]["drafts"]:
         assert time.monotonic() < deadline, "the message was never prepared"

@@ -187,6 +187,31 @@ def test_a_message_being_typed_warms_the_servers_prefix_cache_with_the_sends_own
     assert conv.messages[-1]["content"] == "It is 85" and len(conv.messages) == 3
 
 
+def test_a_conversations_warm_ups_start_at_most_every_warm_every_s(base_tokenizer, tmp_path):
+    """The page asks at each keystroke (#45); behind a model server that would be a request a
+    keystroke. Asks within `WARM_EVERY_S` of a conversation's last warm-up start none."""
+    from chat import served
+
+    engine, wire = wired_engine(base_tokenizer, tmp_path, "qwen2_5", "ignored", "ignored", "It is 85")
+    conv = engine.conversation("Be brief.")
+    text = "What is 47 + 38?"
+
+    def warmed(count: int) -> None:
+        deadline = time.monotonic() + 60
+        while engine.runtime.warmed < count:
+            assert time.monotonic() < deadline, "the warm-up request was not answered"
+            time.sleep(0.01)
+
+    for end in range(4, len(text) + 1, 4):  # typed on: four asks within the second
+        conv.prepare(text[:end], max_new_tokens=16, do_sample=False)
+    warmed(1)
+    assert len(wire.bodies) == 1 and wire.bodies[0]["messages"][-1]["content"] == text[:4]
+    conv.source._warmed_at -= served.WARM_EVERY_S  # (a made-up clock) that second has passed
+    conv.prepare(text, max_new_tokens=16, do_sample=False)
+    warmed(2)
+    assert len(wire.bodies) == 2 and wire.bodies[1]["messages"][-1]["content"] == text
+
+
 def test_warming_a_server_can_be_turned_off(base_tokenizer, tmp_path):
     from chat import served
 

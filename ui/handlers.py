@@ -66,18 +66,21 @@ class ChatHandlers(ReplyEvents):
         text = inputs.text(text, "message", self.limits.max_message_chars)  # before any tokenizing
         yield from self.act(request, key, values, made(Send, text, fit_context=True))
 
-    def prepare(self, text: Any, key: Any, *values: Any) -> None:
+    def prepare(self, text: Any, asked: Any, key: Any, *values: Any) -> Any:
         """The message being typed (#45): the page's conversation prefilled as it will be with it,
         when no reply has work (`Conversation.prepare`). Quietly nothing where it cannot be: no
-        conversation yet (the first message makes it), a reply running, a refused input."""
+        conversation yet (the first message makes it), a reply running, a refused input. Hands
+        back `asked`, the page's number for this ask, once taken (its draft, if any, in the table)."""
+        taken = asked if isinstance(asked, (int, float)) and 0 <= asked < 2**31 else gr.skip()
         chat = self.directory.find(key)
         if chat is None or not isinstance(text, str) or len(text) > self.limits.max_message_chars:
-            return
+            return taken
         try:
             options = self.settings(values).options()
         except gr.Error:
-            return
+            return taken
         chat.conversation.prepare(text, options, fit_context=True)
+        return taken
 
     def regenerate(self, request: gr.Request, key: Any, *values: Any) -> Iterator[ChatOutputs]:
         yield from self.act(request, key, values, Regenerate(fit_context=True))

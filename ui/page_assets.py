@@ -1,6 +1,11 @@
 """What the page carries besides its components: its script (the phone layout, Escape, the branch
 controls inside the chat), its style, and the LaTeX delimiters the chat renders."""
 
+# How often the page asks the server to prepare the message being typed (#45): at typing speed (5
+# characters a second is a keystroke every 200 ms) each keystroke, so the Send that follows at the
+# same pace finds the text it sends prefilled. A newer ask calls the older off on the server.
+PREPARE_EVERY_MS = 150
+
 PAGE_SCRIPT = """() => {
     const narrow = window.matchMedia("(max-width: 700px)").matches;
     for (let wait = 0; narrow && wait < 5000; wait += 100) {  // a phone: the list starts folded away
@@ -120,22 +125,33 @@ PAGE_SCRIPT = """() => {
     }, true);
     document.addEventListener("keydown", holdEnter, true);
     document.addEventListener("keypress", holdEnter, true);
-    // Prepare the reply while typing (#45): when typing pauses, at least every second while it
-    // goes on, and at once after a paste, the server prefills the chat as it will be with this
-    // message, when no reply has work. The switch in Settings is kept in this browser; off,
-    // nothing is sent before Send.
+    // Prepare the reply while typing (#45): the server prefills the chat as it will be with the
+    // message as it stands, when no reply has work. At most every PREPARE_EVERY_MS ms: at typing
+    // speed that is each keystroke, at once, so a Send at the next keystroke finds the text it
+    // sends prefilled; faster, the text as it stands once that time is up, and always the last.
+    // (It waited for a 400 ms pause, then went once a second only after a first prepare: typed
+    // without a pause, a message was never prepared before its Send.) A newer prepare calls the
+    // older one off on the server. The switch in Settings is kept in this browser; off, nothing
+    // is sent before Send. `rewindPrepare` says what was asked and what the server has taken.
     const PREPARE = "rewind-chat:prepare-while-typing";
     const prepareOn = () => localStorage.getItem(PREPARE) !== "off";
+    const canPrepare = () => prepareOn() && !!box() && !!box().value.trim() && !shown("#stop");
+    window.rewindPrepare = {asked: 0, taken: 0, pending: false};
     let prepareTimer = null, preparedAt = 0;
-    const prepareNow = () => { preparedAt = Date.now(); document.querySelector("#prepare-go")?.click(); };
-    const prepareSoon = (delay) => {
-        clearTimeout(prepareTimer);
-        if (!prepareOn() || !box() || !box().value.trim() || shown("#stop")) return;
-        if (Date.now() - preparedAt > 1000 && preparedAt) prepareNow();  // typing on: once a second
-        else prepareTimer = setTimeout(prepareNow, delay);
+    const prepareNow = () => {
+        prepareTimer = null;
+        window.rewindPrepare.pending = false;
+        if (!canPrepare()) return;
+        preparedAt = Date.now();
+        window.rewindPrepare.asked += 1;
+        document.querySelector("#prepare-go")?.click();
     };
-    document.addEventListener("input", (event) => { if (event.target === box()) prepareSoon(400); }, true);
-    document.addEventListener("paste", (event) => { if (event.target === box()) prepareSoon(50); }, true);
+    const prepareSoon = () => {
+        if (prepareTimer !== null || !canPrepare()) return;  // one already set takes the text as it then stands
+        window.rewindPrepare.pending = true;  // (a moment at least: the box's value reaches the page's state)
+        prepareTimer = setTimeout(prepareNow, Math.max(20, preparedAt + PREPARE_EVERY_MS - Date.now()));
+    };
+    document.addEventListener("input", (event) => { if (event.target === box()) prepareSoon(); }, true);
     document.addEventListener("change", (event) => {
         if (!event.target.closest?.("#prepare-toggle")) return;
         localStorage.setItem(PREPARE, event.target.checked ? "on" : "off");
@@ -275,7 +291,7 @@ PAGE_SCRIPT = """() => {
         window.rewindBranchTarget = step ? `${step[1]}:${step[2]}` : retry[1];
         document.querySelector(step ? "#branch-go" : "#retry-go")?.click();
     }, true);
-}"""
+}""".replace("PREPARE_EVERY_MS", str(PREPARE_EVERY_MS))
 # Run in the page as the ‹ › / ↻ event starts: the target the click above stored becomes the
 # event's first input (API clients send their own; this runs only in a page).
 TARGET_INPUT = "(target, ...settings) => [window.rewindBranchTarget ?? target, ...settings]"

@@ -101,6 +101,10 @@ PROMPT_NOTE = ("(applied, typed) => applied && typeof applied.prompt === 'string
                "applied.prompt.trim() !== (typed || '').trim() ? " + json.dumps(
                    "**Not applied yet:** this system prompt starts a new branch at your next message; until then "
                    "Retry, Edit and Continue use the conversation's own (the old one stays a branch).") + " : ''")
+# The page's asks to prepare the message being typed carry their number (read as the event starts,
+# with the text as it then stands); the server hands it back once the draft is in its table.
+PREPARE_ASKED = "(text, asked, ...settings) => [text, window.rewindPrepare.asked, ...settings]"
+PREPARE_TAKEN = "(taken) => { window.rewindPrepare.taken = Math.max(window.rewindPrepare.taken, taken || 0); }"
 QUIET = dict(queue=False, api_name=False, show_progress="hidden")
 SAVE_SETTINGS = f"(...values) => {{ window.rewindSettings.save({json.dumps(Settings.names())}, values); }}"
 # The events that carry a whole record from the browser (a load, opening one, rebuilding one, an
@@ -149,8 +153,10 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
     textbox, target = page["textbox"], page["branch_target"]
     on(textbox.submit, streamed(handlers.send), [textbox, *with_settings], drafts=True, api_name=False,
        js=SENT_TEXT, **generating)
-    page["prepare_go"].click(handlers.prepare, [textbox, *with_settings], None, api_name=False, show_progress="hidden",
-                             trigger_mode="always_last", concurrency_limit=None)
+    asked = page["prepare_asked"]
+    page["prepare_go"].click(handlers.prepare, [textbox, asked, *with_settings], asked, js=PREPARE_ASKED, api_name=False,
+                             show_progress="hidden", trigger_mode="always_last", concurrency_limit=None
+                             ).then(None, [asked], None, js=PREPARE_TAKEN, **QUIET)
     on(page["send"].click, streamed(handlers.send), [textbox, *with_settings], drafts=True, api_name=False,
        js=SENT_TEXT, **generating)
     on(page["continue_button"].click, streamed(handlers.continue_reply), with_settings, drafts=True,
