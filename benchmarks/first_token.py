@@ -28,7 +28,7 @@ from typing import ContextManager
 from benchmarks.fairness import (SYSTEM_PROMPT, Sender, message_of, newcomer_beside_streams_scenario, session_id,
                                  stream_scenario, token_clock)
 from benchmarks.models import Words
-from benchmarks.report import arms_record, engine_at_size, patched
+from benchmarks.report import alternated, arms_heading, arms_record, engine_at_size, patched
 from cache_sessions.session import CacheSession
 from chat import ChatEngine
 from chat.weights import WEIGHT_FORMATS
@@ -74,14 +74,13 @@ def main(argv: list[str] | None = None) -> dict:
     long_text = message_of(tokenizer, words, args.stream_prompt) if args.stream_prompt else ""
     load_before = os.getloadavg()
     runs: dict[str, dict[str, list]] = {name: {"follow_ups": [], "newcomer": [], "stream": []} for name in ARMS}
-    for repeat in range(args.repeats):
-        for name in ARMS[repeat % 2:] + ARMS[:repeat % 2]:  # alternated
-            with arm(name):
-                runs[name]["follow_ups"].append(follow_ups(engine, questions, args.reply_tokens))
-                runs[name]["newcomer"].append(newcomer_beside_streams_scenario(
-                    engine, engine.scheduler.max_batch_size, args.stream_tokens))
-                if long_text:
-                    runs[name]["stream"].append(stream_scenario(engine, long_text, args.stream_tokens))
+    for name in alternated(ARMS, args.repeats):
+        with arm(name):
+            runs[name]["follow_ups"].append(follow_ups(engine, questions, args.reply_tokens))
+            runs[name]["newcomer"].append(newcomer_beside_streams_scenario(
+                engine, engine.scheduler.max_batch_size, args.stream_tokens))
+            if long_text:
+                runs[name]["stream"].append(stream_scenario(engine, long_text, args.stream_tokens))
     summary = {}
     for name in ARMS:
         turns = runs[name]["follow_ups"]
@@ -104,9 +103,7 @@ def markdown(result: dict) -> str:
     rows = [("first turn: TTFT", "first_turn_ttft_s"), ("later turns: TTFT", "later_turns_ttft_s"),
             ("newcomer on an idle engine: TTFT", "newcomer_idle_ttft_s"),
             ("newcomer beside every row: TTFT", "newcomer_ttft_s")]
-    lines = [f"{result['args']['model']}, weights {result['args']['weights']}; {result['machine']}; lscpu flags "
-             f"{result['cpu_flags']}; load {result['load_before'][0]:.2f} → {result['load_after'][0]:.2f}; "
-             f"medians of {result['args']['repeats']} alternated repeats", "",
+    lines = [arms_heading(result), "",
              "| | a step apart (before) | one step (now) | now / before |", "|---|---:|---:|---:|"]
     for label, key in rows:
         lines.append(f"| {label} | {apart[key] * 1000:.1f} ms | {one[key] * 1000:.1f} ms | {one[key] / apart[key]:.2f}x |")

@@ -8,12 +8,13 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from transformers.generation.streamers import BaseStreamer
@@ -88,11 +89,31 @@ def engine_at_size(model_name: str, weights: str, **options: Any) -> tuple[ChatE
     return engine, tokenizer
 
 
-def arms_record(module: str, args: Any, argv: list[str] | None, summary: dict, runs: dict, load_before: tuple,
+def alternated(arms: Sequence[str], repeats: int) -> Iterator[str]:
+    """Each arm once a repeat, the order turned every repeat (no arm always first)."""
+    for repeat in range(repeats):
+        turn = repeat % len(arms)
+        yield from [*arms[turn:], *arms[:turn]]
+
+
+def arms_heading(result: dict) -> str:
+    """A run of alternated arms' first line: model, weights, host, flags, load, repeats."""
+    return (f"{result['args']['model']}, weights {result['args']['weights']}; {result['machine']}; lscpu flags "
+            f"{result['cpu_flags']}; load {result['load_before'][0]:.2f} → {result['load_after'][0]:.2f}; "
+            f"medians of {result['args']['repeats']} alternated repeats")
+
+
+def arm_medians(runs: list[dict]) -> dict:
+    """Each figure's median over an arm's runs."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def arms_record(module: str, args: Any, argv: list[str] | None, summary: dict | None, runs: dict, load_before: tuple,
                 markdown: Callable[[dict], str]) -> dict:
     """A run of alternated arms as a benchmark keeps it: its arguments, the host's flags and load
-    before and after, the summary and every run, the command; printed as `markdown`, written to
-    `args.json` if given."""
+    before and after, the summary (None: each arm's medians) and every run, the command; printed
+    as `markdown`, written to `args.json` if given."""
+    summary = summary if summary is not None else {name: arm_medians(arm_runs) for name, arm_runs in runs.items()}
     result = {"args": vars(args), "cpu_flags": cpu_flags(), "machine": f"{platform.machine()}, "
               f"{torch.get_num_threads()} threads", "torch": torch.__version__, "load_before": load_before,
               "load_after": os.getloadavg(), "summary": summary, "runs": runs,

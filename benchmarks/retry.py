@@ -24,7 +24,7 @@ from typing import ContextManager
 
 from benchmarks.fairness import SYSTEM_PROMPT, gaps, message_of, session_id, token_clock, wait_for
 from benchmarks.models import Words
-from benchmarks.report import arms_record, engine_at_size, patched
+from benchmarks.report import alternated, arms_heading, arms_record, engine_at_size, patched
 from cache_sessions.session import CacheSession
 from chat import ChatEngine
 from chat.weights import WEIGHT_FORMATS
@@ -83,20 +83,15 @@ def main(argv: list[str] | None = None) -> dict:
     prepared_text = message_of(tokenizer, words, args.message)
     load_before = os.getloadavg()
     runs: dict[str, list[dict]] = {name: [] for name in ARMS}
-    for repeat in range(args.repeats):
-        for name in ARMS[repeat % 2:] + ARMS[:repeat % 2]:  # alternated
-            with arm(name):
-                runs[name].append(one_run(engine, messages, prepared_text, options, args.retries))
-    summary = {name: {key: statistics.median(run[key] for run in runs[name]) for key in runs[name][0]}
-               for name in ARMS}
-    return arms_record("retry", args, argv, summary, runs, load_before, markdown)
+    for name in alternated(ARMS, args.repeats):
+        with arm(name):
+            runs[name].append(one_run(engine, messages, prepared_text, options, args.retries))
+    return arms_record("retry", args, argv, None, runs, load_before, markdown)
 
 
 def markdown(result: dict) -> str:
     kept, fed = result["summary"]["kept"], result["summary"]["fed again"]
-    lines = [f"{result['args']['model']}, weights {result['args']['weights']}; {result['machine']}; lscpu flags "
-             f"{result['cpu_flags']}; load {result['load_before'][0]:.2f} → {result['load_after'][0]:.2f}; "
-             f"medians of {result['args']['repeats']} alternated repeats", "",
+    lines = [arms_heading(result), "",
              "| | fed again (before) | kept (now) | now / before |", "|---|---:|---:|---:|"]
     for label, key in (("Retry: TTFT", "retry_ttft_s"), ("prepared Send: TTFT", "prepared_ttft_s"),
                        ("a decode step (for scale)", "decode_step_s")):

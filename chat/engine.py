@@ -127,6 +127,7 @@ class ChatEngine:
                 "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,
                           "paused": batch.paused, "drafts": batch.drafts, "prepared": batch.prepared,
                           "first_tokens_kept": batch.first_tokens_kept,
+                          "newcomers_apart": batch.newcomers_apart,
                           "max_batch_size": batch.max_batch_size, "largest_batch": batch.largest_batch,
                           "decode_steps": batch.steps,
                           "join_wait_mean_s": round(batch.join_wait_mean_s, 4),

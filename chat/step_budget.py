@@ -150,5 +150,19 @@ class StepBudget:
         return max(1, min(cap, int(allowed / token_s)))
 
 
+    def apart_tokens(self, decode_rows: int) -> int:
+        """The most tokens of newcomers' prompt ends that may run in a step of their own (their
+        first tokens chosen from it) between two steps of `decode_rows` rows, keeping those rows'
+        gap within `gap_factor` of their decode step: a one-row step plus what the tokens add (the
+        fitted line of steps with prefill, else the cost of a token) within `gap_factor - 1` of
+        their steps. 0 until both were timed."""
+        rows_s, one_s = self.decode_s(decode_rows), self.decode_s(1)
+        token_s = self.token_s or self.alone_token_s
+        if self.gap_factor is None or rows_s is None or one_s is None or not token_s:
+            return 0
+        fixed, per_token = self.mixed.fit() or (0.0, token_s)
+        return max(0, int(((self.gap_factor - 1) * rows_s - one_s - fixed) / per_token))
+
+
 def _average(old: float | None, new: float) -> float:
     return new if old is None else (1 - _WEIGHT) * old + _WEIGHT * new

@@ -81,6 +81,7 @@ class SchedulerStats:
     guessed: int = 0  # tokens guessed and verified in decode steps (chat/drafting.py)
     guesses_taken: int = 0  # of them, taken into replies
     first_tokens_kept: int = 0  # first tokens chosen from logits a cache kept, with no step (a Retry, a prepared Send)
+    newcomers_apart: int = 0  # steps that ran newcomers' prompt ends without the other decode rows
 
 
 class _Counters:
@@ -88,7 +89,7 @@ class _Counters:
 
     def __init__(self) -> None:
         self.steps = self.joined = self.largest_batch = self.prepared = self.guessed = self.guesses_taken = 0
-        self.first_tokens_kept = 0
+        self.first_tokens_kept = self.newcomers_apart = 0
         self.join_waits: deque[float] = deque(maxlen=32)  # from submit to the first decode step
 
     def step(self, rows: list[GenerationRequest], guesses: list[list[int]], taken: int) -> None:
@@ -123,12 +124,14 @@ class StepPlanner:
         self.model, self.caches, self.guesses, self.step_budget = model, caches, guesses, step_budget
         self.max_batch_size, self.prefill_chunk, self.prefill_chunk_alone = max_batch_size, prefill_chunk, prefill_chunk_alone
         self.prefill_order, self.last_piece_rows = prefill_order, last_piece_rows
+        self.newcomers_apart = True  # (False: every row in every step, as before; a benchmark's "before")
         self.reset()
 
     def reset(self) -> None:
         self.requests = RequestTable()
         self.shares = PromptShares()  # prompt tokens owed to each client with a request waiting to prefill
         self.on_disk: set[GenerationRequest] = set()  # admitted, their states still being read
+        self._rows_waited = False  # the last step ran newcomers apart: this one runs every row
         self.counters = _Counters()
 
     def stats(self, packed: bool) -> SchedulerStats:
@@ -139,6 +142,7 @@ class StepPlanner:
                 waiting=len(requests.waiting), paused=len(requests.paused), drafts=len(requests.drafts),
                 prepared=counters.prepared, steps=counters.steps, guessed=counters.guessed,
                 guesses_taken=counters.guesses_taken, first_tokens_kept=counters.first_tokens_kept,
+                newcomers_apart=counters.newcomers_apart,
                 joined=counters.joined, largest_batch=counters.largest_batch,
                 join_wait_mean_s=sum(waits) / len(waits) if waits else 0.0, join_wait_max_s=max(waits, default=0.0),
                 packed=packed,
@@ -154,7 +158,7 @@ class StepPlanner:
             self.leave(stopped)  # its last chosen token stays unfed, as after `generate`
         pieces = self.pieces()
         self._first_tokens_kept()
-        decoding, started = list(self.requests.decoding), clock()
+        decoding, started = self._rows_this_step(pieces), clock()
         inputs = [request.unfed for request in decoding]
         return StepPlan(decoding, self.guesses.propose(decoding, graph_ready(len(decoding))), pieces,
                         started, inputs)
@@ -209,6 +213,25 @@ class StepPlanner:
                 pieces.append((request, piece))
         self.shares.settle(wanting, given, full_budget)
         return pieces
+
+    def _rows_this_step(self, pieces: list[tuple[GenerationRequest, list[int]]]) -> list[GenerationRequest]:
+        """The decode rows this step runs: all of them, or only newcomers whose prompt ends in
+        it (their first tokens from it) where a step of those and this step's `pieces` keeps the
+        other rows' gap within the step budget's bound (`StepBudget.apart_tokens`), never twice
+        in a row. Beside seven rows, a newcomer's short message took 1.6-1.8x its first token on
+        an idle engine: the step of its prompt's end carried every row (docs/performance.md)."""
+        decoding = list(self.requests.decoding)
+        newcomers = [request for request in decoding if request.token_count == 0 and len(request.unfed) > 1]
+        others = len(decoding) - len(newcomers)
+        tokens = sum(len(request.unfed) for request in newcomers) + sum(len(piece) for _, piece in pieces)
+        apart = (self.newcomers_apart and not self._rows_waited and bool(newcomers) and others > 0
+                 and tokens <= self.step_budget.apart_tokens(others))
+        self._rows_waited = apart
+        if not apart:
+            return decoding
+        with self.requests.lock:
+            self.counters.newcomers_apart += 1
+        return newcomers
 
     def ends_prompt(self, request: GenerationRequest, piece: list[int]) -> bool:
         """Whether `piece` (its next) may take its prompt's last token with it, the logits after

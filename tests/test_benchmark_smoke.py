@@ -351,3 +351,13 @@ def test_cold_start_benchmark_times_replies_while_the_graph_builds(tmp_path):
     run = result["runs"]["yield"][0]
     assert run["compile_priority"] == "nice 19" and run["compile_s"] > 0 and run["eager_tokens_per_s"] > 0
     assert {"during_over_eager", "compiled_over_eager"} <= set(result["median"]["yield"]) and result["targets"]
+
+
+def test_newcomer_benchmark_writes_the_documented_fields(tmp_path):
+    from benchmarks.newcomer import ARMS, main as newcomer
+
+    result = run_to_json(newcomer, tmp_path, "--model", "tiny-full", "--reply-tokens", "40", "--repeats", "2")
+    assert set(result["summary"]) == set(ARMS) and all(len(runs) == 2 for runs in result["runs"].values())
+    for name in ARMS:
+        assert {"ttft_s", "idle_ttft_s", "over_idle", "steps_apart"} <= set(result["summary"][name])
+    assert all(run["steps_apart"] == 0 for run in result["runs"]["beside"])  # the arm is what it says

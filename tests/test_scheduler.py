@@ -688,3 +688,76 @@ def test_a_step_budget_does_not_starve_prompts_when_a_step_with_prefill_has_a_fi
     assert small <= 8 and min(pieces[small + 1:-1]) >= 12, pieces  # then never a token at a time
     fixed, token_s = budget.mixed.fit()
     assert abs(token_s - 0.003) < 1e-4 and abs(fixed - (0.062 - 0.0145)) < 2e-3  # the clock's own line
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_a_newcomers_prompt_end_runs_apart_from_the_rows_where_their_gap_allows(make_engine, models, tokenizers,
+                                                                               hooks, batches, monkeypatch, apart):
+    """#43: a newcomer's short message beside busy rows took 1.6-1.8x its first token on an idle
+    engine: the step that fed its prompt's end carried every decode row too. On a made-up clock
+    (a forward 10 units, 5 a decode row, 1 every other token fed), three rows decoding (25 a
+    step) and a newcomer's prompt end of fewer than 35 tokens (a one-row step of 15 plus those,
+    within two of their steps): that step runs the newcomer alone, the next every row, and
+    every reply is exact. Switched off (as before), the newcomer's step carries the rows."""
+    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
+    now, packed = [0.0], chat.runner.packed_step
+
+    def costed(model, rows, logits_of, plain, tails=None, alone=()):
+        fed = sum(len(tokens) for _, tokens in rows)
+        now[0] += 10 + 5 * len(logits_of) + (fed - len(logits_of))
+        return packed(model, rows, logits_of, plain, tails, alone)
+
+    monkeypatch.setattr(chat.runner, "packed_step", costed)
+    engine = make_engine("full", prefill_chunk=64, draft="off")
+    engine.scheduler.clock = lambda: now[0]
+    engine.scheduler.planner.newcomers_apart = apart
+    streams = [engine.conversation("You are terse.") for _ in range(3)]
+    lengths = [120, 120, PAUSES_AT_THIRD_TOKEN]
+    consumers = []
+    for index, conv in enumerate(streams):  # one alone for a few steps, then two, then three
+        steps = engine.batch_stats().steps
+        consumers.append(Consumer(conv, conv.send(f"Talk about {index}.", max_new_tokens=lengths[index],
+                                                  do_sample=False)))
+        if index < 2:
+            wait_until(lambda: engine.batch_stats().steps >= steps + 4)
+    assert hooks["reached"].wait(60)  # the third's third token: three rows decoding, their steps timed
+    newcomer = engine.conversation("You are terse.")
+    late = Consumer(newcomer, newcomer.send("Hi?", **GREEDY))
+    wait_until(lambda: engine.batch_stats().waiting == 1)
+    batches.clear()
+    apart_before = engine.status()["batch"]["newcomers_apart"]
+    hooks["release"].set()
+    late.join(60)
+    for consumer in consumers:
+        consumer.join(60)
+    assert late.error is None and all(consumer.error is None for consumer in consumers)
+    alone, rows = (id(newcomer.session),), {id(conv.session) for conv in (*streams, newcomer)}
+    assert engine.status()["batch"]["newcomers_apart"] - apart_before == (1 if apart else 0)  # what /status says
+    if apart:
+        assert batches[0] == alone and set(batches[1]) == rows, batches  # the steps after the one the pause held
+    else:
+        assert alone not in batches and set(batches[0]) == rows, batches
+    monkeypatch.undo()
+    for conv, length in zip((*streams, newcomer), (*lengths, MAX_NEW)):
+        check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=length)
+
+
+def test_a_step_apart_for_newcomers_is_sized_to_keep_the_other_rows_gap():
+    """`apart_tokens`: nothing before a one-row step and a step of the rows were timed; then the
+    tokens whose one-row step (the fitted fixed part and cost a token of steps with prefill) stays
+    within two of the rows' steps (gap factor 3): made-up seconds, one row 15, three 25, a token 1."""
+    budget = StepBudget(3.0)
+    assert budget.apart_tokens(3) == 0
+    budget.record(15.0, decode_rows=1, prompt_tokens=0)
+    budget.record(25.0, decode_rows=3, prompt_tokens=0)
+    assert budget.apart_tokens(3) == 0  # no prompt token timed yet
+    for tokens in (4, 12, 20, 8, 16):
+        budget.record(25.0 + tokens, decode_rows=3, prompt_tokens=tokens)
+    assert budget.apart_tokens(3) == 35  # 15 + 35 = 2 x 25
+    fixed = StepBudget(3.0)  # a step with prompt tokens costs 10 more whatever their number: less room
+    fixed.record(15.0, decode_rows=1, prompt_tokens=0)
+    fixed.record(25.0, decode_rows=3, prompt_tokens=0)
+    for tokens in (4, 12, 20, 8, 16):
+        fixed.record(25.0 + 10 + tokens, decode_rows=3, prompt_tokens=tokens)
+    assert fixed.apart_tokens(3) == 25  # 15 + 10 + 25 = 2 x 25
+    assert StepBudget(None).apart_tokens(3) == 0
