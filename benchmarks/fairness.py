@@ -191,14 +191,22 @@ def newcomer_beside_streams_scenario(engine: ChatEngine, streams: int, reply_tok
         newcomer = engine.conversation(SYSTEM_PROMPT, client="203.0.113.9")
         late = Sender(newcomer, "What time is it?", 4)
         late.join()
-        ttft = times[session_id(newcomer)][0] - late.sent_at
+        first = times[session_id(newcomer)][0]
+        ttft = first - late.sent_at
         running = sum(sender.is_alive() for sender in senders)
         for sender in senders:
             sender.join()
+    # what the busy client's streams paid: each one's gap across the newcomer's first token, the
+    # median of those (one stream is paused for the newcomer's row, its gap the newcomer's whole
+    # reply), against their median gap
+    streams = [times[session_id(conv)] for conv in hog]
+    across = [b - a for stream in streams for a, b in zip(stream, stream[1:]) if a < first <= b]
+    median_gap = statistics.median(gap for stream in streams for gap in gaps(stream))
     for conv in (idle, newcomer, *hog):
         conv.close()
     return {"idle_ttft_s": idle_ttft, "ttft_s": ttft, "over_idle": ttft / idle_ttft,
-            "streams_still_running": running}
+            "streams_still_running": running,
+            "streams_gap_across_over_median": statistics.median(across or [0.0]) / median_gap}
 
 
 def medians(runs: list[dict]) -> dict:

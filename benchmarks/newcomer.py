@@ -6,7 +6,8 @@ time to first token against the same message on an idle engine, both ways altern
 process: "apart" (the step that feeds a newcomer's prompt end runs it without the other decode
 rows where their gap allows: `StepPlanner._rows_this_step`) and "beside" (every row in every
 step: the code before). The count of such steps (`/status`'s `batch.newcomers_apart`) is kept
-with each run: the hog's own streams join as newcomers too.
+with each run (the busy client's own streams join as newcomers too), and what the busy streams
+paid: their longest gap across the newcomer's first token over their median gap.
 
 `python -m benchmarks.newcomer --help`.
 """
@@ -59,6 +60,8 @@ def markdown(result: dict) -> str:
     for label, key in (("newcomer's TTFT", "ttft_s"), ("the same message, idle engine", "idle_ttft_s")):
         lines.append(f"| {label} | {beside[key] * 1000:.0f} ms | {apart[key] * 1000:.0f} ms |")
     lines.append(f"| TTFT / idle | {beside['over_idle']:.2f}x | {apart['over_idle']:.2f}x |")
+    lines.append(f"| the busy streams' gap across the newcomer's first token / their median | "
+                 f"{beside['streams_gap_across_over_median']:.2f}x | {apart['streams_gap_across_over_median']:.2f}x |")
     each = {name: ", ".join(f"{run['over_idle']:.2f}x" for run in result["runs"][name]) for name in ARMS}
     lines.append(f"| each run's TTFT / idle | {each['beside']} | {each['apart']} |")
     return "\n".join(lines)
