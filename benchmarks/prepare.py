@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import os
@@ -78,7 +79,7 @@ def page_asks(keystrokes: list[float], every_s: float = PREPARE_EVERY_MS / 1000,
     pending, last = None, -math.inf
     for at in keystrokes:
         if pending is not None and pending <= at:
-            asks.append((pending, sum(1 for typed in keystrokes if typed <= pending)))
+            asks.append((pending, bisect.bisect_right(keystrokes, pending)))  # (keystrokes in order)
             pending, last = None, pending
         if pending is None:
             pending = max(at + least_s, last + every_s)

@@ -149,7 +149,6 @@ class StepBudget:
             return max(1, min(cap, int(self.small_piece_s / per_token)))
         return max(1, min(cap, int(allowed / token_s)))
 
-
     def apart_tokens(self, decode_rows: int) -> int:
         """The most tokens of newcomers' prompt ends that may run in a step of their own (their
         first tokens chosen from it) between two steps of `decode_rows` rows, keeping those rows'
