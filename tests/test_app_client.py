@@ -10,6 +10,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 from app_server import AppServer
+from chat.config import DEFAULT_PREFILL_CHUNK
 from ui.outputs import Settings
 
 SYSTEM = "You are a helpful assistant."
@@ -262,7 +263,9 @@ def test_browsers_sending_at_once_share_decode_steps_and_get_their_own_replies(a
     assert batch["largest_batch"] >= 2 and batch["max_batch_size"] == 8
     assert batch["decoding"] == batch["waiting"] == 0
     assert batch["join_wait_max_s"] >= batch["join_wait_mean_s"] >= 0
-    assert batch["packed"] is True and 1 <= batch["prompt_tokens_per_step"] <= 64
+    # the timed budget: at least a token, at most the cap this app runs with (how much lower it is
+    # depends on this machine's step times)
+    assert batch["packed"] is True and 1 <= batch["prompt_tokens_per_step"] <= DEFAULT_PREFILL_CHUNK
 
 
 def test_operators_read_plain_http_health_status_and_metrics(app, client):
