@@ -19,6 +19,8 @@ Module map:
   scheduler.py     the one loop: cache commands, then one packed forward a step (decode rows and prefill chunks)
   requests.py      a reply being made (GenerationRequest) and the cache work it asks for
   request_table.py the scheduler's one record of its requests: waiting, prefilling, decoding, paused
+  step_planner.py  what a step runs (StepPlan), decided before it runs: who leaves, who is admitted, pieces, rows
+  turns.py         a request's moves applied over the cache owner: begun (rolled back), pieces noted, ended
   prompt_shares.py who gets a step's prompt budget: fair by tokens owed, per client
   drafting.py      guessed tokens to verify: where guesses come from, how many a row feeds (--draft)
   guessing.py      the step's side of guessing: which rows guess, choosing their tokens, giving back

@@ -51,12 +51,12 @@ class AheadSteps:
             self.caches.keep_next_logits(draft.session, draft.prompt_ids, logits[-1])
             self._prepared(draft)
         else:  # noted (a checkpoint, a shared prefix); its last token, if it takes one, next step
-            self.planner.prefilled(draft, self.end)
+            self.planner.turns.prefilled(draft, self.end)
 
     def end(self, draft: GenerationRequest, error: BaseException | None = None) -> None:
         with self.planner.requests.lock:
             self.planner.requests.drafts.remove(draft)
-        self.planner.finish(draft, error)
+        self.planner.turns.finish(draft, error)
 
     def _next_piece(self) -> tuple[GenerationRequest, list[int], bool] | None:
         """The oldest draft whose states are at hand, its next piece, and whether that piece ends
@@ -70,7 +70,7 @@ class AheadSteps:
                 continue
             work = draft.work
             try:
-                planner.begin(draft)
+                planner.turns.begin(draft)
                 piece = self.caches.prefill_piece(draft.session, draft.prompt_ids, planner.prefill_chunk,
                                                   work.prefix_store, work.shared_prefix_length)
                 whole = planner.ends_prompt(draft, piece)  # never where the prompt is held whole already

@@ -189,7 +189,7 @@ class DecodeScheduler:
                                           compiled=self.runner.graph_steps > graph_steps)
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
             for request in self.planner.requests.take_everyone():
-                self.planner.finish(request, error)
+                self.planner.turns.finish(request, error)
 
     def _run(self, plan: StepPlan) -> torch.Tensor | None:
         """The plan's one model step; the owner notes what every row fed. Returns the logits
@@ -203,13 +203,13 @@ class DecodeScheduler:
             logits = self.runner.run(rows, range(len(plan.decoding)), plan.tails())
             self.caches.fed(rows)
         except BaseException as error:
-            self.planner.leave(plan.decoding, error)
+            self.planner.turns.leave(plan.decoding, error)
             for request, _ in plan.pieces:
-                self.planner.leave_prefill(request, error)
+                self.planner.turns.leave_prefill(request, error)
             return None
         self.step_budget.record(self.clock() - started, len(plan.decoding), plan.extra_tokens())
         for request, _ in plan.pieces:
-            self.planner.piece_fed(request)
+            self.planner.turns.piece_fed(request)
         return logits if plan.decoding else None
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
@@ -226,7 +226,7 @@ class DecodeScheduler:
             self.planner.counters.step(plan.decoding, plan.guesses, taken)
         ended += self.guesses.give_back(plan.decoding, plan.guesses, ended)
         if ended:
-            self.planner.leave(ended)
+            self.planner.turns.leave(ended)
 
 
 def _shut_down_at_exit(scheduler: "weakref.ref[DecodeScheduler]") -> None:

@@ -1,5 +1,6 @@
-"""What one step runs, decided before it runs (vLLM v1's scheduler, at this scale), and each
-request's way through the table: admitted, rolled back, prefilled in pieces, decoding, ended.
+"""What one step runs, decided before it runs (vLLM v1's scheduler, at this scale), and when
+each request moves through the table: admitted, rolled back, prefilled in pieces, decoding,
+ended (chat/turns.py carries those moves out over the cache owner).
 
 chat/scheduler.py runs the loop around it (plan → run → sample); this decides. Each step: end
 requests stopped wherever they wait (waiting, prefilling, decoding: a Stop is read before any
@@ -26,8 +27,8 @@ from chat.prompt_shares import PromptShares
 from chat.request_table import RequestTable
 from chat.requests import GenerationRequest
 from chat.runner import Row
-from chat.sampling import TokenChooser
 from chat.step_budget import StepBudget
+from chat.turns import RequestTurns
 
 PREFILL_ORDERS = ("shortest", "arrival")
 
@@ -129,6 +130,7 @@ class StepPlanner:
 
     def reset(self) -> None:
         self.requests = RequestTable()
+        self.turns = RequestTurns(self.model, self.caches, self.guesses, self.requests)  # starts and ends them
         self.shares = PromptShares()  # prompt tokens owed to each client with a request waiting to prefill
         self.on_disk: set[GenerationRequest] = set()  # admitted, their states still being read
         self._rows_waited = False  # the last step ran newcomers apart: this one runs every row
@@ -152,10 +154,10 @@ class StepPlanner:
         """Who leaves (stopped wherever they wait), who is admitted, this step's prompt pieces
         and each decode row's guesses."""
         for request in self.requests.admit(self.max_batch_size):
-            self.finish(request)  # stopped while it waited (its cache untouched) or was paused
+            self.turns.finish(request)  # stopped while it waited (its cache untouched) or was paused
         stopped = [request for request in self.requests.decoding if request.stop.is_set()]
         if stopped:
-            self.leave(stopped)  # its last chosen token stays unfed, as after `generate`
+            self.turns.leave(stopped)  # its last chosen token stays unfed, as after `generate`
         pieces = self.pieces()
         self._first_tokens_kept()
         decoding, started = self._rows_this_step(pieces), clock()
@@ -188,21 +190,21 @@ class StepPlanner:
                 self.on_disk.add(request)
                 continue
             if request.stop.is_set():
-                self.leave_prefill(request)
+                self.turns.leave_prefill(request)
                 continue
             wanting.append(request.flow)
             if budget == 0:
                 continue
             work = request.work
             try:
-                self.begin(request)
+                self.turns.begin(request)
                 piece = self.caches.prefill_piece(request.session, request.prompt_ids, budget, work.prefix_store,
                                                   work.shared_prefix_length)
                 # nothing left (held whole: its first token from the logits kept), or its last piece
                 # with its first decode input: its first token this step, not the next
                 decodes_now = not piece or self.ends_prompt(request, piece)
             except BaseException as error:
-                self.leave_prefill(request, error)
+                self.turns.leave_prefill(request, error)
                 continue
             if piece:
                 budget -= len(piece)
@@ -254,7 +256,7 @@ class StepPlanner:
         with self.requests.lock:
             self.counters.first_tokens_kept += len(ready)
         if ended:
-            self.leave(ended)
+            self.turns.leave(ended)
 
     def _prefill_order(self, budget: int) -> list[GenerationRequest]:
         """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_shares.py);
@@ -264,54 +266,6 @@ class StepPlanner:
         prefilling = self.requests.prefilling
         return self.shares.order({request: _remaining_prefill(request) for request in prefilling},
                                   {request: request.flow for request in prefilling}, budget)
-
-    def begin(self, request: GenerationRequest) -> None:
-        """Its first turn: its sampler, and its cache rolled back to where the prompt parts from it."""
-        if request.prefill is None:
-            work = request.work
-            request.started_at = time.perf_counter()
-            request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
-            self.guesses.begin(request)
-            request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
-                                                work.shared_prefix_length)
-
-    def piece_fed(self, request: GenerationRequest) -> None:
-        """A prompt piece ran: the request decodes from the next step once only its last token is left."""
-        if self.prefilled(request, self.leave_prefill):
-            self.requests.start_decoding(request)
-
-    def prefilled(self, request: GenerationRequest, fail: Callable[[GenerationRequest, BaseException], None]
-                   ) -> bool:
-        """Whether all of its prompt but the last token is in its cache now (the owner notes the
-        piece: a shared prefix kept, a checkpoint); if that fails, `fail` ends it with the error."""
-        work = request.work
-        try:
-            return self.caches.piece_fed(request.session, request.prompt_ids, work.prefix_store,
-                                         work.shared_prefix_length)
-        except BaseException as error:
-            fail(request, error)
-            return False
-
-    def leave(self, requests: list[GenerationRequest], error: BaseException | None = None) -> None:
-        """Take `requests` out of the decode rows and end them."""
-        self.requests.remove(requests)
-        for request in requests:
-            self.finish(request, error)
-
-    def leave_prefill(self, request: GenerationRequest, error: BaseException | None = None) -> None:
-        self.requests.remove([request])
-        self.finish(request, error)
-
-    def finish(self, request: GenerationRequest, error: BaseException | None = None) -> None:
-        """The request is out: the owner checks and rests its session, then its turn is told."""
-        error = request.error or error
-        try:
-            request.cache_bytes = self.caches.end(request.session, request.sequence if request.started else None,
-                                                  request.work.labels, failed=error is not None)
-        except BaseException as mismatch:  # the ledger did not match what was fed (released: 0 bytes)
-            error = error or mismatch
-        request.cache_tokens = len(request.session.token_ids)
-        request._end(error)
 
 
 def _remaining_prefill(request: GenerationRequest) -> int:

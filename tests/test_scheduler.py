@@ -30,7 +30,7 @@ from transformers import (
 
 import chat.runner
 import chat.scheduler
-import chat.step_planner
+import chat.turns
 from chat import ChatEngine, ConversationBusyError, ConversationError
 from chat.runner import ModelRunner
 from chat.sampling import TokenChooser
@@ -123,7 +123,7 @@ def hooks(monkeypatch):
             elif options.max_new_tokens == PAUSES_AT_THIRD_TOKEN:
                 self.processors.append(_Pauses(**pause))
 
-    monkeypatch.setattr(chat.step_planner, "TokenChooser", HookedChooser)
+    monkeypatch.setattr(chat.turns, "TokenChooser", HookedChooser)
     yield pause
     pause["release"].set()
 
