@@ -11,7 +11,8 @@ Module map:
   branches.py     which messages a cache holds; keeping and putting back a branch's states
   resident.py     one packed forward for many sessions, each appending to and reading its own cache in place
   prefixes.py     shared prefilled prefixes (system prompts) for new sessions
-  owner.py        the one owner of every session's states: applies each change on the loop, pins, budget
+  owner.py        the one owner of every session's states: applies each change on the loop
+  books.py        the owner's books: the sessions, their bytes, the budget, the loop's check
   eviction.py     what the budget frees first: kept branches, then idle sessions (cold tier), then prefixes
 """
 
