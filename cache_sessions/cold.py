@@ -232,7 +232,79 @@ class _StateFiles:
         return _Unpickler(io.BytesIO(structure), tensors).load()
 
 
+class _LockedFolder:
+    """A store's own folder inside `--cache-dir` (mode 0700), locked (flock) while the store
+    lives, so that no other process's store removes or reads it (`_remove_stale`)."""
+
+    def __init__(self, parent: Path):
+        self.path = Path(tempfile.mkdtemp(prefix=f"process-{os.getpid()}-", dir=parent))
+        self._held = open(self.path / "lock", "w")  # noqa: SIM115 (held open: the lock lasts as long as the store)
+        fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def let_go(self) -> None:
+        """Close this process's handle only (a forked child's copy: the parent's lock stays held)."""
+        self._held.close()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._held.close()
+
+
+class _Tables:
+    """What a store holds and has done: changed by the loop and the disk threads under `lock`,
+    read by `stats` from any thread. Keyed by the session object itself, never by a reusable id."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.files: OrderedDict[CacheStates, _File] = OrderedDict()  # oldest first
+        self.writes: dict[CacheStates, _Write] = {}  # handed to the writer, not yet in a file
+        self.reads: dict[CacheStates, Future] = {}  # files being read ahead
+        self.spilled = self.resumed = self.dropped = self.failed = 0
+
+    def stats(self, max_bytes: int) -> ColdStats:
+        with self.lock:
+            return ColdStats(sessions=len(self.files), bytes=self._bytes(), max_bytes=max_bytes,
+                             spilled=self.spilled, resumed=self.resumed, dropped=self.dropped,
+                             writing_bytes=sum(write.nbytes for write in self.writes.values()), failed=self.failed)
+
+    def take(self, session: CacheStates, file_too: bool) -> tuple[_Write | None, Future | None, _File | None]:
+        """Its pending write, its read ahead and its file, out of the tables (the file only if
+        `file_too` or neither of the others was there)."""
+        with self.lock:
+            write, read = self.writes.pop(session, None), self.reads.pop(session, None)
+            take_file = file_too or (write is None and read is None)
+            return write, read, self.files.pop(session, None) if take_file else None
+
+    def written(self, session: CacheStates, write: _Write, file: _File, max_bytes: int) -> bool:
+        """The writer wrote `file`: kept (older files pushed out to keep the folder within
+        `max_bytes` only now that it is safely written), or False where it is no longer wanted (taken back, wanted, discarded,
+        closed) and the caller deletes it."""
+        with self.lock:
+            if self.writes.get(session) is not write or write.wanted:
+                return False
+            del self.writes[session]
+            while self.files and self._bytes() + file.nbytes > max_bytes:
+                _, oldest = self.files.popitem(last=False)
+                oldest.path.unlink(missing_ok=True)
+                self.dropped += 1
+            self.files[session] = file
+            self.spilled += 1
+            return True
+
+    def write_failed(self, session: CacheStates, write: _Write) -> None:
+        with self.lock:
+            if self.writes.get(session) is write and not write.wanted:  # wanted: still in memory
+                del self.writes[session]
+                self.failed += 1
+
+    def _bytes(self) -> int:
+        return sum(file.nbytes for file in self.files.values())
+
+
 class ColdStore:
+    """Idle sessions' states on disk, in a folder of this process's own: spilled by the loop,
+    written and read by two disk threads, put back bit for bit (see the module's docstring)."""
+
     def __init__(self, folder: str | Path, max_bytes: int):
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
@@ -246,15 +318,10 @@ class ColdStore:
 
     def _begin(self) -> None:
         """A store of its own: its folder (locked while it lives), key, tables and disk threads."""
-        self.own = Path(tempfile.mkdtemp(prefix=f"process-{os.getpid()}-", dir=self.folder))  # mode 0700
-        self._held = open(self.own / "lock", "w")  # noqa: SIM115 (held open: the lock lasts as long as the store)
-        fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._locked = _LockedFolder(self.folder)
+        self.own = self._locked.path
         self._sealed = _StateFiles(self.own, self.max_bytes)  # only this store can write a file it will accept
-        # Keyed by the session object itself, never by a reusable id. Files: oldest first.
-        self._files: OrderedDict[CacheStates, _File] = OrderedDict()
-        self._writes: dict[CacheStates, _Write] = {}  # handed to the writer, not yet in a file
-        self._reads: dict[CacheStates, Future] = {}  # files being read ahead
-        self.spilled = self.resumed = self.dropped = self.failed = 0
+        self._tables = _Tables()  # the loop and the disk threads change them; `stats` from any thread
         self._start_threads()
 
     def _forked(self) -> None:
@@ -264,29 +331,22 @@ class ColdStore:
         removed the parent's whole folder (the parent's sessions then rebuilt from scratch:
         issue #44, item 8). The inherited lock is the parent's: closing the child's copy of it
         leaves the parent's lock held."""
-        self._held.close()
+        self._locked.let_go()
         self._begin()
 
     def _start_threads(self) -> None:
         """The disk threads (started on first use). Each is an executor's, not a daemon: at exit the
         interpreter waits for a write in hand instead of stopping a thread inside torch."""
-        self._lock = threading.Lock()  # the loop and the disk threads change the tables; `stats` from any thread
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="cold-writer")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="cold-reader")
 
     def stats(self) -> ColdStats:
-        with self._lock:
-            return ColdStats(sessions=len(self._files), bytes=self._bytes(), max_bytes=self.max_bytes,
-                             spilled=self.spilled, resumed=self.resumed, dropped=self.dropped,
-                             writing_bytes=sum(write.nbytes for write in self._writes.values()), failed=self.failed)
-
-    def _bytes(self) -> int:
-        return sum(file.nbytes for file in self._files.values())
+        return self._tables.stats(self.max_bytes)
 
     def flush(self) -> None:
         """Wait until every write handed over so far has ended (tests, benchmarks)."""
-        with self._lock:
-            futures = [write.future for write in self._writes.values() if write.future is not None]
+        with self._tables.lock:
+            futures = [write.future for write in self._tables.writes.values() if write.future is not None]
         wait_for(futures)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -302,18 +362,19 @@ class ColdStore:
             return False
         write = _Write(copy.copy(session), nbytes)  # takes its objects: release() gives it new ones
         session.release()  # marks its states lost: what it says if its file is pushed out or fails
-        with self._lock:
-            self._writes[session] = write
+        with self._tables.lock:
+            self._tables.writes[session] = write
             write.future = self._writer.submit(self._write, session, write)
         return True
 
     def ready(self, session: CacheStates, when_ready: Callable[[], None]) -> bool:
         """Whether `session`'s states can be put back without waiting on the disk. If not, its file
         starts being read beside the loop and `when_ready` is called once it has been."""
-        with self._lock:
-            if session in self._reads:
-                return self._reads[session].done()
-            write = self._writes.get(session)
+        tables = self._tables
+        with tables.lock:
+            if session in tables.reads:
+                return tables.reads[session].done()
+            write = tables.writes.get(session)
             if write is not None:
                 assert write.future is not None
                 if write.future.cancel() or write.future.done():
@@ -323,11 +384,11 @@ class ColdStore:
                 write.wanted = True
                 future = write.future
             else:
-                entry = self._files.pop(session, None)
+                entry = tables.files.pop(session, None)
                 if entry is None:
                     return True  # in memory
                 future = self._reader.submit(self._read_and_remove, entry)
-                self._reads[session] = future
+                tables.reads[session] = future
         future.add_done_callback(lambda _: when_ready())
         return False
 
@@ -335,10 +396,7 @@ class ColdStore:
         """Put `session`'s states back: from its pending write, from its read ahead (waiting for it
         if it is still running), or from its file. False: none here, or its file could not be
         read (the session then rebuilds at its next turn, as after an eviction)."""
-        with self._lock:
-            write = self._writes.pop(session, None)
-            read = self._reads.pop(session, None)
-            entry = self._files.pop(session, None) if write is None and read is None else None
+        write, read, entry = self._tables.take(session, file_too=False)
         try:
             if write is not None:
                 assert write.future is not None
@@ -354,16 +412,13 @@ class ColdStore:
         except Exception:  # noqa: BLE001 (a damaged, foreign or vanished file: the states are lost, not the turn)
             return False
         session.take_state_of(restored)
-        with self._lock:
-            self.resumed += 1
+        with self._tables.lock:
+            self._tables.resumed += 1
         return True
 
     def discard(self, session: CacheStates) -> None:
         """Its session closed: its file, pending write or read goes."""
-        with self._lock:
-            write = self._writes.pop(session, None)
-            read = self._reads.pop(session, None)
-            entry = self._files.pop(session, None)
+        write, read, entry = self._tables.take(session, file_too=True)
         if write is not None and write.future is not None:
             write.future.cancel()
         if read is not None:
@@ -373,14 +428,13 @@ class ColdStore:
 
     def close(self) -> None:
         """Its files and folder go (at the engine's end, or at exit); writes not begun are dropped."""
-        with self._lock:
-            self._files.clear()
-            self._writes.clear()
-            self._reads.clear()
+        with self._tables.lock:
+            self._tables.files.clear()
+            self._tables.writes.clear()
+            self._tables.reads.clear()
         self._writer.shutdown(wait=False, cancel_futures=True)
         self._reader.shutdown(wait=False, cancel_futures=True)
-        shutil.rmtree(self.own, ignore_errors=True)
-        self._held.close()
+        self._locked.remove()
 
     # ---- the disk threads ----------------------------------------------------------------------
     def _write(self, session: CacheStates, write: _Write) -> None:
@@ -390,31 +444,16 @@ class ColdStore:
         except Exception:  # noqa: BLE001 (a full disk, no memory: the states are lost, no other file is)
             if path is not None:
                 path.unlink(missing_ok=True)
-            with self._lock:
-                if self._writes.get(session) is write and not write.wanted:  # wanted: still in memory
-                    del self._writes[session]
-                    self.failed += 1
+            self._tables.write_failed(session, write)
             return
-        with self._lock:  # older files make room only once this one is safely written
-            if self._writes.get(session) is not write or write.wanted:  # taken back, wanted, discarded, closed
-                path.unlink(missing_ok=True)
-                return
-            del self._writes[session]
-            while self._files and self._bytes() + size > self.max_bytes:
-                self._drop_oldest()
-            self._files[session] = _File(path, size, tag)
-            self.spilled += 1
+        if not self._tables.written(session, write, _File(path, size, tag), self.max_bytes):
+            path.unlink(missing_ok=True)
 
     def _read_and_remove(self, entry: _File) -> CacheStates:
         try:
             return self._sealed.read(entry.path, entry.tag)
         finally:
             entry.path.unlink(missing_ok=True)
-
-    def _drop_oldest(self) -> None:
-        _, file = self._files.popitem(last=False)
-        file.path.unlink(missing_ok=True)
-        self.dropped += 1
 
 
 def _remove_stale(folder: Path) -> None:

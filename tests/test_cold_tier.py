@@ -442,7 +442,7 @@ def test_a_file_swapped_between_two_sessions_or_an_older_one_of_the_same_is_refu
         engine.caches.enforce_budget()
         written(engine)
         engine.caches.budget_bytes = None
-        return {conv: store._files[conv.session].path for conv in (x, y)}
+        return {conv: store._tables.files[conv.session].path for conv in (x, y)}
 
     paths = spill_all()
     x_bytes, y_bytes = paths[x].read_bytes(), paths[y].read_bytes()
@@ -476,7 +476,7 @@ def test_a_forked_worker_has_a_cold_tier_of_its_own_and_leaves_the_parents_alone
 
     def worker() -> None:
         torch.set_num_threads(1)  # OpenMP's pool does not survive a fork
-        results.put((str(store.own), len(store._files), store._sealed.key))
+        results.put((str(store.own), len(store._tables.files), store._sealed.key))
         store.close()  # what its exit does (the engine's finalizer)
 
     process = context.Process(target=worker, daemon=True)
