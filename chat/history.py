@@ -81,6 +81,15 @@ class Node:
     def show(self, child: Node) -> None:
         self.active = next(i for i, c in enumerate(self.children) if c is child)
 
+    def below(self) -> list[Node]:
+        """Every node under this one, parents before children, siblings in order."""
+        order, stack = [], list(reversed(self.children))
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(node.children))
+        return order
+
 
 def check_room_for_sibling(parent: Node) -> None:
     if len(parent.children) >= MAX_SIBLINGS:
@@ -171,13 +180,8 @@ class History:
         return node
 
     def nodes(self) -> list[Node]:
-        """Every node, parents before children, siblings in order."""
-        order, stack = [], list(reversed(self.root.children))
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(reversed(node.children))
-        return order
+        """Every node, the root left out."""
+        return self.root.below()
 
     # ---- planning: whether a reply could be recorded (nothing changes until it is) ----------
     def check_room(self, path: list[Node]) -> None:

@@ -37,7 +37,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterator, MutableSequence, Sequence, TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -104,15 +104,8 @@ class DecodeScheduler:
                ) -> GenerationRequest:
         """Queue a reply; the cache is rolled back and prefilled on the compute thread, in turn
         (`client`: who asked, see `GenerationRequest`)."""
-        if self.loop.on_loop():  # it would wait for tokens from a job queued behind itself
-            raise RuntimeError("stream a reply from outside the engine's compute thread")
-        if not prompt_ids:
-            raise ValueError("cannot generate from an empty prompt")
         request = GenerationRequest(session, prompt_ids, options, stop, work, client)
-        with self.planner.requests.lock:
-            self.planner.requests.waiting.append(request)
-        self.loop.wake()
-        return request
+        return self._queue(request, self.planner.requests.waiting)
 
     def prepare(self, session: CacheSession, prompt_ids: Sequence[int], stop: threading.Event,
                 work: CacheWork = CacheWork(), client: Hashable | None = None) -> GenerationRequest:
@@ -121,14 +114,18 @@ class DecodeScheduler:
         reply arriving waits at most that), its progress kept when a reply comes first. It ends
         once prefilled, or at the first step after `stop` (a newer draft, the Send itself, a
         close): what it fed stays in the cache, and the Send's rollback keeps what it shares."""
-        if self.loop.on_loop():
-            raise RuntimeError("prepare from outside the engine's compute thread")
-        if not prompt_ids:
-            raise ValueError("cannot prepare an empty prompt")
         request = GenerationRequest(session, prompt_ids, GenerationOptions(max_new_tokens=1), stop, work, client,
                                     draft=True)
+        return self._queue(request, self.planner.requests.drafts)
+
+    def _queue(self, request: GenerationRequest, queue: MutableSequence[GenerationRequest]) -> GenerationRequest:
+        """Into `queue` of the table (waiting replies, or drafts), checked, and the loop woken."""
+        if self.loop.on_loop():  # it would wait for tokens from a job queued behind itself
+            raise RuntimeError("submit a reply or a draft from outside the engine's compute thread")
+        if not request.prompt_ids:
+            raise ValueError("cannot generate from or prepare an empty prompt")
         with self.planner.requests.lock:
-            self.planner.requests.drafts.append(request)
+            queue.append(request)
         self.loop.wake()
         return request
 
