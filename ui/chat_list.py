@@ -215,53 +215,15 @@ class CopyKeeping:
         return self._keep(book, written, key)
 
 
-class ChatList(CopyKeeping):
-    """The list's own events: the page's load, another tab's change, open, New chat, rename,
-    delete, import (and, through `files`, export)."""
+class ChatArrivals(CopyKeeping):
+    """Conversations that arrive as new entries of the list (an Import, a branch off, a shared
+    link's copy), and the moves between entries every list event shares: leaving the shown one
+    (stopped, written, parked) and drawing one from its record. The base of `ChatList`."""
 
     def __init__(self, handlers: ChatHandlers, sharing: Any = None, account_copy: AccountCopy | None = None):
         super().__init__(handlers, account_copy)
         self.files = ChatFiles(handlers.directory, account_copy)
         self.sharing = sharing  # ui/sharing.py's Sharing: a shared link's snapshot, to continue in a new chat
-
-    def load(self, request: gr.Request, profile: gr.OAuthProfile | None, probe: Any, book: Any) -> tuple:
-        """Page load: the conversation this tab showed, from the browser's record (nothing made on
-        the server until the next event), and the list; or, opened from a shared link's "Continue
-        in a new chat", a copy of its snapshot as a new entry. Signed in: the account's records
-        this browser lacks come with it. An event of this page that began first (a quick first
-        message) is left as it is."""
-        said, book = checked_probe(probe), checked_book(book)
-        if book.current is not None or book.revs:
-            return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
-        self._hear(said, book)
-        book.account = account_of(profile)
-        from_account = self.account_copy.at_load(book, said.revs) if self.account_copy else []
-        for record in from_account:  # the account's is newer than what this browser showed
-            if said.record is not None and record["id"] == said.record["id"]:
-                said.record = None if record.get("deleted") else record
-        if said.share is not None and self.sharing is not None:
-            found = self.sharing.snapshot(said.share)
-            if found is not None:
-                return self._opened(request, found[1], found[0], None, book, *from_account,
-                                    stats="A copy of the shared conversation: yours to go on with. Its cache is "
-                                    "computed at your next message.",
-                                    refused="That shared conversation cannot be opened",
-                                    textbox=gr.update(placeholder=views.READY))
-            gr.Warning("That shared link leads nowhere: it was revoked, or never made.")
-        outputs = self.handlers.empty()
-        outputs.textbox = gr.update(placeholder=views.READY)
-        if said.record is not None and said.record["id"] == said.current:
-            outputs = self._drawn(said.record, outputs)
-            if outputs.chat:  # drawn (else a warning said why)
-                book.current = said.record["id"]
-                book.read(said.record)
-                pending = said.pending_prompt
-                if pending and pending[0] == book.current and len(pending[1]) <= self.handlers.limits.max_system_chars:
-                    outputs.system_prompt = pending[1]  # typed before the reload, still not applied (#32, 4)
-        listed = ListOutputs.of(book, *from_account)
-        if not from_account:
-            listed.outbox = None  # nothing to write
-        return (*outputs.to_gradio(), *listed.to_gradio())
 
     def branch_off(self, request: gr.Request, target: Any, key: Any, book: Any) -> tuple:
         """"Branch off into a new chat" at the shown message `target` (its place in the chat): a
@@ -292,76 +254,6 @@ class ChatList(CopyKeeping):
                                      "the list, as it was.", system_prompt=new_chat.conversation.system_prompt or "",
                                      textbox=gr.update(value=box))
         return (*outputs.to_gradio(), *ListOutputs.of(book, *left, *([written] if written else [])).to_gradio())
-
-    def refresh(self, probe: Any, book: Any) -> tuple:
-        """Another tab changed the list (or this one kept a copy): show it as the browser has it."""
-        book = checked_book(book)
-        self._hear(checked_probe(probe), book)
-        return book, choices_of(book)
-
-    def open(self, request: gr.Request, chosen: Any, probe: Any, key: Any, book: Any) -> tuple:
-        """Show another conversation of the list; the one left is kept (its reply, if one runs, stopped)."""
-        said, book = checked_probe(probe), checked_book(book)
-        chosen = browser_copy.checked_id(chosen)
-        record = said.record if said.record is not None and said.record["id"] == chosen else None
-        if chosen is None or chosen == book.current or record is None:
-            if chosen is not None and chosen != book.current:
-                gr.Warning("That conversation is no longer kept in this browser.")
-            return (*ChatOutputs().to_gradio(), *ListOutputs(book=book, chats=choices_of(book)).to_gradio())
-        left = self._leave(key, book)
-        book.current = chosen
-        parked_key = book.parked.pop(chosen, None)
-        chat = self.directory.find(parked_key)
-        if chat is not None and book.revs.get(chosen) == record["rev"]:  # the server still holds it: no prefill
-            chat.shown = True
-            book.saved = (parked_key, chat.conversation.revision)
-            outputs = self.handlers.view(parked_key, chat, stats="",
-                                         system_prompt=chat.conversation.system_prompt or "")
-        else:
-            self.directory.close(parked_key)
-            outputs = self._drawn(record, self.handlers.empty())
-            book.read(record)
-        return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
-
-    def new_chat(self, key: Any, book: Any, stats: str = "") -> tuple:
-        """New chat: the current conversation stays in the list (a running reply is stopped and kept).
-        The box is left as it is: a message typed while this ran is sent to the new chat once it is
-        there (the page holds it), not emptied by this event's answer."""
-        book = checked_book(book)
-        left = self._leave(key, book)
-        book.current = None
-        outputs = replace(self.handlers.empty(), textbox=gr.update(placeholder=views.READY), stats=stats)
-        return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
-
-    def clear(self, key: Any, book: Any) -> tuple:
-        """The chat's trash button: a New chat that says so (it blanked only the view, and the next
-        message went on with the old conversation, #32 item 5). Nothing is deleted: that is the
-        list's Delete, with its confirmation."""
-        return self.new_chat(key, book, stats=views.CLEARED)
-
-    def rename(self, title: Any, book: Any) -> tuple:
-        book = checked_book(book)
-        text = browser_copy.checked_title(title)
-        if book.current is None or all(entry != book.current for entry, _ in book.index):
-            gr.Warning("Open a conversation and type its new name first.")
-            return gr.skip(), gr.skip(), gr.skip()
-        if not text:  # one is open (#46, 5: this said "open a conversation first")
-            gr.Warning("A name cannot be empty: type one, then Rename.")
-            return gr.skip(), gr.skip(), gr.skip()
-        return outbox(book, self._keep(book, browser_copy.rename(book, book.current, text))), book, choices_of(book)
-
-    def delete(self, key: Any, book: Any) -> tuple:
-        """Confirmed: the shown conversation leaves the list (a tombstone, so no tab brings it back)
-        and the server."""
-        book = checked_book(book)
-        self.directory.close(key)
-        listed = book.current is not None and any(entry == book.current for entry, _ in book.index)
-        records = [self._keep(book, browser_copy.tombstone(book, book.current))] if listed and book.current else []
-        book.current, book.saved = None, None
-        outputs = self.handlers.empty()
-        outputs.stats = "Deleted." if records else ""
-        return (*outputs.to_gradio(), *ListOutputs.of(book, *records, confirm_delete=gr.update(visible=False))
-                .to_gradio())
 
     def import_text(self, request: gr.Request, text: Any, key: Any, book: Any) -> tuple:
         """A JSON export's text, read by the page from the file the person picked (None: none was),
@@ -436,6 +328,120 @@ class ChatList(CopyKeeping):
         outputs.system_prompt = history.system_prompt or ""
         outputs.applied_prompt = {"prompt": outputs.system_prompt}
         return outputs
+
+
+class ChatList(ChatArrivals):
+    """The list's own events: the page's load, another tab's change, open, New chat, rename,
+    delete, import (and, through `files`, export)."""
+
+    def load(self, request: gr.Request, profile: gr.OAuthProfile | None, probe: Any, book: Any) -> tuple:
+        """Page load: the conversation this tab showed, from the browser's record (nothing made on
+        the server until the next event), and the list; or, opened from a shared link's "Continue
+        in a new chat", a copy of its snapshot as a new entry. Signed in: the account's records
+        this browser lacks come with it. An event of this page that began first (a quick first
+        message) is left as it is."""
+        said, book = checked_probe(probe), checked_book(book)
+        if book.current is not None or book.revs:
+            return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
+        self._hear(said, book)
+        book.account = account_of(profile)
+        from_account = self.account_copy.at_load(book, said.revs) if self.account_copy else []
+        for record in from_account:  # the account's is newer than what this browser showed
+            if said.record is not None and record["id"] == said.record["id"]:
+                said.record = None if record.get("deleted") else record
+        if said.share is not None and self.sharing is not None:
+            found = self.sharing.snapshot(said.share)
+            if found is not None:
+                return self._opened(request, found[1], found[0], None, book, *from_account,
+                                    stats="A copy of the shared conversation: yours to go on with. Its cache is "
+                                    "computed at your next message.",
+                                    refused="That shared conversation cannot be opened",
+                                    textbox=gr.update(placeholder=views.READY))
+            gr.Warning("That shared link leads nowhere: it was revoked, or never made.")
+        outputs = self.handlers.empty()
+        outputs.textbox = gr.update(placeholder=views.READY)
+        if said.record is not None and said.record["id"] == said.current:
+            outputs = self._drawn(said.record, outputs)
+            if outputs.chat:  # drawn (else a warning said why)
+                book.current = said.record["id"]
+                book.read(said.record)
+                pending = said.pending_prompt
+                if pending and pending[0] == book.current and len(pending[1]) <= self.handlers.limits.max_system_chars:
+                    outputs.system_prompt = pending[1]  # typed before the reload, still not applied (#32, 4)
+        listed = ListOutputs.of(book, *from_account)
+        if not from_account:
+            listed.outbox = None  # nothing to write
+        return (*outputs.to_gradio(), *listed.to_gradio())
+
+    def refresh(self, probe: Any, book: Any) -> tuple:
+        """Another tab changed the list (or this one kept a copy): show it as the browser has it."""
+        book = checked_book(book)
+        self._hear(checked_probe(probe), book)
+        return book, choices_of(book)
+
+    def open(self, request: gr.Request, chosen: Any, probe: Any, key: Any, book: Any) -> tuple:
+        """Show another conversation of the list; the one left is kept (its reply, if one runs, stopped)."""
+        said, book = checked_probe(probe), checked_book(book)
+        chosen = browser_copy.checked_id(chosen)
+        record = said.record if said.record is not None and said.record["id"] == chosen else None
+        if chosen is None or chosen == book.current or record is None:
+            if chosen is not None and chosen != book.current:
+                gr.Warning("That conversation is no longer kept in this browser.")
+            return (*ChatOutputs().to_gradio(), *ListOutputs(book=book, chats=choices_of(book)).to_gradio())
+        left = self._leave(key, book)
+        book.current = chosen
+        parked_key = book.parked.pop(chosen, None)
+        chat = self.directory.find(parked_key)
+        if chat is not None and book.revs.get(chosen) == record["rev"]:  # the server still holds it: no prefill
+            chat.shown = True
+            book.saved = (parked_key, chat.conversation.revision)
+            outputs = self.handlers.view(parked_key, chat, stats="",
+                                         system_prompt=chat.conversation.system_prompt or "")
+        else:
+            self.directory.close(parked_key)
+            outputs = self._drawn(record, self.handlers.empty())
+            book.read(record)
+        return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
+
+    def new_chat(self, key: Any, book: Any, stats: str = "") -> tuple:
+        """New chat: the current conversation stays in the list (a running reply is stopped and kept).
+        The box is left as it is: a message typed while this ran is sent to the new chat once it is
+        there (the page holds it), not emptied by this event's answer."""
+        book = checked_book(book)
+        left = self._leave(key, book)
+        book.current = None
+        outputs = replace(self.handlers.empty(), textbox=gr.update(placeholder=views.READY), stats=stats)
+        return (*outputs.to_gradio(), *ListOutputs.of(book, *left).to_gradio())
+
+    def clear(self, key: Any, book: Any) -> tuple:
+        """The chat's trash button: a New chat that says so (it blanked only the view, and the next
+        message went on with the old conversation, #32 item 5). Nothing is deleted: that is the
+        list's Delete, with its confirmation."""
+        return self.new_chat(key, book, stats=views.CLEARED)
+
+    def rename(self, title: Any, book: Any) -> tuple:
+        book = checked_book(book)
+        text = browser_copy.checked_title(title)
+        if book.current is None or all(entry != book.current for entry, _ in book.index):
+            gr.Warning("Open a conversation and type its new name first.")
+            return gr.skip(), gr.skip(), gr.skip()
+        if not text:  # one is open (#46, 5: this said "open a conversation first")
+            gr.Warning("A name cannot be empty: type one, then Rename.")
+            return gr.skip(), gr.skip(), gr.skip()
+        return outbox(book, self._keep(book, browser_copy.rename(book, book.current, text))), book, choices_of(book)
+
+    def delete(self, key: Any, book: Any) -> tuple:
+        """Confirmed: the shown conversation leaves the list (a tombstone, so no tab brings it back)
+        and the server."""
+        book = checked_book(book)
+        self.directory.close(key)
+        listed = book.current is not None and any(entry == book.current for entry, _ in book.index)
+        records = [self._keep(book, browser_copy.tombstone(book, book.current))] if listed and book.current else []
+        book.current, book.saved = None, None
+        outputs = self.handlers.empty()
+        outputs.stats = "Deleted." if records else ""
+        return (*outputs.to_gradio(), *ListOutputs.of(book, *records, confirm_delete=gr.update(visible=False))
+                .to_gradio())
 
 
 class ChatFiles:
