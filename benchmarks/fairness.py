@@ -196,17 +196,21 @@ def newcomer_beside_streams_scenario(engine: ChatEngine, streams: int, reply_tok
         running = sum(sender.is_alive() for sender in senders)
         for sender in senders:
             sender.join()
-    # what the busy client's streams paid: each one's gap across the newcomer's first token, the
-    # median of those (one stream is paused for the newcomer's row, its gap the newcomer's whole
-    # reply), against their median gap
+    # what the busy client's streams paid: each one's longest gap ending between the newcomer's
+    # Send and a step and a half after its first token (the step that carried its prompt's end,
+    # whose tokens come just before the newcomer's, or the step after one it ran apart in), the
+    # median of those (one stream is paused for the newcomer's row: its gap the newcomer's whole
+    # reply), against their median gap. (The gap across the newcomer's first token alone missed
+    # the step that carried it: the streams' tokens of that step come first.)
     streams = [times[session_id(conv)] for conv in hog]
-    across = [b - a for stream in streams for a, b in zip(stream, stream[1:]) if a < first <= b]
     median_gap = statistics.median(gap for stream in streams for gap in gaps(stream))
+    near = [max((b - a for a, b in zip(stream, stream[1:]) if late.sent_at < b <= first + 1.5 * median_gap),
+                default=0.0) for stream in streams]
     for conv in (idle, newcomer, *hog):
         conv.close()
     return {"idle_ttft_s": idle_ttft, "ttft_s": ttft, "over_idle": ttft / idle_ttft,
             "streams_still_running": running,
-            "streams_gap_across_over_median": statistics.median(across or [0.0]) / median_gap}
+            "streams_worst_gap_near_over_median": statistics.median(near) / median_gap}
 
 
 def medians(runs: list[dict]) -> dict:

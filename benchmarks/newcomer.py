@@ -1,13 +1,22 @@
-"""A newcomer beside busy rows (#43): its prompt's end in a step of its own, against beside the rows.
+"""A newcomer beside busy rows (#43): how its message is fed, three ways alternated.
 
 One client streams long replies on every row of the batch; another client then sends one short
 message (`benchmarks.fairness`'s newcomer scenario, the engine made as there: `--config`). Its
-time to first token against the same message on an idle engine, both ways alternated in one
-process: "apart" (the step that feeds a newcomer's prompt end runs it without the other decode
-rows where their gap allows: `StepPlanner._rows_this_step`) and "beside" (every row in every
-step: the code before). The count of such steps (`/status`'s `batch.newcomers_apart`) is kept
-with each run (the busy client's own streams join as newcomers too), and what the busy streams
-paid: their longest gap across the newcomer's first token over their median gap.
+time to first token against the same message on an idle engine, the arms alternated in one
+process (`--arms`):
+
+- "whole" (now): a message that fits one step within `StepBudget.whole_tokens` goes whole
+  (`StepPlanner._whole_or`), and its prompt's end runs apart from the rows where their gap allows;
+- "apart": cut to the step budget as any prompt, its prompt's end apart where the gap allows
+  (`StepPlanner._rows_this_step`);
+- "beside": cut to the budget, every row in every step (the code before both).
+
+One untimed run of the scenario comes first: until steps of rows beside prompt tokens have
+been timed, the step budget guesses (the first run after a start paid that, in whichever arm it
+fell). The count of steps apart (`/status`'s `batch.newcomers_apart`) is kept with each run (the busy
+client's own streams join as newcomers too), and what the busy streams paid: each one's worst
+gap ending between the newcomer's Send and a step and a half after its first token (the median
+over the streams) over their median gap.
 
 `python -m benchmarks.newcomer --help`.
 """
@@ -24,7 +33,7 @@ from chat.models import build_model
 from chat.weights import WEIGHT_FORMATS, apply_weight_format
 from chat.worker import ModelWorker
 
-ARMS = ("apart", "beside")
+ARMS = ("whole", "apart", "beside")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -34,18 +43,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", default="128/512", help="as benchmarks.fairness's --configs (one)")
     parser.add_argument("--reply-tokens", type=int, default=160, help="each long reply of the busy client")
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"some of {', '.join(ARMS)}, comma-separated")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    arms = args.arms.split(",")
+    if not arms or set(arms) - set(ARMS):
+        parser.error(f"--arms: some of {', '.join(ARMS)}")
     worker, tokenizer = ModelWorker(), build_bench_tokenizer()
     model = worker.run(build_model, args.model, len(tokenizer), tokenizer.eos_token_id)
     worker.run(apply_weight_format, model, args.weights)
     model.generation_config.eos_token_id = None  # every reply runs to its length
     engine = engine_for(args.config, model, tokenizer, worker)
     list(engine.conversation(SYSTEM_PROMPT).send("Warm up.", max_new_tokens=4))  # untimed: lazy set-up
+    # untimed too: the engine's first steps of rows beside prompt tokens, which the step budget has
+    # not timed yet (the first run after a start paid that, in whichever arm it fell)
+    newcomer_beside_streams_scenario(engine, engine.scheduler.max_batch_size, args.reply_tokens)
     load_before = os.getloadavg()
-    runs: dict[str, list[dict]] = {name: [] for name in ARMS}
-    for name in alternated(ARMS, args.repeats):
-        engine.scheduler.planner.newcomers_apart = name == "apart"
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
+    planner = engine.scheduler.planner
+    for name in alternated(arms, args.repeats):
+        planner.newcomers_apart, planner.whole_messages = name != "beside", name == "whole"
         steps_apart = engine.status()["batch"]["newcomers_apart"]
         run = newcomer_beside_streams_scenario(engine, engine.scheduler.max_batch_size, args.reply_tokens)
         run["steps_apart"] = engine.status()["batch"]["newcomers_apart"] - steps_apart
@@ -54,16 +71,15 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def markdown(result: dict) -> str:
-    apart, beside = result["summary"]["apart"], result["summary"]["beside"]
-    lines = [arms_heading(result), "",
-             "| | beside the rows (before) | apart (now) |", "|---|---:|---:|"]
+    summary, arms = result["summary"], list(result["summary"])
+    lines = [arms_heading(result), "", "| | " + " | ".join(arms) + " |", "|---|" + "---:|" * len(arms)]
     for label, key in (("newcomer's TTFT", "ttft_s"), ("the same message, idle engine", "idle_ttft_s")):
-        lines.append(f"| {label} | {beside[key] * 1000:.0f} ms | {apart[key] * 1000:.0f} ms |")
-    lines.append(f"| TTFT / idle | {beside['over_idle']:.2f}x | {apart['over_idle']:.2f}x |")
-    lines.append(f"| the busy streams' gap across the newcomer's first token / their median | "
-                 f"{beside['streams_gap_across_over_median']:.2f}x | {apart['streams_gap_across_over_median']:.2f}x |")
-    each = {name: ", ".join(f"{run['over_idle']:.2f}x" for run in result["runs"][name]) for name in ARMS}
-    lines.append(f"| each run's TTFT / idle | {each['beside']} | {each['apart']} |")
+        lines.append(f"| {label} | " + " | ".join(f"{summary[arm][key] * 1000:.0f} ms" for arm in arms) + " |")
+    lines.append("| TTFT / idle | " + " | ".join(f"{summary[arm]['over_idle']:.2f}x" for arm in arms) + " |")
+    lines.append("| the busy streams' worst gap near the newcomer's first token / their median | "
+                 + " | ".join(f"{summary[arm]['streams_worst_gap_near_over_median']:.2f}x" for arm in arms) + " |")
+    lines.append("| each run's TTFT / idle | " + " | ".join(
+        ", ".join(f"{run['over_idle']:.2f}x" for run in result["runs"][arm]) for arm in arms) + " |")
     return "\n".join(lines)
 
 

@@ -38,6 +38,8 @@ DEFAULT_GAP_FACTOR = 3.0  # a step with prefill takes at most ~3 decode steps (t
 DEFAULT_ALONE_STEP_S = 2.0  # a prefill step with no row decoding: what a message arriving meanwhile waits
 # (at Qwen3-0.6B's shape here, 0.5 s made a long prompt alone 2x slower to prefill, 2 s 1.2x:
 # benchmarks/results/fairness-qwen3-0.6b-alone*.json)
+WHOLE_EXTRA_STEPS = 0.5  # a message given whole may take this many decode steps past `gap_factor`: half
+# the margin to the gap target (4x), once a message (splitting it costs a second step's fixed part)
 MIN_ALONE_TOKENS = 32  # (below that a step's fixed cost, reading the weights, outweighs its tokens)
 _WEIGHT = 0.25  # of the newest sample in each moving average
 _FIT_WEIGHT = 0.1  # of the newest step in the fit of steps with prefill (slower: it needs pieces of several sizes)
@@ -148,6 +150,20 @@ class StepBudget:
             per_token = line[1] if line else self.alone_token_s or token_s
             return max(1, min(cap, int(self.small_piece_s / per_token)))
         return max(1, min(cap, int(allowed / token_s)))
+
+    def whole_tokens(self, cap: int, decode_rows: int) -> int:
+        """The most tokens of a message given whole in one step beside `decode_rows` rows (its
+        first token then comes from it), at most `cap`: as many as keep that step within
+        `gap_factor + WHOLE_EXTRA_STEPS` of their decode steps (the fitted fixed part and cost a
+        token of steps with prefill, else the cost a token). Cut to the budget instead, a short
+        message took two steps beside the rows, each carrying the fixed part of a step with
+        prefill: at Qwen3-0.6B's shape, int8, eight rows decoding, 85 tokens went as 54 + 31 in
+        260 + 234 ms against 325 ms whole (docs/performance.md). 0 until both were timed."""
+        decode_s, token_s = self.decode_s(decode_rows), self.token_s or self.alone_token_s
+        if self.gap_factor is None or decode_s is None or not token_s:
+            return 0
+        fixed, per_token = self.mixed.fit() or (0.0, token_s)
+        return max(0, min(cap, int(((self.gap_factor - 1 + WHOLE_EXTRA_STEPS) * decode_s - fixed) / per_token)))
 
     def apart_tokens(self, decode_rows: int) -> int:
         """The most tokens of newcomers' prompt ends that may run in a step of their own (their

@@ -17,12 +17,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-import torch
 from transformers import PreTrainedModel
 
 from cache_sessions.owner import CacheOwner
 from cache_sessions.session import common_prefix_length
-from chat.guessing import StepGuesses, choose_tokens
+from chat.guessing import StepGuesses
 from chat.prompt_shares import PromptShares
 from chat.request_table import RequestTable
 from chat.requests import GenerationRequest
@@ -125,7 +124,8 @@ class StepPlanner:
         self.model, self.caches, self.guesses, self.step_budget = model, caches, guesses, step_budget
         self.max_batch_size, self.prefill_chunk, self.prefill_chunk_alone = max_batch_size, prefill_chunk, prefill_chunk_alone
         self.prefill_order, self.last_piece_rows = prefill_order, last_piece_rows
-        self.newcomers_apart = True  # (False: every row in every step, as before; a benchmark's "before")
+        # (False: every row in every step; a message cut to the budget: as before, a benchmark's "before")
+        self.newcomers_apart = self.whole_messages = True
         self.reset()
 
     def reset(self) -> None:
@@ -159,7 +159,10 @@ class StepPlanner:
         if stopped:
             self.turns.leave(stopped)  # its last chosen token stays unfed, as after `generate`
         pieces = self.pieces()
-        self._first_tokens_kept()
+        kept = self.turns.first_tokens_kept()
+        if kept:
+            with self.requests.lock:
+                self.counters.first_tokens_kept += kept
         decoding, started = self._rows_this_step(pieces), clock()
         inputs = [request.unfed for request in decoding]
         return StepPlan(decoding, self.guesses.propose(decoding, graph_ready(len(decoding))), pieces,
@@ -193,12 +196,13 @@ class StepPlanner:
                 self.turns.leave_prefill(request)
                 continue
             wanting.append(request.flow)
-            if budget == 0:
+            allowed = self._whole_or(request, budget, full_budget - budget)
+            if allowed == 0:
                 continue
             work = request.work
             try:
                 self.turns.begin(request)
-                piece = self.caches.prefill_piece(request.session, request.prompt_ids, budget, work.prefix_store,
+                piece = self.caches.prefill_piece(request.session, request.prompt_ids, allowed, work.prefix_store,
                                                   work.shared_prefix_length)
                 # nothing left (held whole: its first token from the logits kept), or its last piece
                 # with its first decode input: its first token this step, not the next
@@ -207,7 +211,7 @@ class StepPlanner:
                 self.turns.leave_prefill(request, error)
                 continue
             if piece:
-                budget -= len(piece)
+                budget = max(0, budget - len(piece))
                 given[request.flow] = given.get(request.flow, 0) + len(piece)
             if decodes_now:
                 self.requests.start_decoding(request)
@@ -215,6 +219,17 @@ class StepPlanner:
                 pieces.append((request, piece))
         self.shares.settle(wanting, given, full_budget)
         return pieces
+
+    def _whole_or(self, request: GenerationRequest, budget: int, carried: int) -> int:
+        """This request's piece at most: `budget`, or its whole prompt where it has fed none of it
+        yet and the whole fits one step beside the decode rows with the `carried` tokens this step
+        already has (`StepBudget.whole_tokens`): split, a message pays a second step's fixed part
+        and waits that step more for its first token."""
+        if not self.whole_messages or request.prefill is not None or not self.requests.decoding:
+            return budget
+        remaining = _remaining_prefill(request)
+        room = self.step_budget.whole_tokens(self.prefill_chunk, len(self.requests.decoding)) - carried
+        return remaining if budget < remaining <= room else budget
 
     def _rows_this_step(self, pieces: list[tuple[GenerationRequest, list[int]]]) -> list[GenerationRequest]:
         """The decode rows this step runs: all of them, or only newcomers whose prompt ends in
@@ -243,20 +258,6 @@ class StepPlanner:
         fits = self.last_piece_rows is None or len(piece) + 1 <= self.last_piece_rows
         return fits and self.caches.feeds_with_first_step(request.session, request.prompt_ids, piece,
                                                           work.prefix_store, work.shared_prefix_length)
-
-    def _first_tokens_kept(self) -> None:
-        """Rows that hold their whole prompt, the logits after it kept (a Retry, the Send of a
-        prepared message: `CacheSession.next_logits`), choose their first token from those now,
-        before the step, and feed it in this step as any decode row feeds its last token."""
-        ready = [request for request in self.requests.decoding if not request.unfed]
-        if not ready:
-            return
-        logits = torch.cat([self.caches.next_logits(request.session, request.prompt_ids) for request in ready])
-        ended, _ = choose_tokens(ready, logits, [[] for _ in ready])
-        with self.requests.lock:
-            self.counters.first_tokens_kept += len(ready)
-        if ended:
-            self.turns.leave(ended)
 
     def _prefill_order(self, budget: int) -> list[GenerationRequest]:
         """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_shares.py);

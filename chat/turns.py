@@ -1,5 +1,6 @@
 """A request's way through the table, applied: its first turn (a sampler, its cache rolled back
-to where the prompt parts from it), each prompt piece noted, and its end (the cache owner checks
+to where the prompt parts from it), each prompt piece noted, a first token from logits its cache
+kept, and its end (the cache owner checks
 and rests its session, then the waiting turn is told).
 
 The planner (chat/step_planner.py) decides when each of these happens; this carries them out
@@ -11,10 +12,11 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import torch
 from transformers import PreTrainedModel
 
 from cache_sessions.owner import CacheOwner
-from chat.guessing import StepGuesses
+from chat.guessing import StepGuesses, choose_tokens
 from chat.request_table import RequestTable
 from chat.requests import GenerationRequest
 from chat.sampling import TokenChooser
@@ -35,6 +37,20 @@ class RequestTurns:
             self.guesses.begin(request)
             request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
                                                 work.shared_prefix_length)
+
+    def first_tokens_kept(self) -> int:
+        """Rows that hold their whole prompt, the logits after it kept (a Retry, the Send of a
+        prepared message: `CacheSession.next_logits`), choose their first token from those now,
+        before the step, and feed it in this step as any decode row feeds its last token. Returns
+        how many did."""
+        ready = [request for request in self.requests.decoding if not request.unfed]
+        if not ready:
+            return 0
+        logits = torch.cat([self.caches.next_logits(request.session, request.prompt_ids) for request in ready])
+        ended, _ = choose_tokens(ready, logits, [[] for _ in ready])
+        if ended:
+            self.leave(ended)
+        return len(ready)
 
     def piece_fed(self, request: GenerationRequest) -> None:
         """A prompt piece ran: the request decodes from the next step once only its last token is left."""

@@ -359,6 +359,6 @@ def test_newcomer_benchmark_writes_the_documented_fields(tmp_path):
     result = run_to_json(newcomer, tmp_path, "--model", "tiny-full", "--reply-tokens", "40", "--repeats", "2")
     assert set(result["summary"]) == set(ARMS) and all(len(runs) == 2 for runs in result["runs"].values())
     for name in ARMS:
-        assert {"ttft_s", "idle_ttft_s", "over_idle", "steps_apart", "streams_gap_across_over_median"} <= set(
+        assert {"ttft_s", "idle_ttft_s", "over_idle", "steps_apart", "streams_worst_gap_near_over_median"} <= set(
             result["summary"][name])
     assert all(run["steps_apart"] == 0 for run in result["runs"]["beside"])  # the arm is what it says

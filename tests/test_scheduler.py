@@ -742,6 +742,81 @@ def test_a_newcomers_prompt_end_runs_apart_from_the_rows_where_their_gap_allows(
         check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=length)
 
 
+def message_of_prompt_length(tokenizer, system: str, low: int, high: int) -> str:
+    """A message whose rendered prompt (with `system`) is `low` to `high` tokens long."""
+    for words in range(1, 400):
+        text = " ".join(f"word{i}" for i in range(words))
+        length = len(render_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": text}]))
+        if low <= length <= high:
+            return text
+    raise AssertionError(f"no message renders to {low}-{high} tokens")
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "cut"])
+def test_a_message_a_little_over_the_step_budget_goes_whole_where_one_step_can_carry_it(make_engine, models,
+                                                                                        tokenizers, monkeypatch,
+                                                                                        whole):
+    """#43: a message a little longer than the step budget beside decode rows was cut to it: its
+    first token came a step later, and each of the two steps carried a step with prefill's fixed
+    part (at Qwen3-0.6B's shape, int8, eight rows decoding: 1.7-2.0x an idle engine's first
+    token). On a made-up clock (a forward 10 units, 5 a decode row, a quarter every other token
+    fed), one row decoding (15 a step): the budget is 120 prompt tokens (a step within 3 decode
+    steps), a message given whole may take 3.5 (150 tokens). A message of about 140 tokens is fed
+    in one step and its reply is exact; cut to the budget (as before), in two."""
+    monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
+    now, fed, packed = [0.0], [], chat.runner.packed_step
+
+    def costed(model, rows, logits_of, plain, tails=None, alone=()):
+        tokens = sum(len(tokens) for _, tokens in rows)
+        now[0] += 10 + 5 * len(logits_of) + 0.25 * (tokens - len(logits_of))
+        fed.append([(id(session), len(tokens)) for session, tokens in rows])
+        return packed(model, rows, logits_of, plain, tails, alone)
+
+    monkeypatch.setattr(chat.runner, "packed_step", costed)
+    engine = make_engine("full", prefill_chunk=256, draft="off")
+    engine.scheduler.clock = lambda: now[0]
+    engine.scheduler.planner.whole_messages = whole
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    streamer = engine.conversation("You are terse.")
+    stream = Consumer(streamer, streamer.send("Talk on.", max_new_tokens=400, do_sample=False))
+    wait_until(lambda: engine.batch_stats().steps >= 3)  # its decode steps timed
+    warm = engine.conversation("You are terse.")  # a long message beside it: steps with prefill timed
+    list(warm.send(" ".join(f"word{i}" for i in range(200)), **GREEDY))
+    budget = engine.scheduler.step_budget
+    cut, room = budget.tokens(256, 1), budget.whole_tokens(256, 1)  # about 120 and 150 (averaged timings)
+    assert room - cut >= 28, (cut, room)
+    newcomer = engine.conversation("You are terse.")
+    fed.clear()  # a prompt whose tokens before its last lie between the two, less the shared system prompt's
+    list(newcomer.send(message_of_prompt_length(tokenizer, "You are terse.", cut + 24, room + 1), **GREEDY))
+    feeding = [tokens for step in fed for session, tokens in step if session == id(newcomer.session) and tokens > 1]
+    assert sum(feeding) > cut and len(feeding) == (1 if whole else 2), (feeding, cut, room)
+    streamer.stop()
+    stream.join(60)
+    assert stream.error is None
+    monkeypatch.undo()
+    check_exact(newcomer, models["full"], tokenizer, max_new_tokens=MAX_NEW)
+
+
+def test_whole_messages_are_sized_to_three_and_a_half_decode_steps():
+    """`whole_tokens`: nothing before a step of the rows and a prompt token were timed; then the
+    tokens whose step beside the rows (the fitted fixed part and cost a token) stays within 3.5 of
+    their decode steps, at most the cap: made-up seconds, three rows 25, a token 1."""
+    budget = StepBudget(3.0)
+    assert budget.whole_tokens(128, 3) == 0
+    budget.record(25.0, decode_rows=3, prompt_tokens=0)
+    assert budget.whole_tokens(128, 3) == 0  # no prompt token timed yet
+    for tokens in (4, 12, 20, 8, 16):
+        budget.record(25.0 + tokens, decode_rows=3, prompt_tokens=tokens)
+    assert budget.tokens(128, 3) == 50 and budget.whole_tokens(128, 3) == 62  # 2.5 x 25 = 62.5
+    assert budget.whole_tokens(40, 3) == 40
+    fixed = StepBudget(3.0)  # a step with prompt tokens costs 10 more whatever their number: less room
+    fixed.record(25.0, decode_rows=3, prompt_tokens=0)
+    for tokens in (4, 12, 20, 8, 16):
+        fixed.record(25.0 + 10 + tokens, decode_rows=3, prompt_tokens=tokens)
+    assert fixed.whole_tokens(128, 3) == 52  # 10 + 52 = 62.5
+    assert StepBudget(None).whole_tokens(128, 3) == 0
+
+
 def test_a_step_apart_for_newcomers_is_sized_to_keep_the_other_rows_gap():
     """`apart_tokens`: nothing before a one-row step and a step of the rows were timed; then the
     tokens whose one-row step (the fitted fixed part and cost a token of steps with prefill) stays
