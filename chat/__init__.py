@@ -31,6 +31,7 @@ Module map:
   reasoning.py     splitting <think> reasoning from the answer, as a stream
   worker.py        the compute thread every forward pass runs on
   host.py          settings for a shared host, made before torch loads (OpenMP's wait policy)
+  typing_ahead.py  the terminal chat prepares the line being typed, as the page does (prompt_toolkit)
   loading.py       from_pretrained with automatic device and dtype; the "demo" model
   weights.py       how the weights are held: as loaded, packed, or int8 (its prompt product timed on this host)
   demo.py          where the trained demo model lies; the tests' tokenizer, trained in code

@@ -1,7 +1,8 @@
 """A terminal chat on the engine: `python -m chat [--model demo]`. Type /help for the commands.
 
 Ctrl+C during a reply stops it (the partial reply is kept, as with the web page's Stop); Ctrl+C
-at the prompt, /quit or end of input exits. Reasoning is shown dimmed, apart from the answer.
+at the prompt, /quit or end of input exits. Reasoning is shown dimmed, apart from the answer. In
+a terminal, the message is prepared while it is typed, as on the page (chat/typing_ahead.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable, Iterator
 from chat import ChatEngine, ChatError, Conversation, Delta, GenerationOptions, ModelLoadError, TurnStats
 from chat.config import EngineConfig
 from chat.drafting import DRAFT_MODES
+from chat.typing_ahead import line_reader
 
 COMMANDS = {
     "/help": "this list",
@@ -135,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                                 enable_thinking=False if args.no_thinking else None, **sampling)
     chat = TerminalChat(engine, args.system, options)
     print(f"rewind-chat · {args.model} on {engine.model.device} · /help for commands, Ctrl+C stops a reply")
+    # the message is prepared while it is typed, where the terminal allows (chat/typing_ahead.py)
+    read = line_reader("you> ", lambda text: chat.conv.prepare(text, fit_context=True, **chat._options()))
     while True:
         try:
-            line = input("you> ")
+            line = read()
         except (EOFError, KeyboardInterrupt):
             print()
             return 0

@@ -88,3 +88,63 @@ def test_ctrl_c_stops_the_reply_and_a_second_one_exits(tmp_path, base_tokenizer)
                              f"{process.stderr.read()[-3000:]}") from None
     assert process.returncode == 0, process.stderr.read()
     assert "stopped" in "".join(out) and "Traceback" not in process.stderr.read()
+
+
+def test_a_message_typed_in_the_terminal_is_prepared_before_its_send(make_engine, capsys):
+    """#45: the terminal prepares the line being typed, as the page does (at most every 150 ms,
+    the text as it stands, on a thread of its own): once the last text typed is prepared, its
+    Send computes at most the prompt's last token. Keys go through prompt_toolkit's own pipe."""
+    import threading
+
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    from chat import GenerationOptions
+    from chat.__main__ import TerminalChat
+    from chat.typing_ahead import line_reader
+
+    engine = make_engine("full")
+    chat = TerminalChat(engine, "You are terse.", GenerationOptions(max_new_tokens=4, do_sample=False))
+    asked: list[str] = []
+
+    def prepare(text: str) -> None:
+        chat.conv.prepare(text, fit_context=True, **chat._options())
+        asked.append(text)  # after its draft was queued: none left means it was prefilled
+
+    typed, read = "What is 2 + 2, and why?", {}
+    with create_pipe_input() as keys:
+        reader = line_reader("you> ", prepare, PromptSession(input=keys, output=DummyOutput()))
+        thread = threading.Thread(target=lambda: read.update(line=reader()), daemon=True)
+        thread.start()
+        for character in typed:
+            keys.send_text(character)
+        wait_until(lambda: asked[-1:] == [typed] and engine.batch_stats().drafts == 0)
+        keys.send_text("\r")
+        thread.join(30)
+    assert read["line"] == typed and len(asked) <= len(typed)
+    assert chat.handle(read["line"])
+    stats = chat.conv.stats
+    assert stats.prompt_tokens > 10 and stats.prefilled_tokens <= 1, stats
+    assert "from the cache" in capsys.readouterr().out
+
+
+def test_commands_are_not_prepared_and_no_ask_runs_after_close():
+    from chat.typing_ahead import TypingAhead
+
+    asked: list[str] = []
+    ahead = TypingAhead(asked.append, every_s=0.0)
+    for text in ("/edit 0 Hello", "  ", "Hello"):
+        ahead.typed(text)
+        wait_until(lambda: ahead._text is None)  # taken by its thread
+    wait_until(lambda: asked == ["Hello"])
+    ahead.close()
+    ahead.typed("Hello again")  # the line was sent: nothing more
+    assert asked == ["Hello"] and ahead.asked == 1
+
+
+def wait_until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
