@@ -12,10 +12,12 @@ A reply may end early at the end token (random weights, the same model on both s
 greedy reply); the rate counts the tokens it made. Peers, in rotating order, `--repeats` times (medians of reply tokens a second from the first
 token to the last, as the client sees them):
 
-  engine-off / engine-auto            this engine, fp32, `--draft off` / `auto`
-  llama.cpp-none / llama.cpp-ngram    llama-server on the f32 GGUF, `--spec-type none` / the
-                                      n-gram type `--spec-type` names (`--ngram`, default
-                                      ngram-simple)
+  engine-off / engine-auto            this engine, `--draft off` / `auto`, its weights as
+                                      `--weights` (full: fp32) and its decode steps compiled or
+                                      not as `--compile` (default off: eager)
+  llama.cpp-none / llama.cpp-ngram    llama-server on the GGUF of that precision (f32, or Q8_0
+                                      for `--weights int8`), `--spec-type none` / the n-gram type
+                                      `--spec-type` names (`--ngram`, default ngram-simple)
 
     python -m benchmarks.drafting_peers --workdir /tmp/peers --llama-cpp SRC --llama-server SRC/build/bin/llama-server
 """
@@ -48,12 +50,14 @@ def open_peer(name: str, args: argparse.Namespace, folder: Path, engines: dict[s
     if name.startswith("engine"):
         draft = name.split("-")[1]
         if draft not in engines:
-            engines[draft] = ChatEngine.load(str(folder), max_batch_size=1, compile="off", draft=draft)
+            engines[draft] = ChatEngine.load(str(folder), max_batch_size=1, compile=args.compile, draft=draft,
+                                             weights=args.weights)
         yield engines[draft]
         return
     port, threads = free_port(), str(torch.get_num_threads())
     spec = "none" if name.endswith("none") else args.ngram
-    command = [str(args.llama_server), "-m", str(args.workdir / "model-f32.gguf"), "--port", str(port), "-t", threads,
+    gguf = "model-q8_0.gguf" if args.weights == "int8" else "model-f32.gguf"
+    command = [str(args.llama_server), "-m", str(args.workdir / gguf), "--port", str(port), "-t", threads,
                "-tb", threads, "-np", "1", "-c", "8192", "-ctk", "f32", "-ctv", "f32", "--spec-type", spec]
     with server(command, port, args.workdir / f"drafting-{name}.log", "/health") as url:
         yield ServedEngine(url, "model", tokenizer=str(folder), prompt_format="token-ids", timeout_s=600)
@@ -88,6 +92,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source folder")
     parser.add_argument("--llama-server", type=Path, required=True)
     parser.add_argument("--ngram", default="ngram-simple", help="llama-server's --spec-type for its n-gram peer")
+    parser.add_argument("--weights", default="full", choices=("full", "packed", "int8"),
+                        help="this engine's (llama.cpp then runs the Q8_0 GGUF for int8, else f32)")
+    parser.add_argument("--compile", default="off", choices=("auto", "on", "off"), help="this engine's")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--message-words", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=2)
