@@ -223,6 +223,15 @@ class DraftPolicy:
                 return 0
         return best
 
+    def times_eager_first(self, rows: int, compiled: bool) -> bool:
+        """Whether a step of `rows` decode rows that a compiled graph would take runs eagerly
+        instead, once, to be timed: "auto" weighs guesses (which send a step to the eager forward)
+        against the graph by that eager step's cost. Where the graph serves from the first step
+        (loaded from disk at start) no eager step of those rows ever ran, and no guess was ever
+        fed: a Retry at Qwen3-0.6B's shape, int8, decoded at the graph's 35 tokens a second where
+        the same engine whose graph came later made 130-160 (docs/performance.md)."""
+        return self.mode == "auto" and compiled and (rows, False) not in self._plain
+
     def added_s(self, tokens: int) -> float:
         """What `tokens` extra tokens add to an eager step, as timed (0 where never timed: worth a try)."""
         if tokens <= 0:

@@ -28,14 +28,16 @@ class StepGuesses:
             request.drafter = Drafter(request.prompt_ids, len(request.prompt_ids), request.work.references,
                                       self.policy.seen)
 
-    def propose(self, decoding: list[GenerationRequest], graph_ready: bool) -> list[list[int]]:
+    def propose(self, decoding: list[GenerationRequest], graph_ready: bool) -> tuple[list[list[int]], bool]:
         """Each decode row's guesses of its next tokens, to verify this step: as many as the
         policy finds worth their cost (`graph_ready`: a compiled graph would take the step
         without them), never past the reply's token limit. In a reply's first step only guesses
         from an earlier version (a Retry's): its first token is what the person waits for, and the
         prompt's n-grams are a weak guess there that made the step longer (a prepared message's
-        first token 20.3 against 14.1 ms on the benchmark model, docs/performance.md)."""
-        guesses = []
+        first token 20.3 against 14.1 ms on the benchmark model, docs/performance.md). And whether
+        the step should run eagerly though a graph would take it: a row has a guess, and the
+        policy has never timed such a step (`DraftPolicy.times_eager_first`)."""
+        guesses, guessable = [], False
         for request in decoding:
             drafter, chooser = request.drafter, request.chooser
             if drafter is None or chooser is None or request.stop.is_set() or len(request.unfed) > 1:
@@ -50,8 +52,9 @@ class StepGuesses:
             length = self.policy.length(drafter.acceptance(), len(decoding), graph_ready,
                                         feeds_again=not request.session.takes_back_recent()) if guess else 0
             guesses.append(guess[:length])
+            guessable = guessable or bool(guess)
             request.guess_point = request.session.guess_point() if length else None
-        return guesses
+        return guesses, guessable and self.policy.times_eager_first(len(decoding), graph_ready)
 
     def give_back(self, decoding: list[GenerationRequest], guesses: list[list[int]],
                   ended: list[GenerationRequest]) -> list[GenerationRequest]:

@@ -79,16 +79,16 @@ class ModelRunner:
         return {"eager": step, "not_plain_because": self.plain_refusal, "rows_kept_apart": self.rows_apart}
 
     @torch.no_grad()
-    def run(self, rows: Sequence[Row], logits_of: Sequence[int], tails: Sequence[int] | None = None
-            ) -> torch.Tensor:
+    def run(self, rows: Sequence[Row], logits_of: Sequence[int], tails: Sequence[int] | None = None,
+            eager: bool = False) -> torch.Tensor:
         """Feed every row its tokens on its own cache; the logits after every token of the rows
         `logits_of` (indices into `rows`), in that order, or with `tails` only after the last
         `tails[n]` tokens of the nth of them (a decode row's last input and its guesses). Where
         rows are kept apart, each token whose logits are read attends alone. The ledgers are the
         owner's: it notes what was fed, or, if this raises, every row's states may hold part of
-        the step."""
+        the step. `eager`: not through a compiled graph even where one would take the step."""
         rows, logits_of = list(rows), list(logits_of)
-        if self.compiled is not None and self.compiled.takes(rows, logits_of):  # one token a row: tails are 1
+        if not eager and self.compiled is not None and self.compiled.takes(rows, logits_of):  # one token a row: tails are 1
             logits = self.compiled.step(rows)
             if logits is not None:
                 return logits

@@ -197,7 +197,7 @@ class DecodeScheduler:
             return None
         started = self.clock()
         try:
-            logits = self.runner.run(rows, range(len(plan.decoding)), plan.tails())
+            logits = self.runner.run(rows, range(len(plan.decoding)), plan.tails(), eager=plan.eager)
             self.caches.fed(rows)
         except BaseException as error:
             self.planner.turns.leave(plan.decoding, error)

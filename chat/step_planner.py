@@ -45,6 +45,7 @@ class StepPlan:
     # guesses took and gave back (recurrent states go back to the step's start: chat/guessing.py),
     # or, in its first step, after the rest of its prompt (`pieces`)
     inputs: list[list[int]]
+    eager: bool = False  # run eagerly though a graph would take it: timed once for guesses (chat/drafting.py)
 
     def rows(self) -> list[Row]:
         return ([(request.session, fed + guess) for request, fed, guess in zip(self.decoding, self.inputs, self.guesses)]
@@ -165,8 +166,8 @@ class StepPlanner:
                 self.counters.first_tokens_kept += kept
         decoding, started = self._rows_this_step(pieces), clock()
         inputs = [request.unfed for request in decoding]
-        return StepPlan(decoding, self.guesses.propose(decoding, graph_ready(len(decoding))), pieces,
-                        started, inputs)
+        guesses, eager = self.guesses.propose(decoding, graph_ready(len(decoding)))
+        return StepPlan(decoding, guesses, pieces, started, inputs, eager)
 
     def pieces(self) -> list[tuple[GenerationRequest, list[int]]]:
         """This step's prefill pieces within its budget, in the order `PromptShares` gives (fair

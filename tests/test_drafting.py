@@ -123,9 +123,9 @@ def test_a_replys_first_step_guesses_only_from_an_earlier_version(make_engine, m
     steps: list[list[int]] = []  # each step's count of guesses, per decode row
     run, proposed = ModelRunner.run, chat.drafting.Drafter.propose
 
-    def recorded(runner, rows, logits_of, tails=None):
+    def recorded(runner, rows, logits_of, tails=None, eager=False):
         steps.append([tail - 1 for tail in tails or ()])  # logits after its last input and each guess
-        return run(runner, rows, logits_of, tails)
+        return run(runner, rows, logits_of, tails, eager)
 
     def always(self, sequence, limit):  # the lookup's source, a guess every time
         self.source = "conversation"
@@ -272,6 +272,59 @@ def test_auto_guesses_beside_a_compiled_step_only_where_they_beat_it():
         policy.record_step(0.010 + 0.001 * tokens, 1, tokens)
     assert policy.length(0.99, 1, compiled=True) > 0  # ~8 tokens in 18 ms against one in 4 ms
     assert policy.length(0.3, 1, compiled=True) == 0  # ~1.4 tokens in 11-12 ms: the graph wins
+
+
+def test_where_a_graph_serves_from_the_start_one_eager_step_is_timed_for_guesses():
+    policy = DraftPolicy("auto")
+    policy.record_step(0.004, 1, 0, compiled=True)
+    assert policy.times_eager_first(1, compiled=True) and not policy.times_eager_first(1, compiled=False)
+    policy.record_step(0.010, 1, 0)  # that step, eager
+    assert not policy.times_eager_first(1, compiled=True) and policy.times_eager_first(2, compiled=True)
+    assert policy.length(0.99, 1, compiled=True) > 0  # an untimed length is tried: the graph's one in 4 ms
+    assert not DraftPolicy("ngram").times_eager_first(1, compiled=True)
+    assert not DraftPolicy("off").times_eager_first(1, compiled=True)
+
+
+class ReadyGraph:
+    """A compiled graph for one row that serves from the engine's first step (one loaded from
+    disk at start), standing in for cache_sessions/compiled.py: it runs the same plain step."""
+
+    enabled, steps = True, 0
+
+    def __init__(self, model):
+        self.model = model
+
+    def bucket(self, rows: int) -> int | None:
+        return 1 if rows == 1 else None
+
+    def takes(self, rows, logits_of) -> bool:
+        return len(rows) == 1 and len(rows[0][1]) == 1 and list(logits_of) == [0]
+
+    def step(self, rows):
+        from cache_sessions.plain_step import run_plain
+
+        self.steps += 1
+        return run_plain(self.model, rows, [0])
+
+
+def test_a_retry_guesses_where_a_compiled_graph_served_from_the_first_step(make_engine, models, tokenizers):
+    """With a graph taking every one-row step from the first (loaded from disk at start), "auto"
+    never timed an eager step, so it never fed a guess: a greedy Retry at Qwen3-0.6B's shape, int8,
+    decoded at the graph's speed (35 tokens a second against 130-160 where the graph came later).
+    Now one step runs eagerly, is timed, and the Retry takes the guesses from the version it
+    replaces; the reply is the same, and exact."""
+    engine = make_engine("full", draft="auto")
+    graph = ReadyGraph(models["full"])
+    engine.runtime.scheduler.runner.compiled = graph
+    conversation = engine.conversation("You are terse.")
+    options = dict(max_new_tokens=24, do_sample=False)
+    list(conversation.send("Tell me a story about guesses.", **options))
+    first, graph_steps = list(conversation.reply_ids), graph.steps
+    assert graph_steps > 0 and guess_counts(engine) == (0, 0)  # a first reply: nothing to guess from
+    list(conversation.regenerate(**options))
+    guessed, taken = guess_counts(engine)
+    assert conversation.reply_ids == first and taken == guessed > 0
+    check_exact(conversation, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=24)
 
 
 @pytest.mark.parametrize("arch", ["full", "sliding"])

@@ -135,12 +135,12 @@ def batches(monkeypatch):
     built: list[tuple[int, ...]] = []
     run = ModelRunner.run
 
-    def recording(runner, rows, logits_of, tails=None):
+    def recording(runner, rows, logits_of, tails=None, eager=False):
         rows, logits_of = list(rows), list(logits_of)
         decoded = tuple(id(rows[i][0]) for i in logits_of)
         if decoded and (not built or built[-1] != decoded):
             built.append(decoded)
-        return run(runner, rows, logits_of, tails)
+        return run(runner, rows, logits_of, tails, eager)
 
     monkeypatch.setattr(ModelRunner, "run", recording)
     return built
@@ -342,11 +342,11 @@ def test_a_first_token_comes_from_the_step_that_feeds_the_prompts_end(make_engin
     first_token_after: list[int] = []  # steps run when the reply's first token came
     run, emit = ModelRunner.run, chat.scheduler.GenerationRequest._emit
 
-    def recorded(runner, rows, logits_of, tails=None):
+    def recorded(runner, rows, logits_of, tails=None, eager=False):
         rows, logits_of = list(rows), list(logits_of)
         steps.append(([len(rows[i][1]) for i in logits_of], [len(fed) for i, (_, fed) in enumerate(rows)
                                                              if i not in logits_of]))
-        return run(runner, rows, logits_of, tails)
+        return run(runner, rows, logits_of, tails, eager)
 
     def noted(request, token_id):
         if request.token_count == 0:
