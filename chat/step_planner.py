@@ -197,7 +197,7 @@ class StepPlanner:
                 self.turns.leave_prefill(request)
                 continue
             wanting.append(request.flow)
-            allowed = self._whole_or(request, budget, full_budget - budget)
+            allowed = self._whole_or(request, budget, sum(given.values()))
             if allowed == 0:
                 continue
             work = request.work
