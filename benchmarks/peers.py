@@ -48,6 +48,7 @@ from benchmarks.models import VOCAB, Words, build_bench_tokenizer
 from benchmarks.report import cpu_flags, publish, target_table
 from cache_sessions.compiled import COMPILE_MODES
 from chat import ChatEngine
+from chat.drafting import DRAFT_MODES
 from chat.models import build_model, parameter_count
 from chat.served import ServedEngine
 
@@ -134,7 +135,7 @@ def open_peer(name: str, args: argparse.Namespace, folder: Path, engines: dict[s
         if name not in engines:
             engines[name] = ChatEngine.load(str(folder), dtype="bfloat16" if name == "engine-bf16" else "float32",
                                             weights=ENGINE_WEIGHTS.get(name, "full"),
-                                            max_batch_size=max(args.users), compile=args.compile)
+                                            max_batch_size=max(args.users), compile=args.compile, draft=args.draft)
             # Measured at the speed it serves at once its graphs are built (built beside the
             # app, never waited for there): wait here, and say how long that took.
             started = time.perf_counter()
@@ -331,6 +332,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--context", type=int, default=4096, help="llama-server's context a slot")
     parser.add_argument("--compile", default="auto", choices=COMPILE_MODES,
                         help="the engine peers' compiled steps (waited for before they are measured)")
+    parser.add_argument("--draft", default="auto", choices=DRAFT_MODES,
+                        help="this engine's guessing (its default, auto); llama.cpp runs without speculation: "
+                             "off compares decoding alone")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--report", type=Path, nargs="+", help="no run: one table of the runs these --json files hold")
     args = parser.parse_args(argv)
