@@ -159,10 +159,10 @@ class StepBudget:
         message took two steps beside the rows, each carrying the fixed part of a step with
         prefill: at Qwen3-0.6B's shape, int8, eight rows decoding, 85 tokens went as 54 + 31 in
         260 + 234 ms against 325 ms whole (docs/performance.md). 0 until both were timed."""
-        decode_s, token_s = self.decode_s(decode_rows), self.token_s or self.alone_token_s
-        if self.gap_factor is None or decode_s is None or not token_s:
+        decode_s, line = self.decode_s(decode_rows), self._added_line()
+        if self.gap_factor is None or decode_s is None or line is None:
             return 0
-        fixed, per_token = self.mixed.fit() or (0.0, token_s)
+        fixed, per_token = line
         return max(0, min(cap, int(((self.gap_factor - 1 + WHOLE_EXTRA_STEPS) * decode_s - fixed) / per_token)))
 
     def apart_tokens(self, decode_rows: int) -> int:
@@ -171,12 +171,18 @@ class StepBudget:
         gap within `gap_factor` of their decode step: a one-row step plus what the tokens add (the
         fitted line of steps with prefill, else the cost of a token) within `gap_factor - 1` of
         their steps. 0 until both were timed."""
-        rows_s, one_s = self.decode_s(decode_rows), self.decode_s(1)
-        token_s = self.token_s or self.alone_token_s
-        if self.gap_factor is None or rows_s is None or one_s is None or not token_s:
+        rows_s, one_s, line = self.decode_s(decode_rows), self.decode_s(1), self._added_line()
+        if self.gap_factor is None or rows_s is None or one_s is None or line is None:
             return 0
-        fixed, per_token = self.mixed.fit() or (0.0, token_s)
+        fixed, per_token = line
         return max(0, int(((self.gap_factor - 1) * rows_s - one_s - fixed) / per_token))
+
+    def _added_line(self) -> tuple[float, float] | None:
+        """What prompt tokens add to a step beside decode rows, as (fixed seconds, seconds a
+        token): the fitted line of steps with prefill, else the cost a token through zero (from
+        prefills alone before any such step); None before a prompt token was timed."""
+        token_s = self.token_s or self.alone_token_s
+        return (self.mixed.fit() or (0.0, token_s)) if token_s else None
 
 
 def _average(old: float | None, new: float) -> float:

@@ -18,7 +18,10 @@ import threading
 import time
 from typing import Any, Callable
 
-PREPARE_EVERY_S = 0.15  # the page's pace (ui/page_assets.py, PREPARE_EVERY_MS)
+# How often the message being typed is asked for (the page's pace too, ui/page_assets.py): at typing
+# speed (5 characters a second is a keystroke every 200 ms) each keystroke, so the Send that follows
+# at the same pace finds the text it sends prefilled. A newer ask calls the older off.
+PREPARE_EVERY_S = 0.15
 
 
 class TypingAhead:

@@ -1,10 +1,11 @@
 """What the page carries besides its components: its script (the phone layout, Escape, the branch
 controls inside the chat), its style, and the LaTeX delimiters the chat renders."""
 
-# How often the page asks the server to prepare the message being typed (#45): at typing speed (5
-# characters a second is a keystroke every 200 ms) each keystroke, so the Send that follows at the
-# same pace finds the text it sends prefilled. A newer ask calls the older off on the server.
-PREPARE_EVERY_MS = 150
+from chat.typing_ahead import PREPARE_EVERY_S
+
+# How often the page asks the server to prepare the message being typed (#45), the terminal
+# chat's pace too (chat/typing_ahead.py).
+PREPARE_EVERY_MS = round(PREPARE_EVERY_S * 1000)
 
 PAGE_SCRIPT = """() => {
     const narrow = window.matchMedia("(max-width: 700px)").matches;
