@@ -59,9 +59,9 @@ class ReplyEvents(HandlersBase):
         thinking = views.thinking_of(chat.conversation.history.entries)
         shown = lambda upto: views.chatbot_messages(messages[:upto], thinking)[0]  # noqa: E731
         if isinstance(operation, Send):
-            return shown(len(messages)) + [{"role": "user", "content": operation.text}], "", ""
+            return shown(len(messages)) + [{"role": "user", "content": views.as_typed(operation.text)}], "", ""
         if isinstance(operation, Edit):
-            return shown(operation.index) + [{"role": "user", "content": operation.text}], "", ""
+            return shown(operation.index) + [{"role": "user", "content": views.as_typed(operation.text)}], "", ""
         if isinstance(operation, Continue):
             return shown(len(messages) - 1), messages[-1]["reasoning_content"], messages[-1]["content"]
         if isinstance(operation, Regenerate) and operation.index is not None:

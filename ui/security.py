@@ -1,10 +1,13 @@
-"""Headers that keep rendered content from reaching other origins, and headers not believed.
+"""Headers that keep rendered content from running or reaching other origins, and headers not believed.
 
 A reply (or an imported message) is markdown rendered as HTML in the browser: an image pointing
 elsewhere would be fetched as soon as it shows (leaking whatever a prompt injection put in its
-address), and a form would submit anywhere. Sanitizing missed forms; a Content-Security-Policy
-on every response is enforced by the browser whatever the HTML is: only this origin may be
-loaded from, connected to or submitted to. Frames are not restricted (a Space embeds the app).
+address), a form would submit anywhere and a `javascript:` link would run when clicked. Whatever
+the HTML is, the browser enforces a Content-Security-Policy on every response: only this origin
+may be loaded from, connected to or submitted to, and only scripts carrying the response's nonce
+run (and those they load: 'strict-dynamic'), so no inline handler and no `javascript:` address
+runs. Each HTML page gets a fresh nonce on every `<script>` tag it holds. Frames are not
+restricted (a Space embeds the app).
 
 Gradio builds the page's root address (in `/config` and the page) from `X-Forwarded-Host`,
 `X-Forwarded-Proto` and `X-Gradio-Server` when a request has them: any client could make the
@@ -14,11 +17,21 @@ unless the operator trusts a proxy (which then sets them).
 
 from __future__ import annotations
 
+import re
+import secrets
 from typing import Any, Awaitable, Callable
 
-CONTENT_SECURITY_POLICY = "; ".join([
+_SCRIPT_TAG = re.compile(rb"<script\b", re.I)
+
+
+def content_security_policy(nonce: str) -> str:
+    """The policy of a response whose scripts carry `nonce` ('unsafe-eval': the page's own script
+    is given to Gradio as a function's source, which it evaluates)."""
+    return "; ".join([f"script-src 'nonce-{nonce}' 'strict-dynamic' 'self' 'unsafe-eval'", _OTHER_SOURCES])
+
+
+_OTHER_SOURCES = "; ".join([
     "default-src 'self'",
-    "script-src 'self' 'unsafe-inline' 'unsafe-eval'",  # Gradio's page bootstraps inline
     "style-src 'self' 'unsafe-inline'",
     "img-src 'self' data: blob:",
     "media-src 'self' data: blob:",
@@ -29,8 +42,7 @@ CONTENT_SECURITY_POLICY = "; ".join([
     "base-uri 'self'",
     "object-src 'none'",
 ])
-HEADERS = [(b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
-           (b"referrer-policy", b"no-referrer"), (b"x-content-type-options", b"nosniff")]
+HEADERS = [(b"referrer-policy", b"no-referrer"), (b"x-content-type-options", b"nosniff")]
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -41,8 +53,9 @@ PROXY_HEADERS = {b"x-forwarded-host", b"x-forwarded-proto", b"x-gradio-server"}
 
 
 class SecurityHeaders:
-    """Plain ASGI middleware (streams pass through untouched): adds `HEADERS` to every response,
-    and drops a request's `PROXY_HEADERS` unless `trust_proxy_headers`."""
+    """Plain ASGI middleware: adds `HEADERS` and the policy to every response (streams pass
+    through untouched; an HTML page is read whole and its `<script>` tags given the nonce), and
+    drops a request's `PROXY_HEADERS` unless `trust_proxy_headers`."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], trust_proxy_headers: bool = False):
         self.app = app
@@ -59,11 +72,34 @@ class SecurityHeaders:
             await self.app(scope, receive, send)
             return
 
+        nonce = secrets.token_urlsafe(18)
+        started: dict | None = None
+        body: list[bytes] = []
+
         async def with_headers(message: dict) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
-                present = {name.lower() for name, _ in message.get("headers", [])}
-                message["headers"] = list(message.get("headers", [])) + [
-                    (name, value) for name, value in HEADERS if name not in present]
+                headers = list(message.get("headers", []))
+                present = {name.lower() for name, _ in headers}
+                headers += [(name, value) for name, value in HEADERS if name not in present]
+                if b"content-security-policy" not in present:
+                    headers.append((b"content-security-policy", content_security_policy(nonce).encode()))
+                message = dict(message, headers=headers)
+                if _is_html(headers):
+                    started = message  # sent with the whole body
+                    return
+            elif message["type"] == "http.response.body" and started is not None:
+                body.append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                page = _SCRIPT_TAG.sub(f'<script nonce="{nonce}"'.encode(), b"".join(body))
+                headers = [(name, value) for name, value in started["headers"] if name.lower() != b"content-length"]
+                await send(dict(started, headers=headers + [(b"content-length", str(len(page)).encode())]))
+                message = {"type": "http.response.body", "body": page}
             await send(message)
 
         await self.app(scope, receive, with_headers)
+
+
+def _is_html(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(name.lower() == b"content-type" and value.lower().startswith(b"text/html") for name, value in headers)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chat import TurnStats
+from ui.markup import safe_markdown
 
 THINKING_TITLE = "Thinking"
 GENERATING = "generating… (Stop or Esc ends it and keeps what was written)"
@@ -40,13 +41,14 @@ def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float], m
             metadata: dict[str, Any] = {"title": THINKING_TITLE, "status": "done"}
             if index in thinking_seconds:
                 metadata["duration"] = round(thinking_seconds[index], 1)
-            shown.append({"role": "assistant", "content": message["reasoning_content"], "metadata": metadata})
+            shown.append({"role": "assistant", "content": safe_markdown(message["reasoning_content"]),
+                          "metadata": metadata})
             index_of.append(index)
         if message["role"] == "user":
             shown.append({"role": "user", "content": as_typed(message["content"])})
             index_of.append(index)
         elif message["content"] or not message.get("reasoning_content"):
-            shown.append({"role": message["role"], "content": message["content"]})
+            shown.append({"role": message["role"], "content": safe_markdown(message["content"])})
             index_of.append(index)
         elif index not in marks:  # only a Thinking block, folded: say that no answer came (#46, 5)
             shown.append({"role": "assistant", "content": f"{MARK_OPEN.strip()}{NO_ANSWER}{MARK_CLOSE}"})
@@ -178,9 +180,9 @@ def reply_messages(reasoning: str, answer: str, thought_for: float | None) -> li
         metadata: dict[str, Any] = {"title": THINKING_TITLE, "status": "done" if thought_for is not None else "pending"}
         if thought_for is not None:
             metadata["duration"] = round(thought_for, 1)
-        shown.append({"role": "assistant", "content": reasoning, "metadata": metadata})
+        shown.append({"role": "assistant", "content": safe_markdown(reasoning), "metadata": metadata})
     if answer or not reasoning:
-        shown.append({"role": "assistant", "content": answer})
+        shown.append({"role": "assistant", "content": safe_markdown(answer)})
     return shown
 
 
