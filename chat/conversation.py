@@ -50,6 +50,8 @@ class ConversationView:
         # a reply's recording and the end of its run are one step for `snapshot`, which takes it too
         self._recording = threading.Lock()
         self._prepared: threading.Event | None = None  # calls off the prompt being prepared (`prepare`)
+        self._prepare_lock = threading.RLock()
+        self._prepare_asks = 0  # the newest ask to prepare; an older one is never started
 
     # ---- read-only views -------------------------------------------------------------------
     @property
@@ -126,9 +128,11 @@ class ConversationView:
     # ---- shared by the operations ----------------------------------------------------------
     def cancel_prepared(self) -> None:
         """Call off the prompt being prepared, if one is (what it fed stays)."""
-        if self._prepared is not None:
-            self._prepared.set()
-            self._prepared = None
+        with self._prepare_lock:
+            self._prepare_asks += 1  # an ask being planned now is not started
+            if self._prepared is not None:
+                self._prepared.set()
+                self._prepared = None
 
     def exclusive(self) -> "_Exclusive":
         """Hold the conversation for one operation (its states are in use while the scheduler
@@ -243,7 +247,10 @@ class Conversation(PathChanges):
         Send's prompt shares it. Nothing is recorded and the text is kept nowhere but in the
         cache's token ids. False where nothing was started: a reply runs, the text is empty or
         cannot fit, or the replies come from a model server (which keeps its own cache)."""
-        self.cancel_prepared()
+        with self._prepare_lock:  # asks racing: the newest is the one started, the others are called off
+            self.cancel_prepared()
+            self._prepare_asks += 1
+            ask = self._prepare_asks
         prepare = getattr(self.source, "prepare", None)
         if prepare is None or self.is_busy or not isinstance(text, str) or not text.strip():
             return False
@@ -253,7 +260,10 @@ class Conversation(PathChanges):
             self.source.check(plan.request)
         except ChatError:
             return False
-        self._prepared = prepare(plan.request)
+        with self._prepare_lock:
+            if ask != self._prepare_asks or self.is_busy:  # a newer ask, a Send or a close came meanwhile
+                return False
+            self._prepared = prepare(plan.request)
         return True
 
     def start(self, operation: Operation, options: GenerationOptions | None = None,

@@ -82,7 +82,8 @@ class DecodeScheduler:
         self.loop = Loop(worker, self._step, self._has_work, lambda: self.caches.settle())
         self.caches = CacheOwner(model, self.loop, self.in_use, kv_cache=kv_cache, **cache_settings)
         self.runner = ModelRunner(model, compiled, kv_cache)
-        self.guessing = DraftPolicy(draft)
+        worker.run(self.runner.probe_plain)
+        self.guessing = DraftPolicy(draft, refusal=self.runner.guess_refusal)
         self.guesses = StepGuesses(self.guessing, self.caches)
         self.step_budget, self.clock = StepBudget(step_gap_factor, alone_step_s), time.perf_counter
         self.planner = StepPlanner(model, self.caches, self.guesses, self.step_budget, max_batch_size=max_batch_size,
@@ -116,15 +117,21 @@ class DecodeScheduler:
         close): what it fed stays in the cache, and the Send's rollback keeps what it shares."""
         request = GenerationRequest(session, prompt_ids, GenerationOptions(max_new_tokens=1), stop, work, client,
                                     draft=True)
-        return self._queue(request, self.planner.requests.drafts)
+        return self._queue(request, self.planner.requests.drafts, newest_only=True)
 
-    def _queue(self, request: GenerationRequest, queue: MutableSequence[GenerationRequest]) -> GenerationRequest:
-        """Into `queue` of the table (waiting replies, or drafts), checked, and the loop woken."""
+    def _queue(self, request: GenerationRequest, queue: MutableSequence[GenerationRequest],
+               newest_only: bool = False) -> GenerationRequest:
+        """Into `queue` of the table (waiting replies, or drafts), checked, and the loop woken.
+        `newest_only`: the session's requests already in `queue` are called off, in the same hold
+        of the table's lock (one text prepared a conversation, whoever asks and however fast)."""
         if self.loop.on_loop():  # it would wait for tokens from a job queued behind itself
             raise RuntimeError("submit a reply or a draft from outside the engine's compute thread")
         if not request.prompt_ids:
             raise ValueError("cannot generate from or prepare an empty prompt")
         with self.planner.requests.lock:
+            for older in queue if newest_only else ():
+                if older.session is request.session:
+                    older.stop.set()
             queue.append(request)
         self.loop.wake()
         return request

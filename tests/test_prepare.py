@@ -135,3 +135,34 @@ def test_a_prepared_sends_first_token_needs_no_step(models, tokenizers, monkeypa
         if weights == "full":
             check_exact(conv, model, tokenizer, max_new_tokens=8)
     assert replies[True] == replies[False]
+
+
+def test_racing_asks_leave_one_text_in_work(make_engine, models, tokenizers):
+    """Asks to prepare one conversation, from many threads at once (a client that does not wait
+    for its answers): at most one text is in work once they are in; the others were called off
+    before any step."""
+    engine = make_engine("full", prefill_chunk=4)
+    conv = engine.conversation("You are terse.")
+    list(conv.send("First question?", **GREEDY))
+    drafts = engine.scheduler.planner.requests.drafts
+    asks = [f"{TEXT} Ask {number}." for number in range(48)]
+    barrier = threading.Barrier(8)
+
+    def ask(texts):
+        barrier.wait()
+        for text in texts:
+            conv.prepare(text, **GREEDY)
+
+    def burst():
+        threads = [threading.Thread(target=ask, args=(asks[i::8],)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    live = []  # while the loop is held nothing steps: what is in work is what the asks left
+    with_held_loop(engine, lambda: (burst(), live.extend(d for d in drafts if not d.stop.is_set())))
+    assert len(live) <= 1
+    wait_until(lambda: engine.batch_stats().drafts == 0)
+    list(conv.send(asks[-1], **GREEDY))
+    check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
