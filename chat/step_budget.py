@@ -30,6 +30,11 @@ on its own), and once a piece of `SMALL_PIECE` tokens or fewer has added more th
 of what the step adds: a step that breaks the bound anyway should move the prompt, not feed it a
 token at a time. (The fitted fixed part alone would decide too soon: with pieces of a few dozen
 tokens its noise put a streaming user's worst gap at 5.7x its median, against 3.9x.)
+
+Timings are noisy: a step timed while the machine was busy elsewhere counts as at most `OUTLIER`
+times what it was expected to cost, so one slow step moves every size for a few steps only, and
+a small piece's evidence lapses after `SMALL_PIECE_MEMORY` steps with prefill unless a small
+piece renews it (the mode it sets rarely makes small pieces again).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ MIN_ALONE_TOKENS = 32  # (below that a step's fixed cost, reading the weights, o
 _WEIGHT = 0.25  # of the newest sample in each moving average
 _FIT_WEIGHT = 0.1  # of the newest step in the fit of steps with prefill (slower: it needs pieces of several sizes)
 SMALL_PIECE = 2  # a piece this small that still breaks the allowance: the fixed part is past it
+SMALL_PIECE_MEMORY = 32  # steps with prefill after which a small piece's evidence lapses unless renewed
+OUTLIER = 3.0  # a step timed at more than this many times its expected cost counts as this many
 _FIT_SPREAD = 1.0  # the least variance of the fitted steps' token counts (tokens squared) for a slope of its own
 
 
@@ -91,6 +98,7 @@ class StepBudget:
         self.token_s: float | None = None  # what one prompt token adds to a step with decode rows (through zero)
         self.mixed = _LineFit()  # the same steps as a line: a fixed part and a cost per token
         self.small_piece_s: float | None = None  # what a piece of at most SMALL_PIECE tokens added
+        self.since_small_piece = 0  # steps with prefill since that was last timed
         self.alone_token_s: float | None = None  # a prompt token in a step with no decode rows
 
     def record(self, seconds: float, decode_rows: int, prompt_tokens: int) -> None:
@@ -104,11 +112,18 @@ class StepBudget:
             return
         decode_s = self.decode_s(decode_rows)
         if decode_s is not None:
+            line = self._added_line()
             added = max(0.0, seconds - decode_s)
+            if line is not None:  # one slow step (the machine busy elsewhere) moves the sizes a little
+                added = min(added, OUTLIER * max(line[0] + line[1] * prompt_tokens, decode_s / 2))
             self.token_s = _average(self.token_s, added / prompt_tokens)
             self.mixed.add(prompt_tokens, added)
+            self.since_small_piece += 1
             if prompt_tokens <= SMALL_PIECE:
                 self.small_piece_s = _average(self.small_piece_s, added)
+                self.since_small_piece = 0
+            elif self.since_small_piece > SMALL_PIECE_MEMORY:  # not renewed: sized by the allowance again
+                self.small_piece_s = None
 
     def decode_s(self, rows: int = 1) -> float | None:
         """A step of `rows` decode rows alone: as timed, else the nearest row count timed (fewer
@@ -186,4 +201,7 @@ class StepBudget:
 
 
 def _average(old: float | None, new: float) -> float:
-    return new if old is None else (1 - _WEIGHT) * old + _WEIGHT * new
+    """The moving average with `new`, which counts at most `OUTLIER` times `old`."""
+    if old is None:
+        return new
+    return (1 - _WEIGHT) * old + _WEIGHT * min(new, OUTLIER * old)

@@ -690,6 +690,31 @@ def test_a_step_budget_does_not_starve_prompts_when_a_step_with_prefill_has_a_fi
     assert abs(token_s - 0.003) < 1e-4 and abs(fixed - (0.062 - 0.0145)) < 2e-3  # the clock's own line
 
 
+@pytest.mark.parametrize("hiccup_tokens", [2, 40])
+def test_one_slow_step_moves_the_budget_for_a_few_steps_at_most(hiccup_tokens):
+    """On a made-up clock (a decode row 10 ms; a piece adds 2 ms and 0.5 ms a token), one step
+    timed at 200 ms (the machine busy elsewhere) among the others: within 20 steps the budget is
+    back within 20 % of its steady value, and no step with prefill breaks the gap target (4
+    decode steps). A 2-token piece timed so once locked the budget at its cap for good (every
+    later step 7.6 decode steps)."""
+    budget = StepBudget(3.0)
+    step_s = lambda tokens: 0.010 + (0.002 + 0.0005 * tokens if tokens else 0)  # noqa: E731
+
+    def steps(count: int) -> list[int]:
+        pieces = []
+        for _ in range(count):
+            budget.record(step_s(0), decode_rows=1, prompt_tokens=0)
+            pieces.append(budget.tokens(128, decode_rows=1))
+            budget.record(step_s(pieces[-1]), decode_rows=1, prompt_tokens=pieces[-1])
+        return pieces
+
+    steady = steps(200)[-1]
+    budget.record(0.200, decode_rows=1, prompt_tokens=hiccup_tokens)
+    after = steps(200)
+    assert all(abs(piece - steady) <= 0.2 * steady for piece in after[20:]), (steady, after)
+    assert max(step_s(piece) for piece in after) <= 4 * step_s(0), after
+
+
 @pytest.mark.parametrize("apart", [True, False])
 def test_a_newcomers_prompt_end_runs_apart_from_the_rows_where_their_gap_allows(make_engine, models, tokenizers,
                                                                                hooks, batches, monkeypatch, apart):
