@@ -47,8 +47,13 @@ PLAIN_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", 
 Span = tuple[int, int, int]  # a row's (start, end) in the packed sequence, and the positions its cache holds
 
 
+KNOWN_ATTENTION = ("sdpa", "eager")  # what `_attend` computes: the library's own attention functions
+
+
 def plain_refusal(model: PreTrainedModel) -> str | None:
-    """Why this model's steps do not run as the plain step (None: they do)."""
+    """Why this model's steps do not run as the plain step (None: they do): not one of its
+    families, layers or attention it does not compute, or a module it would run past (see
+    `bypassed_modules`) that is not the family's own or has a hook."""
     if type(model).__name__ not in PLAIN_FAMILIES:
         return f"{type(model).__name__} is not one of the plain decoders ({', '.join(PLAIN_FAMILIES)})"
     config = model.config
@@ -57,6 +62,44 @@ def plain_refusal(model: PreTrainedModel) -> str | None:
         return f"it has layers of kinds {sorted(kinds - {'full_attention', 'sliding_attention'})}"
     if getattr(config, "use_bidirectional_attention", False):
         return "its attention is bidirectional"
+    if getattr(config, "_attn_implementation", None) not in (None, *KNOWN_ATTENTION):
+        return f"its attention is {config._attn_implementation!r}, not one of {', '.join(KNOWN_ATTENTION)}"
+    for name, module in bypassed_modules(model):
+        own = type(module).forward
+        if not type(module).__module__.startswith("transformers.models.") or \
+                not getattr(own, "__module__", "").startswith("transformers."):
+            return f"{name} is a {type(module).__name__} whose forward the plain step does not know"
+    return hook_refusal(bypassed_modules(model))
+
+
+def bypassed_modules(model: PreTrainedModel) -> list[tuple[str, torch.nn.Module]]:
+    """The modules `plain_step` computes the work of without calling them (it calls their parts),
+    named: the model, its decoder, each decoder layer and each attention block (those a packed
+    step also calls with several rows at once)."""
+    core = getattr(model, "model", None)
+    modules: list[tuple[str, torch.nn.Module]] = [("the model", model)]
+    if isinstance(core, torch.nn.Module):
+        modules.append(("its decoder", core))
+    for index, layer in enumerate(getattr(core, "layers", None) or ()):
+        modules.append((f"decoder layer {index}", layer))
+        if isinstance(getattr(layer, "self_attn", None), torch.nn.Module):
+            modules.append((f"decoder layer {index}'s attention", layer.self_attn))
+    return modules
+
+
+def hook_refusal(modules: Sequence[tuple[str, torch.nn.Module]]) -> str | None:
+    """Why a step that runs past `modules` would not compute what calling them computes: a
+    forward hook on one of them (or on every module) would not fire, a forward set on one would
+    not run. None: neither. Cheap enough to ask every step (hooks come and go)."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return "a forward hook is registered on every module"
+    for name, module in modules:
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"a forward hook is registered on {name}"
+        if "forward" in module.__dict__:
+            return f"{name}'s forward is replaced"
     return None
 
 

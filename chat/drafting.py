@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from statistics import median
-from typing import Sequence
+from typing import Callable, Sequence
 
 DRAFT_MODES = ("auto", "ngram", "off")
 MAX_DRAFT = 8  # guesses a step at most (a longer run is rarely all right, and each costs a token)
@@ -170,11 +170,13 @@ class DraftPolicy:
     two), each the median of its recent steps (a busy neighbour's spike moves a median little).
     A length whose cost was never timed is taken as free, so it is tried, then timed."""
 
-    def __init__(self, mode: str = "auto", max_draft: int = MAX_DRAFT):
+    def __init__(self, mode: str = "auto", max_draft: int = MAX_DRAFT, refusal: Callable[[], str | None] = lambda: None):
+        """`refusal`: asked as each reply begins, why it may feed no guess whatever the mode
+        (the runner's: a guess there could change the reply; None: it may)."""
         check_draft_mode(mode)
         if max_draft < 1:
             raise ValueError("max_draft must be at least 1")
-        self.mode, self.max_draft = mode, max_draft
+        self.mode, self.max_draft, self.refusal = mode, max_draft, refusal
         self.seen = {source: [0, 0] for source in SOURCES}  # every reply's guesses by source (`Drafter`)
         self.lengths = sorted({0, *(2 ** i for i in range(max_draft.bit_length()) if 2 ** i <= max_draft), max_draft})
         self._plain: dict[tuple[int, bool], _Recent] = {}  # (rows, compiled) -> seconds of a step of them alone
@@ -182,7 +184,7 @@ class DraftPolicy:
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "off"
+        return self.mode != "off" and self.refusal() is None
 
     def record_step(self, seconds: float, rows: int, extra_tokens: int, compiled: bool = False) -> None:
         """A packed step ran `rows` decode rows and `extra_tokens` more (guesses, prompt pieces);

@@ -136,7 +136,8 @@ class ChatEngine:
                 "model_step": self.runtime.scheduler.runner.stats(),
                 "compiled_step": self.compiled.stats(),
                 "weights": self._weights_status(),
-                "guessing": {"mode": self.config.draft, "guessed": batch.guessed, "taken": batch.guesses_taken},
+                "guessing": {"mode": self.config.draft, "off_because": self.runtime.scheduler.runner.guess_refusal(),
+                             "guessed": batch.guessed, "taken": batch.guesses_taken},
                 "cache_bytes": caches.cache_bytes, "cache_budget_bytes": caches.budget_bytes,
                 "shared_prefix_bytes": caches.shared_prefix_bytes, "busy_caches": caches.busy,
                 "evictions": caches.evictions, "branch_segments_freed": caches.segments_freed}

@@ -14,6 +14,13 @@ the logits the step's sampling needs. One entry point for decode rows and prompt
   quantized cache, other families);
 - else, for a model whose layers cannot run packed (recurrent mixers it cannot find), the
   model's own forward on each row's cache in turn.
+
+A fast step proves itself. The plain step serves only a model whose modules it knows, with no
+hook it would run past, and whose logits it matched at load on a short probe (`probe_plain`:
+within `PROBE_TOLERANCE` of the model's own forward). While a forward hook is registered on the
+model, its decoder, a decoder layer or an attention block, or one of their forwards is replaced
+(asked every step: hooks come and go), every row runs the model's own forward alone, as
+`generate` would run it, and no guess is fed (`hooked`).
 """
 
 from __future__ import annotations
@@ -25,12 +32,17 @@ from transformers import PreTrainedModel
 
 from cache_sessions.compiled import CompiledDecode
 from cache_sessions.kv_cache import KVCacheKind
-from cache_sessions.plain_step import plain_refusal, run_plain, takes_states
+from cache_sessions.plain_step import bypassed_modules, hook_refusal, plain_refusal, run_plain, takes_states
 from cache_sessions.resident import forward_rows, packs
 from cache_sessions.session import CacheSession
 from chat.weights import Int8Linear, products_keep_rows_apart
 
 Row = tuple[CacheSession, list[int]]  # a session and the tokens it feeds this step
+# How far the plain step's logits may be from the model's own forward on the load probe, as a
+# share of the largest logit (at least 1): float noise in fp32; 16-bit products round either way.
+PROBE_TOLERANCE = {torch.float32: 1e-4}
+PROBE_TOLERANCE_16_BIT = 5e-2
+PROBE_TOKENS = 12
 
 
 def packed_step(model: PreTrainedModel, rows: Sequence[Row], logits_of: Sequence[int], plain: bool,
@@ -61,6 +73,53 @@ class ModelRunner:
         # so there no other step gives their bits and keeping rows apart would buy nothing.
         plain_eager = self.plain_refusal is None and (compiled is None or not compiled.enabled)
         self.rows_apart = Int8Linear.KERNEL_ROWS if plain_eager and products_keep_rows_apart(model) else None
+        self._watched = bypassed_modules(model)  # whose hooks the packed and plain steps would not fire as generate
+        self.hooked_because: str | None = None  # why the last step ran row by row (`hooked`)
+
+    def hooked(self) -> str | None:
+        """Why steps now run the model's own forward row by row, with no guesses: a forward hook
+        is registered on a module a packed step calls with several rows or the plain step runs
+        past, or its forward is replaced (None: neither)."""
+        return hook_refusal(self._watched)
+
+    def guess_refusal(self) -> str | None:
+        """Why no row may feed guesses now (None: they may): a verifying row would not give each
+        guessed token the logits a step of that token alone gives. Row by row (`hooked`), a hook
+        would see several tokens where `generate` shows it one; 16-bit products sum a row of
+        several tokens in another order than one token's, and a near-tie then goes the other way."""
+        hooked = self.hooked()
+        if hooked is not None:
+            return f"{hooked} (steps run row by row, one token a call, as generate runs them)"
+        if self.rows_apart is None and self.model.dtype in (torch.bfloat16, torch.float16):
+            return (f"{str(self.model.dtype).removeprefix('torch.')} products sum a row of several tokens in "
+                    "another order than a token alone, which can change a greedy reply")
+        return None
+
+    @torch.no_grad()
+    def probe_plain(self) -> None:
+        """Run the plain step and the model's own forward on a short probe (a prompt piece, then a
+        decode row) and refuse the plain step where their logits differ by more than
+        `PROBE_TOLERANCE` (on the compute thread, once, at start)."""
+        if self.plain_refusal is not None:
+            return
+        model = self.model
+        vocab = model.config.get_text_config().vocab_size
+        tokens = [(7919 * index + 11) % vocab for index in range(PROBE_TOKENS + 1)]
+        session = CacheSession(model)
+        if not takes_states([session]):  # (states the plain step never reads: it never serves them)
+            return
+        piece = run_plain(model, [(session, tokens[:-1])], [0])
+        session.note_extended(tokens[:-1])
+        row = run_plain(model, [(session, tokens[-1:])], [0])
+        own = model(input_ids=torch.tensor([tokens], device=model.device)).logits[0]
+        plain = torch.cat([piece, row]).float()
+        tolerance = PROBE_TOLERANCE.get(model.dtype, PROBE_TOLERANCE_16_BIT) * max(1.0, own.abs().max().item())
+        if any(isinstance(module, Int8Linear) for module in model.modules()):  # int8 products: bf16 outputs
+            tolerance = PROBE_TOLERANCE_16_BIT * max(1.0, own.abs().max().item())
+        error = (plain - own.float()).abs().max().item()
+        if not error <= tolerance:
+            self.plain_refusal = (f"on the load probe its logits were {error:.3g} from the model's own forward "
+                                  f"(allowed {tolerance:.3g})")
 
     def graph_ready(self, rows: int) -> bool:
         """Whether a compiled graph would take a step of `rows` single tokens."""
@@ -74,9 +133,10 @@ class ModelRunner:
     def stats(self) -> dict[str, str | int | None]:
         """For `/status`: which eager step runs, why not the plain one, and up to how many rows
         steps keep rows apart (None: they do not)."""
-        step = ("plain" if self.plain_refusal is None else "the model's own forward, packed" if self.packs
-                else "the model's own forward, row by row")
-        return {"eager": step, "not_plain_because": self.plain_refusal, "rows_kept_apart": self.rows_apart}
+        hooked = self.hooked()
+        step = ("the model's own forward, row by row" if hooked or not self.packs else
+                "plain" if self.plain_refusal is None else "the model's own forward, packed")
+        return {"eager": step, "not_plain_because": hooked or self.plain_refusal, "rows_kept_apart": self.rows_apart}
 
     @torch.no_grad()
     def run(self, rows: Sequence[Row], logits_of: Sequence[int], tails: Sequence[int] | None = None,
@@ -88,7 +148,10 @@ class ModelRunner:
         owner's: it notes what was fed, or, if this raises, every row's states may hold part of
         the step. `eager`: not through a compiled graph even where one would take the step."""
         rows, logits_of = list(rows), list(logits_of)
-        if not eager and self.compiled is not None and self.compiled.takes(rows, logits_of):  # one token a row: tails are 1
+        self.hooked_because = self.hooked()
+        if self.hooked_because is not None:  # as `generate` runs it: the model's own forward, alone
+            return self._one_by_one(rows, logits_of, tails)
+        if not eager and self.plain_refusal is None and self.compiled is not None and self.compiled.takes(rows, logits_of):  # one token a row: tails are 1
             logits = self.compiled.step(rows)
             if logits is not None:
                 return logits

@@ -353,3 +353,37 @@ def test_with_int8_weights_a_greedy_reply_with_guesses_is_the_reply_without(toke
     assert taken - taken_before == guessed - guessed_before > 0
     check_exact(conversation, model, tokenizer, max_new_tokens=GREEDY["max_new_tokens"], near_greedy=True,
                 logit_tolerance=int8_logit_tolerance(model))
+
+
+PROMPTS = ["Tell me about caches.", "What rolls back?", "A branch, then another.", "Edit the second turn.",
+           "Undo twice, then retry.", "Why does the window slide?", "Count to twelve slowly.", "Stop here and go on."]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_guesses_never_change_a_greedy_reply_at_real_head_width(tokenizers, dtype):
+    """A two-layer Qwen3 with heads 128 wide: a greedy Retry with guesses ("auto", and "ngram",
+    which guesses whenever it can) is the reply without them, for eight prompts. In bf16 a row of
+    several guessed tokens sums its products in another order than a token alone (2-3 of 8
+    Retries went another way), so there no guess is fed and /status says why; in fp32 guesses are
+    fed and taken."""
+    from tiny_models import wide_heads_model
+
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    model = wide_heads_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"), layers=2)
+    model = model.to(dtype)
+    replies: dict[str, list[list[int]]] = {}
+    for draft in ("off", "auto", "ngram"):
+        engine = ChatEngine(model, tokenizer, draft=draft, compile="off")
+        replies[draft] = []
+        for prompt in PROMPTS:
+            conversation = engine.conversation()
+            list(conversation.send(prompt, **GREEDY))
+            list(conversation.regenerate(**GREEDY))
+            replies[draft].append(list(conversation.reply_ids))
+        guessed, taken = guess_counts(engine)
+        off_because = engine.status()["guessing"]["off_because"]
+        if dtype == torch.bfloat16:
+            assert guessed == 0 and "bfloat16 products" in off_because
+        elif draft == "ngram":
+            assert off_because is None and taken > 0
+    assert replies["auto"] == replies["off"] and replies["ngram"] == replies["off"]

@@ -17,12 +17,12 @@ def build_model(arch: str, vocab_size: int, eos_token_id: int, seed: int = 0) ->
     return models.build_model(f"tiny-{arch}", vocab_size, eos_token_id, seed=seed)
 
 
-def wide_heads_model(arch: str, vocab_size: int, eos_token_id: int | None) -> PreTrainedModel:
-    """A one-layer Qwen3 ("full") or Mistral ("sliding", the tiny window) with heads 128 wide, as
-    real models have: there SDPA's CPU kernel rounds a call of several queries otherwise than a
-    call of one, which the tiny heads (16 wide) do not show."""
+def wide_heads_model(arch: str, vocab_size: int, eos_token_id: int | None, layers: int = 1) -> PreTrainedModel:
+    """A Qwen3 ("full") or Mistral ("sliding", the tiny window) of `layers` layers with heads 128
+    wide, as real models have: there SDPA's CPU kernel rounds a call of several queries otherwise
+    than a call of one, which the tiny heads (16 wide) do not show."""
     wide = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                num_hidden_layers=1, vocab_size=vocab_size, initializer_range=0.2, max_position_embeddings=2048,
+                num_hidden_layers=layers, vocab_size=vocab_size, initializer_range=0.2, max_position_embeddings=2048,
                 eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(5)
     if arch == "full":
