@@ -26,7 +26,7 @@ from ui.chat_list import ChatList
 from ui.config import AppConfig
 from ui.directory import ChatDirectory, Closes
 from ui.handlers import ChatHandlers, PageEvents
-from ui.inputs import Limits, StrictBlocks
+from ui.inputs import Limits, StrictBlocks, text_only
 from ui.operator import Metrics, routes
 from ui.security import SecurityHeaders
 from ui.sharing import SCRIPT as SHARES_SCRIPT, Sharing
@@ -98,17 +98,17 @@ def build(handlers: ChatHandlers, *, model_label: str, max_new_tokens: int,
 
 def sidebar(max_new_tokens: int, sign_in: bool = False) -> dict[str, Any]:
     """The list and everything about it, the settings and light/dark: the chat's own column is
-    the conversation and its box only (#46, 4: a page like the chat apps people use)."""
+    the conversation and its box only (a page like the chat apps people use)."""
     with gr.Sidebar(label="Conversations", open=True, elem_id="sidebar", width=280):
         if sign_in:  # signed in, the list follows the person to their other browsers
             gr.LoginButton(value="Sign in to keep your chats on every device", logout_value="Sign out ({})",
                            size="sm", elem_id="sign-in")
         parts = dict(claim=gr.Button("", size="sm", visible=False, elem_id="claim"), claim_ids=gr.JSON(visible=False))
         parts |= dict(new_chat=gr.Button("New chat", size="sm", variant="primary", elem_id="new-chat"),
-                     search=gr.Textbox(placeholder="Search chats", show_label=False, elem_id="chat-search",
+                     search=gr.Textbox(label="Search chats", placeholder="Search chats", show_label=False, elem_id="chat-search",
                                        max_lines=1, container=False),  # the page filters the list (no event)
                      chats=gr.Radio(choices=[], label="Kept in this browser", elem_id="chat-list"),
-                     title=gr.Textbox(label="Name of this conversation", elem_id="chat-title", max_lines=1),
+                     title=text_only("title", label="Name of this conversation", elem_id="chat-title", max_lines=1),
                      rename=gr.Button("Rename", size="sm", elem_id="rename"))
         with gr.Row():
             parts |= dict(export_json=gr.Button("Export JSON", size="sm", elem_id="export-json"),
@@ -116,7 +116,7 @@ def sidebar(max_new_tokens: int, sign_in: bool = False) -> dict[str, Any]:
                           export_all=gr.Button("Export all", size="sm", elem_id="export-all"))
         parts |= dict(export_file=gr.JSON(visible=False),  # the page downloads what an export gives
                       # the page reads the chosen file and sends its text: nothing is uploaded, so no path
-                      # a client names is ever opened here (issue #44, item 6)
+                      # a client names is ever opened here
                       import_file=gr.Button("Import JSON", size="sm", elem_id="import"),
                       import_text=gr.JSON(visible=False),
                       import_drop=gr.Button(visible="hidden", elem_id="import-drop"),  # a file dropped on the page
@@ -136,7 +136,7 @@ def sidebar(max_new_tokens: int, sign_in: bool = False) -> dict[str, Any]:
 
 def chat_area(placeholder: str, max_message_chars: int) -> dict[str, Any]:
     examples = [{"text": text} for text in EXAMPLES]
-    # the chat takes the window's height, the box at its foot (the page's style and script: #46, 4)
+    # the chat takes the window's height, the box at its foot (the page's style and script)
     parts = dict(chatbot=gr.Chatbot(label="Chat", show_label=False, editable="all", height=520, examples=examples,
                                     placeholder=placeholder, sanitize_html=True, elem_id="chatbot",
                                     latex_delimiters=LATEX, buttons=["copy"], feedback_options=None,
@@ -147,7 +147,7 @@ def chat_area(placeholder: str, max_message_chars: int) -> dict[str, Any]:
     with gr.Row(elem_id="input-row", equal_height=True):  # Send turns into Stop while a reply streams
         # a long paste scrolls inside the box (8 lines at most); the page says when it is over the
         # limit (the class carries it to the page's script), as it is crossed, not after Send
-        parts |= dict(textbox=gr.Textbox(placeholder=views.LOADING, label="Message", show_label=False, scale=6,
+        parts |= dict(textbox=text_only("message", placeholder=views.LOADING, label="Message", show_label=False, scale=6,
                                          elem_id="message", autofocus=True, lines=1, max_lines=8,
                                          elem_classes=[f"limit-{max_message_chars}"]),
                       send=gr.Button("Send", variant="primary", scale=1, min_width=72, elem_id="send"),
@@ -163,7 +163,8 @@ def settings_panel(max_new_tokens: int) -> dict[str, Any]:
     with gr.Accordion("Settings", open=False, elem_id="settings"):
         # the labels name the API's parameters too (Gradio derives them): they stay; `info` says it for people
         panel = dict(
-            system_prompt=gr.Textbox(label="System prompt (changing it starts a new branch; the old one is kept)",
+            system_prompt=text_only("system_prompt",
+                                    label="System prompt (changing it starts a new branch; the old one is kept)",
                                      info="Instructions the assistant follows in this conversation",
                                      value=defaults.system_prompt, elem_id="system-prompt"),
             prompt_note=gr.Markdown("", elem_id="prompt-note"),

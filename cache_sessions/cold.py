@@ -1,4 +1,4 @@
-"""The cold tier: an idle session's states go to disk instead of being dropped (issue #23).
+"""The cold tier: an idle session's states go to disk instead of being dropped.
 
 When the budget is reached, the owner (cache_sessions/owner.py) writes the least recently used
 idle session here and frees its memory; that session's next operation reads it back, bit for
@@ -12,7 +12,7 @@ locked (flock) while the store lives: a second process on the same `--cache-dir`
 while the old process still runs, neither deletes nor reads the other's files. At start, folders
 whose lock nobody holds (a process that died) are removed; at close, the store's own.
 
-Disk work runs beside the engine's loop, never in it (issue #30: a 51 MiB spill stalled every
+Disk work runs beside the engine's loop, never in it (a 51 MiB spill stalled every
 decoding user by 223 ms). A spill only moves the session's states out of it, to a pending write
 (no copy), and a writer thread writes them one tensor at a time; the memory goes when the file
 is written. A session needed again before that takes its states straight back; one needed
@@ -125,7 +125,7 @@ class _File:
     """A session's file, as this store wrote it. `tag`: 16 random bytes of this write, the first
     thing its digest covers and never written to disk, so the file reads back only as this
     write: another session's file of this store, swapped into its place (session x came back with
-    y's states and ledger: issue #44, item 7), or an older file of the same session is refused."""
+    y's states and ledger), or an older file of the same session is refused."""
 
     path: Path
     nbytes: int
@@ -328,8 +328,8 @@ class ColdStore:
         """In a forked worker (ZeroGPU): a store of its own, in a folder of its own beside the
         parent's. It inherited the parent's folder, file list and key: a spill there could push
         out the parent's oldest file and leave files the parent does not track, and its exit
-        removed the parent's whole folder (the parent's sessions then rebuilt from scratch:
-        issue #44, item 8). The inherited lock is the parent's: closing the child's copy of it
+        removed the parent's whole folder (the parent's sessions then rebuilt from scratch). The
+        inherited lock is the parent's: closing the child's copy of it
         leaves the parent's lock held."""
         self._locked.let_go()
         self._begin()
@@ -380,7 +380,7 @@ class ColdStore:
                 if write.future.cancel() or write.future.done():
                     return True  # not begun (now never will be), or ended: its states are here
                 # being written now: taking them back would wait for the disk on the loop (0.70 s
-                # for every decoding user, issue #44 item 9); the writer keeps them once it is done
+                # for every decoding user); the writer keeps them once it is done
                 write.wanted = True
                 future = write.future
             else:

@@ -1,4 +1,4 @@
-"""Decode steps as compiled graphs, reading each conversation's states in place (issue #31).
+"""Decode steps as compiled graphs, reading each conversation's states in place.
 
 An eager decode step at Qwen3-0.6B's shape on a CPU is a few thousand small operations whose
 dispatch costs as much as the matrix products (docs/performance.md). The step of the plain
@@ -219,7 +219,7 @@ class GraphMaker:
         except Exception as error:
             # it is this app's own graph for this key, and it refuses this model: the key misses
             # something the graph depends on. Compiled again in memory, not sealed over it, or two
-            # such models in turn would each compile again at every start (issue #44, item 10)
+            # such models in turn would each compile again at every start
             self.keep_saved.add(name)
             log.warning("the saved decode step %s does not take this model (%s: %s); compiling it again, "
                         "not saved over", self.store.folder / name, type(error).__name__, str(error)[:300])
@@ -349,7 +349,7 @@ class CompiledDecode:
             # a failed guard is checked before anything runs; any other failure may have written
             # this step's keys and values past the filled part of a buffer, which nothing reads:
             # either way nothing was fed, and the eager forward takes this step and every later
-            # one (raising again at every step ended every row each time: issue #44, item 10)
+            # one (raising again at every step ended every row each time)
             why = ("a step would have compiled again (its guards failed)" if "GuardManager check failed" in str(error)
                    else f"the compiled step failed ({type(error).__name__})")
             self.error = f"{why}: {error}"[:500]

@@ -7,7 +7,7 @@
 
 Refused, with the reason, rather than offered half-working:
 - `static` (transformers' `StaticCache`, preallocated for `torch.compile`): a compiled decode step
-  measured slower on these CPUs (17-20 ms against 12.7, after 43 s of compiling; issue #23), and
+  measured slower on these CPUs (17-20 ms against 12.7, after 43 s of compiling), and
   in-place growth already removes the copy a preallocated cache saves.
 - `offloaded` (transformers' offloading of layers to the CPU during a forward): it only makes
   sense on a GPU; between calls the engine already moves idle caches off the GPU

@@ -1,5 +1,5 @@
 """Files the app writes and later runs: kept in a folder only the app's user can reach, sealed
-with a key only the app holds, and bound to what they were made for (issue #44, items 1-2).
+with a key only the app holds, and bound to what they were made for.
 
 A saved compiled step is code: loading one unpickles it and runs its bytecode and inductor's
 kernels. Its file name is a hash of public facts (versions, config, sources), so a name proves

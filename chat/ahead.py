@@ -1,4 +1,4 @@
-"""Prefill while the person types (issue #45): the steps that feed drafts, the prompts of
+"""Prefill while the person types: the steps that feed drafts, the prompts of
 messages not sent yet, into their conversations' own caches.
 
 A draft runs only in a step no reply wants (the scheduler asks for one when its table is idle of

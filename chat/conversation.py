@@ -86,7 +86,7 @@ class ConversationView:
     def is_busy(self) -> bool:
         """An operation runs (a reply, a switch, an undo...) or a reply was started and has not
         ended: the one meaning of busy. (A started reply holds the lock only once its stream is
-        read; before that, a second operation must be refused too, #32 item 1.)"""
+        read; before that, a second operation must be refused too.)"""
         return self._lock.locked() or self._running is not None
 
     @property
@@ -241,7 +241,7 @@ class Conversation(PathChanges):
     def prepare(self, text: str, generation: GenerationOptions | None = None, *, fit_context: bool = True,
                 **options: Any) -> bool:
         """Prefill the conversation as it will be once `text` is sent (the message being typed),
-        in the steps where no reply has work (issue #45): a Send of the same text with the same
+        in the steps where no reply has work: a Send of the same text with the same
         options then finds its prompt in the cache and starts at once. One at a time: a newer one,
         a Send, a change of what is shown or a close calls it off; what it fed stays where the
         Send's prompt shares it. Nothing is recorded and the text is kept nowhere but in the

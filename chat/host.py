@@ -61,7 +61,7 @@ def end_process(code: int) -> NoReturn:
     replies in flight), without the interpreter's own teardown. A compile on its thread (torch's
     and inductor's native threads) cannot be stopped; tearing the interpreter down under it
     aborted the process ("terminate called without an active exception", exit 134) when a Space
-    stopped during a start with `--compile on` (issue #44, item 3). What the compile had not
+    stopped during a start with `--compile on`. What the compile had not
     finished is simply not saved (a sealed file is written whole or not at all)."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

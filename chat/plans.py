@@ -70,7 +70,7 @@ class Planner:
         the reply records how many (`ReplyVersion.dropped_turns`) so the next turn keeps the same
         cut while it fits (chat/fitting.py). Before, the kept turns were copied under the system
         prompt as a new branch at every trimmed turn, and the 32nd such turn was refused
-        ("already has 32 versions"): a long chat could never go on (issue #44, item 11)."""
+        ("already has 32 versions"): a long chat could never go on."""
         fitted = fit_to_context(self.template, [node.message() for node in path], context_limit=self.context_limit,
                                 max_new_tokens=options.max_new_tokens, enable_thinking=options.enable_thinking,
                                 may_drop=fit_context, dropped_before=dropped_before, cancelled=cancelled)

@@ -2,7 +2,7 @@
 decodes, what was paused to give another client its share of the rows, and which replies are
 being made in another process (a ZeroGPU worker).
 
-Rows go to clients, not to requests in arrival order (issue #43, item 2): one address may hold as
+Rows go to clients, not to requests in arrival order: one address may hold as
 many conversations as there are rows, and took every row. A free row goes to the waiting (or
 paused) request whose client holds the fewest rows; with none free, a client below its share
 (the rows over the clients with requests) takes a decode row from the client holding the most,

@@ -43,7 +43,7 @@ class GenerationRequest:
         """`client`: who asked (the app's key for an address or a person; None: unknown), so one
         client's requests share one client's part of the prompt budget (chat/prompt_shares.py).
         `draft`: a prompt prepared ahead (the message being typed), prefilled at idle priority and
-        never decoded (issue #45: see `DecodeScheduler.prepare`)."""
+        never decoded (see `DecodeScheduler.prepare`)."""
         self.session, self.options, self.stop, self.work, self.draft = session, options, stop, work, draft
         self.flow: Hashable = client if client is not None else self  # unknown: a flow of its own
         self.prompt_ids = list(prompt_ids)

@@ -102,7 +102,7 @@ class ServedSource:
 
     def prepare(self, request: ReplyRequest) -> threading.Event:
         """Warm the server's own prefix cache with the conversation as it will be with the message
-        being typed (issue #45): the same request the Send will make (same messages or prompt,
+        being typed: the same request the Send will make (same messages or prompt,
         `cache_salt` and affinity, so a prefix-caching server such as vLLM or SGLang keeps its
         blocks where the Send finds them), asking for one token, on a thread of its own. Setting
         the returned event closes its stream (the server cancels it). At most `MAX_WARMING`

@@ -82,8 +82,26 @@ def default_url(environ: dict[str, str] | None = None) -> str:
         folder = Path("/data")
     else:
         folder = Path(environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "rewind-chat"
-    folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)  # the app's own folder: no other local user lists it
     return f"sqlite:///{folder / 'rewind-chat.sqlite3'}"
+
+
+def keep_private(url: str) -> None:
+    """An SQLite file store readable by its owner alone from its first write: a folder it makes
+    0700, the database made 0600 before SQLite opens it (SQLite gives its `-wal` and `-shm`
+    files the database's mode), and files found wider narrowed to 0600. (A PostgreSQL server
+    keeps its own files: docs/deploy.md.)"""
+    path = sa.engine.make_url(url).database if url.startswith("sqlite") else None
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return
+    database = Path(path)
+    if not database.parent.exists():
+        database.parent.mkdir(mode=0o700, parents=True)
+    os.close(os.open(database, os.O_CREAT | os.O_WRONLY, 0o600))
+    for file in (database, database.with_name(database.name + "-wal"), database.with_name(database.name + "-shm")):
+        if file.exists() and file.stat().st_mode & 0o077:
+            os.chmod(file, 0o600)
 
 
 def open_database(url: str) -> Engine:
@@ -91,6 +109,7 @@ def open_database(url: str) -> Engine:
     writer), every transaction `BEGIN IMMEDIATE` (a writer takes the lock first, so two never
     deadlock upgrading a read), a 30 s wait for the lock, synced on commit."""
     if url.startswith("sqlite"):
+        keep_private(url)
         engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
         @sa.event.listens_for(engine, "connect")

@@ -1,4 +1,4 @@
-"""The terminal chat prepares the message being typed, as the page does (issue #45).
+"""The terminal chat prepares the message being typed, as the page does.
 
 `Conversation.prepare` prefills the conversation as it will be once the text is sent; a Send of
 the same text then finds its prompt in the cache. The page asks at most every 150 ms with the text

@@ -78,7 +78,7 @@ def test_cold_tier_benchmark_writes_the_documented_fields(tmp_path):
                "--stall-tokens", "200", "--stall-reply", "30"])
     result = json.loads(out.read_text())
     assert result["tokens"] == 64 and len(result["runs"]["resume_s"]) == 2
-    assert result["spill_s"] <= result["write_s"] and result["stall"]["file_bytes"] > 0
+    assert result["spill_s"] > 0 and result["write_s"] > 0 and result["stall"]["file_bytes"] > 0
     assert "worst_over_median" in result["stall"]
     assert result["file_bytes"] >= result["state_bytes"] > 0  # the file holds every byte of the states
     assert result["bytes_per_token"] == result["state_bytes"] / 64

@@ -122,3 +122,10 @@ def test_a_message_sent_right_after_new_chat_goes_to_the_new_chat(browser, demo_
     expect(users.first).to_have_text("What is 1 + 1?")
     expect(users).to_have_count(1)
     page.close()
+
+
+def test_the_search_box_is_named_for_a_screen_reader(browser, demo_app):
+    """Its accessible name was "Textbox"."""
+    page = open_chat(browser, demo_app.url)
+    expect(page.get_by_role("textbox", name="Search chats", exact=True)).to_be_visible()
+    page.close()

@@ -106,3 +106,22 @@ def test_a_snapshot_holds_the_path_on_screen_and_nothing_else():
     assert [node.content if node.reply is None else node.reply.content for node in history.entries] == \
         ["first", "the version on screen", "second", "its answer"]
     assert "older version" not in str(alone) and "another branch" not in str(alone)
+
+
+def test_a_share_is_titled_from_the_path_it_publishes_unless_the_chat_was_named():
+    """The list's title is the chat's first message, which may have been edited away: a share
+    titled so published a message it does not hold."""
+    from chat import saved
+    from ui.browser_copy import Book
+
+    data = {"format": saved.FORMAT, "version": 1, "shown": 1, "system_prompt": None, "path": [1],
+            "messages": [{"parent": None, "role": "user", "content": "my old secret question", "shown": None},
+                         {"parent": None, "role": "user", "content": "What is 2 + 2?", "shown": None}]}
+    book = Book()
+    book.read({"id": "chat000001", "rev": 1, "title": "my old secret question", "renamed": False, "data": data})
+    book.current = "chat000001"
+    shared = saved.path_only(data)
+    assert sharing.share_title(book, shared) == "What is 2 + 2?"
+    book.renamed.add("chat000001")  # (a rename)
+    book.put_first("chat000001", "Arithmetic")
+    assert sharing.share_title(book, shared) == "Arithmetic"

@@ -260,3 +260,31 @@ def test_settings_changed_at_once_on_two_devices_both_stay(engine):
     with pytest.raises(ValueError):  # a check that refuses writes nothing
         preferences.update("hf:a", {"setting_0": -1}, lambda merged: (_ for _ in ()).throw(ValueError("no")))
     assert preferences.get("hf:a")["setting_0"] == 0 and preferences.get("hf:b") is None
+
+
+def test_an_sqlite_store_is_its_owners_alone_from_the_first_write(tmp_path):
+    """The store holds signed-in people's chats and the hashes of revoke keys: its folder is 0700
+    and its files (the database, its -wal and -shm) 0600, whatever the umask, from the first write."""
+    import stat
+
+    from chat.store import default_url
+
+    old = os.umask(0o022)
+    try:
+        url = default_url({"XDG_DATA_HOME": str(tmp_path / "data")})
+        folder = tmp_path / "data" / "rewind-chat"
+        records = Records(open_database(url))
+        records.put("hf:alice", record("chat-0001", 1, "secret"))
+        files = [folder / name for name in ("rewind-chat.sqlite3", "rewind-chat.sqlite3-wal", "rewind-chat.sqlite3-shm")]
+        assert all(file.exists() for file in files)
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert {stat.S_IMODE(file.stat().st_mode) for file in files} == {0o600}
+        elsewhere = tmp_path / "made" / "here.sqlite3"  # a path given: its new folder too
+        Records(open_database(f"sqlite:///{elsewhere}")).put("hf:bob", record("chat-0002", 1, "mine"))
+        assert stat.S_IMODE(elsewhere.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o600
+        os.chmod(elsewhere, 0o644)  # an older store, found readable: narrowed as it opens
+        open_database(f"sqlite:///{elsewhere}").dispose()
+        assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o600
+    finally:
+        os.umask(old)

@@ -131,6 +131,21 @@ def test_a_reply_of_thinking_only_says_no_answer_came_and_the_busy_box_invites_t
     assert "Stop" not in views.BUSY and "sends it when this reply ends" in views.BUSY
 
 
+def test_a_reply_stopped_while_thinking_shows_its_mark_under_the_fold_and_can_go_on():
+    """Stopped (or its length ran out) before any answer: the mark ("stopped") and Continue's class
+    sit on a message of their own under the folded Thinking block, the last message shown (the page
+    enables Continue from it); before, they were inside the folded block and Continue stayed off."""
+    from ui import views
+
+    messages = [{"role": "user", "content": "What is 5 * 67?"},
+                {"role": "assistant", "content": "", "reasoning_content": "5 * 67 is"}]
+    shown, index_of = views.chatbot_messages(messages, {1: 0.4}, marks={1: "stopped"}, continuable={1})
+    assert shown[1].get("metadata", {}).get("title") == views.THINKING_TITLE
+    assert "stopped" not in shown[1]["content"]
+    assert shown[-1]["content"] == f'{views.CONTINUABLE_MARK_OPEN}stopped{views.MARK_CLOSE}' and index_of == [0, 1, 1]
+    assert views.without_mark(shown[-1]["content"]) == ""  # an edit of it starts from the empty answer
+
+
 def test_only_a_reply_the_model_did_not_end_is_marked_for_continue_and_the_mark_is_not_its_text(tokenizers):
     """Issue #46 (5): the page enables Continue from the class on the last reply's note."""
     from conftest import THINKING_TEMPLATE

@@ -1,4 +1,4 @@
-"""Signed-in people's conversations follow them (issue #47): the browser's records, kept in the store too.
+"""Signed-in people's conversations follow them: the browser's records, kept in the store too.
 
 Signing in is Gradio's OAuth with Hugging Face (a Space with `hf_oauth: true`): the account is
 the OAuth session's subject, read from the session cookie Gradio signs, never from anything the

@@ -332,7 +332,7 @@ window.rewindCopy = (() => {
     if (copied) refreshList();
   };
   const refreshList = () => document.querySelector("#list-refresh")?.click();
-  // Import by dropping a file anywhere on the page (#46): its text goes as an Import's does
+  // Import by dropping a file anywhere on the page: its text goes as an Import's does
   const hasFiles = (event) => [...(event.dataTransfer?.types || [])].includes("Files");
   document.addEventListener("dragover", (event) => { if (hasFiles(event)) event.preventDefault(); }, true);
   document.addEventListener("drop", (event) => {

@@ -54,7 +54,7 @@ def choices_of(book: Book) -> Any:
 
 def distinct_titles(index: list[tuple[str, str]]) -> list[str]:
     """The list's labels, newest first: a title that several conversations share is numbered from
-    its oldest, "What is 33 + 44? (2)" (#46, 3: six of one title in a row could not be told
+    its oldest, "What is 33 + 44? (2)" (six of one title in a row could not be told
     apart), so a label does not change when a newer one comes."""
     seen: dict[str, int] = {}
     labels = []
@@ -105,7 +105,7 @@ class CopyKeeping:
 
     def _taken_over(self, request: gr.Request, book: Book, record: dict[str, Any]) -> tuple[str, BrowserChat] | None:
         """Signed in: the server conversation another page of this account left in exactly the
-        state of `record`, taken over with its cache (issue #47: no rebuild on a second device)."""
+        state of `record`, taken over with its cache (no rebuild on a second device)."""
         if self.account_copy is None:
             return None
         key = self.account_copy.live_key(book.account, record["id"])
@@ -131,7 +131,7 @@ class CopyKeeping:
             return book, None
         chat, known = self.directory.find(key), book.revs.get(book.current)
         # this page's own draft of a reply that may still stream (a message typed ahead, a click
-        # during it) is no other tab's change: rebuilding from it would stop that reply (#32, 1)
+        # during it) is no other tab's change: rebuilding from it would stop that reply
         own = (known, book.drafted.get(book.current))
         stale = said.current == book.current and said.rev is not None and said.rev not in own
         if said.rev is not None and (chat is None or stale):
@@ -159,7 +159,7 @@ class CopyKeeping:
         (`key` and `book` as its last two inputs; the outbox as its last output): the whole
         record once, as the message shows (so it is in the browser before the reply streams),
         then with each update of the chat the reply's own text (a patch of that draft), so a
-        reload mid-reply keeps what was on screen (#32, 3)."""
+        reload mid-reply keeps what was on screen."""
         key_field = ChatOutputs.names().index("key")
 
         @functools.wraps(handler)
@@ -259,7 +259,7 @@ class ChatArrivals(CopyKeeping):
         """A JSON export's text, read by the page from the file the person picked (None: none was),
         checked whole (`engine.restore`), opened as a new entry of the list. The text, not an
         upload: Gradio's upload hands back a path that the event then names, and any file of its
-        upload folder could be named so (and was deleted once read: issue #44, item 6)."""
+        upload folder could be named so (and was deleted once read)."""
         book = checked_book(book)
         if text is None:
             return (*ChatOutputs().to_gradio(), *ListOutputs().to_gradio())
@@ -291,7 +291,7 @@ class ChatArrivals(CopyKeeping):
         book.current = book.new_entry(title)  # the name it was exported or shared with, if any
         written = self._write(book, new_key, chat)
         outputs = self.handlers.view(new_key, chat, stats=stats, system_prompt=chat.conversation.system_prompt or "",
-                                     **changes)  # its own system prompt (#32, 2)
+                                     **changes)  # its own system prompt
         return (*outputs.to_gradio(), *ListOutputs.of(book, *also, *left, *([written] if written else [])).to_gradio())
 
     # ---- moving between conversations --------------------------------------------------------------
@@ -367,7 +367,7 @@ class ChatList(ChatArrivals):
                 book.read(said.record)
                 pending = said.pending_prompt
                 if pending and pending[0] == book.current and len(pending[1]) <= self.handlers.limits.max_system_chars:
-                    outputs.system_prompt = pending[1]  # typed before the reload, still not applied (#32, 4)
+                    outputs.system_prompt = pending[1]  # typed before the reload, still not applied
         listed = ListOutputs.of(book, *from_account)
         if not from_account:
             listed.outbox = None  # nothing to write
@@ -415,7 +415,7 @@ class ChatList(ChatArrivals):
 
     def clear(self, key: Any, book: Any) -> tuple:
         """The chat's trash button: a New chat that says so (it blanked only the view, and the next
-        message went on with the old conversation, #32 item 5). Nothing is deleted: that is the
+        message went on with the old conversation). Nothing is deleted: that is the
         list's Delete, with its confirmation."""
         return self.new_chat(key, book, stats=views.CLEARED)
 
@@ -425,7 +425,7 @@ class ChatList(ChatArrivals):
         if book.current is None or all(entry != book.current for entry, _ in book.index):
             gr.Warning("Open a conversation and type its new name first.")
             return gr.skip(), gr.skip(), gr.skip()
-        if not text:  # one is open (#46, 5: this said "open a conversation first")
+        if not text:  # one is open (this said "open a conversation first")
             gr.Warning("A name cannot be empty: type one, then Rename.")
             return gr.skip(), gr.skip(), gr.skip()
         return outbox(book, self._keep(book, browser_copy.rename(book, book.current, text))), book, choices_of(book)
@@ -445,7 +445,7 @@ class ChatList(ChatArrivals):
 
 
 class ChatFiles:
-    """Exports of the shown conversation, downloaded by the page at once (issue #46, item 2):
+    """Exports of the shown conversation, downloaded by the page at once:
     before, a "Download" box appeared at the sidebar's foot, below the fold with a long list, and
     went on offering the file of a conversation the person had since left. And "Export all"."""
 

@@ -147,8 +147,8 @@ class ChatDirectory:
     def _open(self, chat: BrowserChat, page: str | None) -> tuple[str, BrowserChat]:
         """Count, make room, open and record as one step: opens are taken one at a time (they are
         cheap), so a client's count is never read by one open while another is between its count
-        and its record (16 sends at once from one address kept 6 under a limit of 4: issue #44,
-        item 5). A lock of its own: closing one for room calls back into `_forget`, which takes
+        and its record (16 sends at once from one address kept 6 under a limit of 4).
+        A lock of its own: closing one for room calls back into `_forget`, which takes
         `_lock`."""
         with self._opening:
             if chat.client is not None and self.max_per_client is not None:

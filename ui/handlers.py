@@ -67,7 +67,7 @@ class ChatHandlers(ReplyEvents):
         yield from self.act(request, key, values, made(Send, text, fit_context=True))
 
     def prepare(self, text: Any, asked: Any, key: Any, *values: Any) -> Any:
-        """The message being typed (#45): the page's conversation prefilled as it will be with it,
+        """The message being typed: the page's conversation prefilled as it will be with it,
         when no reply has work (`Conversation.prepare`). Quietly nothing where it cannot be: no
         conversation yet (the first message makes it), a reply running, a refused input. Hands
         back `asked`, the page's number for this ask, once taken (its draft, if any, in the table)."""

@@ -22,6 +22,23 @@ class Limits:
     max_system_chars: int = 4_000
 
 
+def text_only(field: str, **options: Any) -> gr.Textbox:
+    """A Textbox (Gradio's `options`) whose value from a client must be text, else refused naming
+    `field`: Gradio's own passes anything on as its `str` (an object sent for a message became the
+    message "{'text': ...}"). (Its check is set on the instance: a subclass of a component makes
+    Gradio write a stub file beside this module.)"""
+    box = gr.Textbox(**options)
+    as_text = box.preprocess
+
+    def preprocess(payload: Any) -> str | None:
+        if payload is not None and not isinstance(payload, str):
+            raise refuse(field, f"must be text, not {type(payload).__name__}")
+        return as_text(payload)
+
+    box.preprocess = preprocess  # type: ignore[method-assign]
+    return box
+
+
 def refuse(field: str, problem: str) -> gr.Error:
     return refused(f"{field}: {problem}")
 
@@ -35,7 +52,7 @@ def refused(reason: Any) -> gr.Error:
 
 
 def too_long(error: ContextOverflowError) -> str:
-    """A prompt over the model's context, in a user's words: by how much, and what to do (#32, 7).
+    """A prompt over the model's context, in a user's words: by how much, and what to do.
     (Older turns are dropped by themselves when the newest message alone fits.)"""
     over = error.prompt_tokens + error.max_new_tokens - error.context_limit
     return (f"That is too long for this model by about {over:,} tokens (roughly {4 * over:,} characters): it "

@@ -3,7 +3,7 @@ controls inside the chat), its style, and the LaTeX delimiters the chat renders.
 
 from chat.typing_ahead import PREPARE_EVERY_S
 
-# How often the page asks the server to prepare the message being typed (#45), the terminal
+# How often the page asks the server to prepare the message being typed, the terminal
 # chat's pace too (chat/typing_ahead.py).
 PREPARE_EVERY_MS = round(PREPARE_EVERY_S * 1000)
 
@@ -39,7 +39,7 @@ PAGE_SCRIPT = """() => {
     document.addEventListener("keydown", (event) => {  // Escape stops a reply
         if (event.key === "Escape") document.querySelector("#stop")?.click();
     });
-    // Typing ahead (#32, 1): Enter while a reply streams does not send (that would be refused, or
+    // Typing ahead: Enter while a reply streams does not send (that would be refused, or
     // worse); the message waits in the box, a line under it says so, and it is sent as the reply
     // ends (Stop ends it now). Emptying the box takes the message back.
     const shown = (selector) => { const node = document.querySelector(selector); return !!node && node.offsetParent !== null; };
@@ -54,7 +54,7 @@ PAGE_SCRIPT = """() => {
         }
         waitNote.textContent = on ? "Sent when this reply ends (Stop ends it now; empty the box to cancel)." : "";
     };
-    // What is sent is what the box held at Enter or Send (#46, 1): the server reads the box when its
+    // What is sent is what the box held at Enter or Send: the server reads the box when its
     // step runs, after the chain's first steps, and a second message typed meanwhile was sent in
     // its place (or cleared by the first reply). Until the reply starts (Stop shows) a send is in
     // flight: another Enter waits like one typed during the reply; and the box is emptied then
@@ -91,9 +91,9 @@ PAGE_SCRIPT = """() => {
         event.stopImmediatePropagation();
         if (event.type === "keydown" && !empty) showWaiting(true);
     };
-    // Send is disabled while the box is empty (#32, 7): other chat apps do so, and a toast said "Error".
+    // Send is disabled while the box is empty: other chat apps do so, and a toast said "Error".
     // And while the message is over the server's limit, which a line under the box says as it is
-    // crossed (#46, 7: a 200,000-character paste was refused only after Send).
+    // crossed (a 200,000-character paste was refused only after Send).
     const limit = () => Number((document.querySelector("#message")?.className.match(/limit-(\d+)/) || [])[1] || Infinity);
     let overNote = null;
     const sendState = () => {
@@ -112,7 +112,7 @@ PAGE_SCRIPT = """() => {
     document.addEventListener("input", (event) => {
         sendState();
         if (waiting && event.target === box() && !box().value.trim()) showWaiting(false);  // taken back
-        if (event.target.closest?.("#system-prompt")) window.rewindCopy.typedPrompt(event.target.value);  // #32, 4
+        if (event.target.closest?.("#system-prompt")) window.rewindCopy.typedPrompt(event.target.value);
     }, true);
     document.addEventListener("click", (event) => {
         if (!event.target.closest?.("#send") || !box()) return;
@@ -126,7 +126,7 @@ PAGE_SCRIPT = """() => {
     }, true);
     document.addEventListener("keydown", holdEnter, true);
     document.addEventListener("keypress", holdEnter, true);
-    // Prepare the reply while typing (#45): the server prefills the chat as it will be with the
+    // Prepare the reply while typing: the server prefills the chat as it will be with the
     // message as it stands, when no reply has work. At most every PREPARE_EVERY_MS ms: at typing
     // speed that is each keystroke, at once, so a Send at the next keystroke finds the text it
     // sends prefilled; faster, the text as it stands once that time is up, and always the last.
@@ -184,7 +184,7 @@ PAGE_SCRIPT = """() => {
             if (box()?.value.trim()) document.querySelector("#send")?.click();
         }
     }, 100);
-    // The list (#46, 3): each entry's day group, time and a line of its last message, and a search
+    // The list: each entry's day group, time and a line of its last message, and a search
     // over titles and messages, read from this browser's records (the server knows titles only).
     // Drawn as data attributes the style shows, so Gradio's own list stays as it renders it.
     const searchable = new Map();  // id -> [rev, lower-case text of its title and messages]
@@ -238,7 +238,7 @@ PAGE_SCRIPT = """() => {
     setInterval(() => { const box = document.querySelector("#shared-links");
                         if (box && !box.querySelector(".shared-list")) window.rewindShares?.draw(); }, 300);
 
-    // The chat takes the window's height with the box at its foot (#46, 4): its height is what the
+    // The chat takes the window's height with the box at its foot: its height is what the
     // window leaves once what is above it (the title) and below it (the box, the line under it) is drawn
     const fit = () => {
         const chat = document.querySelector("#chatbot"), last = document.querySelector("#stats");
@@ -255,7 +255,7 @@ PAGE_SCRIPT = """() => {
         if (parts.every(Boolean)) { parts.forEach((part) => sized.observe(part)); fit(); clearInterval(watchSizes); }
     }, 100);
 
-    // "Branch off into a new chat" (#46): a button beside each message's own (copy, edit); the
+    // "Branch off into a new chat": a button beside each message's own (copy, edit); the
     // message's place in the chat goes to the server (FORK_INPUT), which knows what it is
     const addForks = () => document.querySelectorAll("#chatbot .message-buttons .icon-button-wrapper").forEach((bar) => {
         const row = bar.closest(".message-buttons")?.previousElementSibling;
@@ -298,7 +298,7 @@ PAGE_SCRIPT = """() => {
 TARGET_INPUT = "(target, ...settings) => [window.rewindBranchTarget ?? target, ...settings]"
 FORK_INPUT = "(target, ...rest) => [window.rewindForkTarget ?? target, ...rest]"
 CSS = """
-/* #46, 4: one New chat (the list's): the chat's own trash button is not shown */
+/* one New chat (the list's): the chat's own trash button is not shown */
 #chatbot button[aria-label="Clear"] { display: none !important; }
 #header { min-height: 0; }
 #header p { margin: 0; font-size: 0.95rem; }
@@ -322,7 +322,7 @@ CSS = """
 .branch-step.prev::before { content: "‹" / ""; }  /* drawn, not read: the button's name is its text */
 .branch-step.next::before { content: "›" / ""; }
 .branch-step.regen::before { content: "↻" / ""; }
-/* the list: a day's heading above its first entry, each entry's time and last message (#46, 3) */
+/* the list: a day's heading above its first entry, each entry's time and last message */
 #chat-list label[data-group]:not([data-group=""])::before { content: attr(data-group); display: block; width: 100%;
   font-size: 0.75em; font-weight: 600; opacity: 0.7; margin: 0.4em 0 0.1em; }
 #chat-list label { flex-wrap: wrap; }
@@ -330,9 +330,9 @@ CSS = """
   display: block; width: 100%; font-size: 0.75em; opacity: 0.65; overflow: hidden; text-overflow: ellipsis;
   white-space: nowrap; }
 #chat-list label[hidden] { display: none !important; }
-/* Gradio's footer ends in a separator before its hidden "Stop Recording": a stray "·" (#32, 9) */
+/* Gradio's footer ends in a separator before its hidden "Stop Recording": a stray "·" */
 footer .divider:last-child { display: none !important; }
-/* the chat's trash button: messages scroll under an opaque chip, not through the icon (#32, 9) */
+/* the chat's trash button: messages scroll under an opaque chip, not through the icon */
 #chatbot .icon-button-wrapper.top-panel { background: var(--block-background-fill); border-radius: var(--radius-sm); }
 .waiting-note { font-size: 0.85em; opacity: 0.8; padding: 0 0.5em; min-height: 0; }
 .waiting-note:empty { display: none; }
@@ -342,7 +342,7 @@ footer .divider:last-child { display: none !important; }
   #chatbot .message-buttons button, #chatbot .message-buttons-left button, #chatbot .message-buttons-right button {
     min-width: 40px; min-height: 40px; }
   #continue, #new-chat, #dark-mode { min-height: 40px; }
-  /* #46, 8: the chat's trash button and a reply's Thinking expander were 18 px, the list's buttons 26 */
+  /* the chat's trash button and a reply's Thinking expander were 18 px, the list's buttons 26 */
   #chatbot .icon-button-wrapper.top-panel button { min-width: 40px; min-height: 40px; }
   #chatbot .thought-group .title { min-height: 40px; }
   #sidebar button { min-height: 40px; }

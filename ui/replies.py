@@ -47,7 +47,7 @@ class ReplyEvents(HandlersBase):
         base, reasoning, answer = self._before_reply(chat, operation)
         if isinstance(operation, (Send, Edit)):  # show the user's message at once
             # the box is not emptied here: the page empties it if it still holds what was sent
-            # (a message typed meanwhile was lost: #46, 1); an API client keeps its own
+            # (a message typed meanwhile was lost); an API client keeps its own
             yield self.view(key, chat, chat=base, stats=views.GENERATING, **_BUSY,
                             textbox=gr.update(placeholder=views.BUSY))
         with chat.streams.held():  # (Gradio has sent every earlier update when it asks for the next)

@@ -50,6 +50,9 @@ Send = Callable[[dict], Awaitable[None]]
 
 
 PROXY_HEADERS = {b"x-forwarded-host", b"x-forwarded-proto", b"x-gradio-server"}
+# Gradio's file upload: no component of the page uploads (an Import is read as text in the
+# browser), and open, any client could fill the disk until Gradio's sweep. Answered 404 unread.
+CLOSED_PATHS = frozenset({"/upload", "/gradio_api/upload"})
 
 
 class SecurityHeaders:
@@ -70,6 +73,10 @@ class SecurityHeaders:
                                          if name.lower() not in PROXY_HEADERS])
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if path.removeprefix(scope.get("root_path", "")).rstrip("/") in CLOSED_PATHS:
+            await _not_found(send)
             return
 
         nonce = secrets.token_urlsafe(18)
@@ -103,3 +110,11 @@ class SecurityHeaders:
 
 def _is_html(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(name.lower() == b"content-type" and value.lower().startswith(b"text/html") for name, value in headers)
+
+
+async def _not_found(send: Send) -> None:
+    body = b'{"detail":"Not Found"}'
+    await send({"type": "http.response.start", "status": 404,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *HEADERS, (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

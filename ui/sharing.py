@@ -1,4 +1,4 @@
-"""Share by link (issue #47): a read-only snapshot of the path on screen at `/share/<id>`.
+"""Share by link: a read-only snapshot of the path on screen at `/share/<id>`.
 
 The Share button stores the shown path alone (chat/shares.py) and gives the page the link's id
 and the key that revokes it; the browser keeps both in its list of shared links (`SCRIPT`), and
@@ -47,11 +47,12 @@ class Sharing:
         if data is None or not browser_copy.said_anything(data):
             gr.Warning("There is nothing to share yet: say something first.")
             return gr.skip()
-        title = book.title(book.current) or browser_copy.title_of(data)
+        shared = saved.path_only(data)
+        title = share_title(book, shared)
         try:
             owner = account_of(profile)
             share_id, revoke_key = self.shares.create(owner=owner, client=owner or client_of(request) or "unknown",
-                                                      title=title, snapshot=saved.path_only(data))
+                                                      title=title, snapshot=shared)
         except ChatError as error:
             gr.Warning(str(error))
             return gr.skip()
@@ -98,6 +99,14 @@ class Sharing:
                                 headers={"content-security-policy": SHARE_PAGE_POLICY, "cache-control": "no-store"})
 
         return [Route("/share/{share_id}", page, methods=["GET"])]
+
+
+def share_title(book: browser_copy.Book, shared: dict[str, Any]) -> str:
+    """A shared page's title: the name the person gave the chat, else the first message of the
+    path shared (the list's title may be a first message edited away, which is not published)."""
+    if book.current is not None and book.current in book.renamed:
+        return book.title(book.current)
+    return browser_copy.title_of(shared)
 
 
 def share_page(title: str, data: dict[str, Any], *, share_id: str) -> str:

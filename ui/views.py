@@ -14,7 +14,7 @@ GENERATING = "generating… (Stop or Esc ends it and keeps what was written)"
 READY = "Message (Enter to send)"
 LOADING = "Loading your settings and conversations…"  # until the page's load events have run (then READY)
 CLEARED = "Cleared: this is a new chat. The one you left stays in the list (Delete there removes it)."
-BUSY = "Type your next message: Enter keeps it and sends it when this reply ends"  # #46, 5
+BUSY = "Type your next message: Enter keeps it and sends it when this reply ends"
 
 
 def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float], marks: dict[int, str] | None = None,
@@ -47,10 +47,11 @@ def chatbot_messages(messages: list[dict], thinking_seconds: dict[int, float], m
         if message["role"] == "user":
             shown.append({"role": "user", "content": as_typed(message["content"])})
             index_of.append(index)
-        elif message["content"] or not message.get("reasoning_content"):
+        elif message["content"] or not message.get("reasoning_content") or index in marks:
+            # (a reply stopped while it thought: its mark, and Continue's class, under the fold)
             shown.append({"role": message["role"], "content": safe_markdown(message["content"])})
             index_of.append(index)
-        elif index not in marks:  # only a Thinking block, folded: say that no answer came (#46, 5)
+        else:  # only a Thinking block, folded: say that no answer came
             shown.append({"role": "assistant", "content": f"{MARK_OPEN.strip()}{NO_ANSWER}{MARK_CLOSE}"})
             index_of.append(None)  # nothing to edit there
         if index in marks and shown:
@@ -65,7 +66,7 @@ TRAILING_MARK = re.compile(r'\n\n<sub(?: class="continuable")?>[^<]*</sub>\Z')
 UNFINISHED = "unfinished: Continue goes on"  # a reply that did not end and was not stopped (its length ran out)
 
 
-# What a person types is shown as typed (#46, 6): the chat renders Markdown, HTML and LaTeX, so a
+# What a person types is shown as typed: the chat renders Markdown, HTML and LaTeX, so a
 # message with `<img ...>`, `**bold**` or `[link](javascript:...)` showed neither its characters nor
 # (the sanitizer at work) anything that ran. Each character Markdown, HTML or the math delimiters
 # act on goes as a numeric character reference, which no parser reads as syntax and the browser
@@ -93,7 +94,7 @@ def typed_text(shown: str) -> str:
 
 
 def without_mark(text: str) -> str:
-    """A reply's text as edited in the chat, less the note shown under it (#46, 5)."""
+    """A reply's text as edited in the chat, less the note shown under it."""
     return TRAILING_MARK.sub("", text)
 NO_ANSWER = "no answer after the thinking (Continue goes on if it was cut short; ↻ writes another)"
 SWITCHER_CLASS = "branch-nav"
@@ -167,7 +168,7 @@ def reply_marks(entries: list[Any]) -> dict[int, str]:
 
 
 def continuable_replies(entries: list[Any]) -> set[int]:
-    """The replies Continue can extend, by message index: those the model did not end (#46, 5:
+    """The replies Continue can extend, by message index: those the model did not end (5:
     Continue stayed enabled after a finished reply and then said there was nothing to continue)."""
     return {index for index, entry in enumerate(entries)
             if entry.role == "assistant" and entry.reply is not None and not entry.reply.ended}

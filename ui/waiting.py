@@ -1,5 +1,5 @@
 """A bound on what clients may have waiting in the server: large request bodies, per client and in
-all (issue #44, item 4).
+all.
 
 Gradio parses an event's body when it is queued (`/queue/join`) and keeps it until the event has
 run; events that carry the browser's record run one at a time. Sixteen page loads at once, each

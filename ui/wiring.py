@@ -15,6 +15,7 @@ import gradio as gr
 
 from ui.chat_list import ChatList
 from ui.handlers import ChatHandlers, PageEvents
+from ui.inputs import text_only
 from ui.outputs import ChatOutputs, Settings
 from ui.page_assets import FORK_INPUT, TARGET_INPUT
 from ui import sharing as share_script
@@ -78,7 +79,7 @@ PICK_FILE = "async (text, ...rest) => [await window.rewindCopy.pickFile(), ...re
 DROPPED_FILE = "(text, ...rest) => { const dropped = window.rewindDropped ?? null; window.rewindDropped = null; " \
                "return [dropped, ...rest]; }"
 WITH_LIST = "(probe, ...rest) => [window.rewindCopy.withList(), ...rest]"
-# An export's file, downloaded by the browser at once, named from the conversation's title (#46, 2)
+# An export's file, downloaded by the browser at once, named from the conversation's title
 DOWNLOAD = DOWNLOAD_FN = ("(file) => { if (!file || typeof file.text !== 'string') return; "
             "const url = URL.createObjectURL(new Blob([file.text], {type: file.type})); "
             "const link = Object.assign(document.createElement('a'), {href: url, download: file.name}); "
@@ -286,7 +287,7 @@ def wire_api_twins(handlers: ChatHandlers, page: dict[str, Any]) -> None:
     generating ones carry drafts for the browser's copy (an API client keeps its own)."""
     outputs, with_settings = outputs_of(page), [page["key"], *settings_of(page)]
     generating = dict(concurrency_id="generate")
-    message = gr.Textbox(visible=False)
+    message = text_only("message", visible=False)
     gr.Button(visible=False).click(streamed(handlers.send), [message, *with_settings], outputs, api_name="send",
                                    **generating)
     gr.Button(visible=False).click(streamed(handlers.continue_reply), with_settings, outputs, api_name="continue",
@@ -301,7 +302,7 @@ def wire_api_twins(handlers: ChatHandlers, page: dict[str, Any]) -> None:
     for step, name in ((-1, "previous_version"), (1, "next_version")):  # the page has ‹ › in the chat
         gr.Button(visible=False).click(instant(functools.partial(handlers.select_version, step)), with_settings,
                                        outputs, api_name=name)
-    edit_index, edit_text = gr.Number(visible=False, precision=0), gr.Textbox(visible=False)
+    edit_index, edit_text = gr.Number(visible=False, precision=0), text_only("text", visible=False)
     gr.Button(visible=False).click(streamed(handlers.edit), [edit_index, edit_text, *with_settings], outputs,
                                    api_name="edit", **generating)
     gr.Button(visible=False).click(instant(handlers.edit_reply), [edit_index, edit_text, *with_settings],
