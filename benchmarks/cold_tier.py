@@ -52,7 +52,7 @@ def run(model_name: str, tokens: int, repeats: int, folder: str) -> dict:
     for _ in range(repeats):
         session = CacheSession(model, max_checkpoints=0)
         started = time.perf_counter()
-        session.prepare(prompt)
+        session.rewind_to(prompt)
         runs["prefill_s"].append(time.perf_counter() - started)
         state_bytes = filled_bytes(session.tensors())  # without the room the buffers keep to grow
         written = [t.clone() for t in session.tensors()]

@@ -61,7 +61,7 @@ def histories(model, worker: ModelWorker, length: int, rows: int) -> list[tuple[
         rng = random.Random(length * 100 + row)
         prompt = [rng.randrange(VOCAB) for _ in range(length - row * length // (4 * rows) + 1)]
         session = CacheSession(model, max_checkpoints=0)
-        session.prepare(prompt)
+        session.rewind_to(prompt)
         return prompt, session.cut_segment(0)
 
     with way("engine"):

@@ -52,7 +52,7 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 def bytes_per_token(model, kind: KVCacheKind, tokens: int) -> float:
     session = CacheSession(model, max_checkpoints=0, kv_cache=kind)
-    session.prepare(prompt_of(tokens, 0))
+    session.rewind_to(prompt_of(tokens, 0))
     return filled_bytes(session.tensors()) / tokens
 
 

@@ -89,7 +89,7 @@ class Bench:
         model = self.engine.model
         session = copy.deepcopy(conv.session, memo={id(model): model})
         prompt = self.engine.template.render(conv.messages + [{"role": "user", "content": message}]).ids
-        session.prepare(prompt)
+        session.rewind_to(prompt)
         clock, ids = TokenClock(), torch.tensor([prompt])
         model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=session.cache,
                        max_new_tokens=self.max_new_tokens, do_sample=False, streamer=clock)

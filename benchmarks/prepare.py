@@ -61,7 +61,7 @@ def prepared_run(engine: ChatEngine, text: str) -> dict:
         unprepared = first_token_s(engine, plain, text, times)
         conv = fresh(engine)
         conv.prepare(text, **GREEDY)
-        wait_for(lambda: engine.batch_stats().drafts == 0)
+        wait_for(lambda: engine.batch_stats().preparing == 0)
         prepared = first_token_s(engine, conv, text, times)
         decode_step = statistics.median(gaps(times[session_id(conv)][-4:]))
     return {"unprepared_ttft_s": unprepared, "prepared_ttft_s": prepared, "decode_step_s": decode_step,

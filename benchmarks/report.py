@@ -51,7 +51,7 @@ def bare_generate_rate(model: torch.nn.Module, session: Any, prompt: list[int], 
     """Plain `generate` (greedy) on a copy of `session`'s cache, prepared as the session would (it
     then holds `prompt[:-1]`): the tokens/s a bare loop of the same model decodes at there."""
     copied = copy.deepcopy(session, memo={id(model): model})
-    copied.prepare(prompt)
+    copied.rewind_to(prompt)
     clock, ids = TokenClock(), torch.tensor([prompt])
     model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=copied.cache,
                    max_new_tokens=new_tokens, do_sample=False, streamer=clock)

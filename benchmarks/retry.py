@@ -55,7 +55,7 @@ def one_run(engine: ChatEngine, messages: list[str], prepared_text: str, options
              for _ in range(retries)]
     retry_prefilled = conv.stats.prefilled_tokens
     conv.prepare(prepared_text, **options)
-    wait_for(lambda: engine.batch_stats().drafts == 0)
+    wait_for(lambda: engine.batch_stats().preparing == 0)
     prepared, _ = first_token_s(engine, conv, lambda c: c.send(prepared_text, **options), options["max_new_tokens"])
     conv.close()
     return {"retry_ttft_s": statistics.median(ttft for ttft, _ in retry),

@@ -59,7 +59,7 @@ def conversation(model, length: int, seed: int) -> tuple[CacheSession, int]:
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(100, VOCAB, (length,), generator=generator).tolist()
     session = CacheSession(model)
-    session.prepare(tokens)
+    session.rewind_to(tokens)
     session.extend(tokens[len(session.token_ids):-1])
     return session, tokens[-1]
 

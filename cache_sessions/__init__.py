@@ -1,7 +1,7 @@
 """Rollback-capable KV cache sessions. Knows nothing of chat, templates or UI.
 
 Module map:
-  session.py      CacheSession: the prompt-driven path (prepare / prefill / commit / extend), segments
+  session.py      CacheSession: the prompt-driven path (rewind_to / prefill / commit / extend), segments
   states.py       CacheStates: a DynamicCache, its layer kinds, checkpoints, segments; memory
   segmented.py    SegmentedStates: spans of states cut out and put back (versions, branches)
   rollback.py     how each kind of cache layer rolls back (the only file that does)

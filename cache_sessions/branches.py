@@ -56,7 +56,7 @@ def move_branch(session: CacheSession, move: BranchMove) -> bool:
 
 def keep_before_reply(session: CacheSession, keep: BranchKeep, prompt_ids: Sequence[int], whole: bool = False
                       ) -> None:
-    """What `prepare(prompt_ids, whole=whole)` is about to roll back of the shown branch, kept
+    """What `rewind_to(prompt_ids, whole=whole)` is about to roll back of the shown branch, kept
     under its label."""
     _keep(session, keep.shown, keep.index, session.reachable(session.rollback_target(prompt_ids, whole)))
 

@@ -48,7 +48,7 @@ class CacheOwner(CacheBooks):
             session.to(self.model.device)
         if keep is not None:
             keep_before_reply(session, keep, prompt_ids, whole=True)
-        return session.prepare(prompt_ids, prefix_store=prefix_store, shared_prefix_length=shared_prefix_length,
+        return session.rewind_to(prompt_ids, prefix_store=prefix_store, shared_prefix_length=shared_prefix_length,
                                prefill=False, whole=True)
 
     def next_logits(self, session: CacheSession, prompt_ids: Sequence[int]) -> torch.Tensor | None:

@@ -47,7 +47,7 @@ class LayerKind(ABC):
     def __init__(self, layer: Any):
         self.layer = layer
 
-    def prepare(self) -> None:
+    def set_up(self) -> None:
         """Called once on a fresh cache, before the first forward."""
 
     @abstractmethod
@@ -175,7 +175,7 @@ class WindowState:
 class SlidingWindow(_Attention):
     """Holds states for positions [cumulative_length - stored, cumulative_length)."""
 
-    def prepare(self) -> None:
+    def set_up(self) -> None:
         self.layer.activate_past_recording()
 
     def _stored(self) -> int:

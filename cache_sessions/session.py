@@ -2,7 +2,7 @@
 
 Invariant at rest: `cache.get_seq_length() == len(token_ids)` and the cached states are what a
 from-scratch forward over `token_ids` would give. Every change of the cache goes through this
-class and those it builds on: `prepare` (roll back + prefill), `commit` (after `generate`),
+class and those it builds on: `rewind_to` (roll back + prefill), `commit` (after `generate`),
 `extend`, segments (cache_sessions/segmented.py) and `release` (cache_sessions/states.py).
 """
 
@@ -36,10 +36,10 @@ class PrefillResult:
 
 
 class CacheSession(SegmentedStates):
-    """A cache and its ledger, driven by prompts: `prepare` before generating, `commit` after."""
+    """A cache and its ledger, driven by prompts: `rewind_to` before generating, `commit` after."""
 
     # ---- the main path -----------------------------------------------------------------------
-    def prepare(self, prompt_ids: Sequence[int], *, prefix_store: PrefixStore | None = None,
+    def rewind_to(self, prompt_ids: Sequence[int], *, prefix_store: PrefixStore | None = None,
                 shared_prefix_length: int = 0, prefill: bool = True, whole: bool = False) -> PrefillResult:
         """Roll the cache back to the longest exact prefix of `prompt_ids`, and prefill.
 
@@ -53,7 +53,7 @@ class CacheSession(SegmentedStates):
         """
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
-            raise ValueError("cannot prepare an empty prompt")
+            raise ValueError("cannot rewind to an empty prompt")
         rebuilt, self._states_lost = self._states_lost, False
         copied = self._start_from_shared_prefix(prefix_store, prompt_ids)
         target = self.rollback_target(prompt_ids, whole and not prefill)
@@ -72,7 +72,7 @@ class CacheSession(SegmentedStates):
         )
 
     def rollback_target(self, prompt_ids: Sequence[int], whole: bool = False) -> int:
-        """Where `prepare(prompt_ids)` rolls back to: the common prefix, one token always left to
+        """Where `rewind_to(prompt_ids)` rolls back to: the common prefix, one token always left to
         feed; with `whole`, the whole prompt where the logits after it were kept (`next_logits`)."""
         if whole and self.next_logits(prompt_ids) is not None:
             return len(prompt_ids)
@@ -130,7 +130,7 @@ class CacheSession(SegmentedStates):
         if start == len(prompt_ids) and prompt_ids == self.token_ids:
             return []
         if end < start or prompt_ids[:start] != self.token_ids:
-            raise ValueError("the cache does not hold a prefix of this prompt; prepare it first")
+            raise ValueError("the cache does not hold a prefix of this prompt; rewind_to it first")
         if budget is not None:
             end = min(end, start + budget)
         shares = prefix_store is not None and shared_prefix_length < len(prompt_ids)

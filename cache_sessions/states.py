@@ -50,7 +50,7 @@ class CacheStates:
         self.cache = self.kv_cache.new_cache(self.model)
         self._kinds = layer_kinds(self.cache)
         for kind in self._kinds:
-            kind.prepare()
+            kind.set_up()
         self._uses_checkpoints = needs_checkpoints(self._kinds)
         self.checkpoints = CheckpointStore(self.max_checkpoints if self._uses_checkpoints else 0)
         self.token_ids = []
@@ -155,14 +155,14 @@ class CacheStates:
     # ---- memory ---------------------------------------------------------------------------------
     def release(self) -> None:
         """Free every tensor (memory pressure, or states that cannot be trusted after a failure
-        mid-update); the next `prepare` rebuilds and says so."""
+        mid-update); the next `rewind_to` rebuilds and says so."""
         self._states_lost = self._states_lost or bool(self.token_ids)
         self._segments = SegmentStore()
         self._reset_cache()
 
     def mark_rebuilt(self) -> None:
         """The states this session's owner once had are gone (it was restored from saved text):
-        the next `prepare` computes the history again and says so."""
+        the next `rewind_to` computes the history again and says so."""
         self._states_lost = True
 
     def tensors(self) -> Iterator[torch.Tensor]:

@@ -20,8 +20,9 @@ Module map:
   requests.py      a reply being made (GenerationRequest) and the cache work it asks for
   request_table.py the scheduler's one record of its requests: waiting, prefilling, decoding, paused
   step_planner.py  what a step runs (StepPlan), decided before it runs: who leaves, who is admitted, pieces, rows
-  turns.py         a request's moves applied over the cache owner: begun (rolled back), pieces noted, ended
-  prompt_shares.py who gets a step's prompt budget: fair by tokens owed, per client
+  request_stages.py   a request's stages applied over the cache owner: begun (rolled back), pieces noted, ended
+  prompt_fairness.py  who gets a step's prompt budget: fair by tokens owed, per client
+  ahead.py         steps that prepare a message being typed, in steps no reply wants
   drafting.py      guessed tokens to verify: where guesses come from, how many a row feeds (--draft)
   guessing.py      the step's side of guessing: which rows guess, choosing their tokens, giving back
   step_budget.py   how many prompt tokens a step may carry beside decode rows, from timed steps

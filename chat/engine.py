@@ -125,7 +125,7 @@ class ChatEngine:
                 "planning": self.planner.planning,
                 "generating": batch.waiting + batch.prefilling + batch.decoding + batch.paused,
                 "batch": {"decoding": batch.decoding, "prefilling": batch.prefilling, "waiting": batch.waiting,
-                          "paused": batch.paused, "drafts": batch.drafts, "prepared": batch.prepared,
+                          "paused": batch.paused, "preparing": batch.preparing, "prepared": batch.prepared,
                           "first_tokens_kept": batch.first_tokens_kept,
                           "newcomers_apart": batch.newcomers_apart,
                           "max_batch_size": batch.max_batch_size, "largest_batch": batch.largest_batch,

@@ -24,7 +24,7 @@ class StepGuesses:
         crop what a step fed (recurrent states), a step with guesses keeps the states it began
         from, and one whose guesses were refused goes back to them: the tokens it took are fed
         again before the next input, in the next step."""
-        if self.policy.enabled and not request.draft:
+        if self.policy.enabled and not request.ahead:
             request.drafter = Drafter(request.prompt_ids, len(request.prompt_ids), request.work.references,
                                       self.policy.seen)
 

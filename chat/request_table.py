@@ -34,27 +34,27 @@ class RequestTable:
         self.decoding: list[GenerationRequest] = []
         self.paused: list[GenerationRequest] = []  # decode rows given up for another client's share
         # prompts prepared ahead (a message being typed): prefilled only while no reply has work
-        self.drafts: list[GenerationRequest] = []
+        self.ahead: list[GenerationRequest] = []
         self._elsewhere: Counter[CacheSession] = Counter()  # replies made in another process
 
     def everyone(self) -> list[GenerationRequest]:
         with self.lock:
-            return [*self.waiting, *self.prefilling, *self.decoding, *self.paused, *self.drafts]
+            return [*self.waiting, *self.prefilling, *self.decoding, *self.paused, *self.ahead]
 
     def in_use(self) -> set[CacheSession]:
         """The sessions of every request not yet ended, and of replies made elsewhere."""
         with self.lock:
             return {request.session for request in (*self.waiting, *self.prefilling, *self.decoding, *self.paused,
-                                                    *self.drafts)} | set(self._elsewhere)
+                                                    *self.ahead)} | set(self._elsewhere)
 
     def has_work(self, besides: Collection[GenerationRequest] = ()) -> bool:
         """Whether any request could go on, `besides` those (waiting on the disk)."""
         with self.lock:
             return bool(self.waiting or self.decoding or self.paused or any(r not in besides for r in self.prefilling)
-                        or any(r not in besides for r in self.drafts))
+                        or any(r not in besides for r in self.ahead))
 
     def idle(self) -> bool:
-        """No reply has anything to do: what a draft (a prompt prepared ahead) waits for."""
+        """No reply has anything to do: what a text prepared ahead of its Send waits for."""
         with self.lock:
             return not (self.waiting or self.prefilling or self.decoding or self.paused)
 
@@ -127,7 +127,7 @@ class RequestTable:
     def take_everyone(self) -> list[GenerationRequest]:
         """Every request, out of the table (a fault of the scheduler itself ends them all)."""
         with self.lock:
-            everyone = [*self.waiting, *self.prefilling, *self.decoding, *self.paused, *self.drafts]
+            everyone = [*self.waiting, *self.prefilling, *self.decoding, *self.paused, *self.ahead]
             self.waiting.clear()
-            self.prefilling, self.decoding, self.paused, self.drafts = [], [], [], []
+            self.prefilling, self.decoding, self.paused, self.ahead = [], [], [], []
         return everyone

@@ -39,12 +39,12 @@ class GenerationRequest:
     then call `finish()`, which stops it first if it still runs."""
 
     def __init__(self, session: CacheSession, prompt_ids: Sequence[int], options: GenerationOptions,
-                 stop: threading.Event, work: CacheWork, client: Hashable | None = None, draft: bool = False):
+                 stop: threading.Event, work: CacheWork, client: Hashable | None = None, ahead: bool = False):
         """`client`: who asked (the app's key for an address or a person; None: unknown), so one
-        client's requests share one client's part of the prompt budget (chat/prompt_shares.py).
-        `draft`: a prompt prepared ahead (the message being typed), prefilled at idle priority and
+        client's requests share one client's part of the prompt budget (chat/prompt_fairness.py).
+        `ahead`: a prompt prepared ahead (the message being typed), prefilled at idle priority and
         never decoded (see `DecodeScheduler.prepare`)."""
-        self.session, self.options, self.stop, self.work, self.draft = session, options, stop, work, draft
+        self.session, self.options, self.stop, self.work, self.ahead = session, options, stop, work, ahead
         self.flow: Hashable = client if client is not None else self  # unknown: a flow of its own
         self.prompt_ids = list(prompt_ids)
         self.sequence = list(prompt_ids)  # prompt, then each token as it is chosen

@@ -18,7 +18,7 @@ weights and the whole history again, so small ones would slow a lone long prompt
 newcomer still waits at most one such chunk). The budget goes to the request with the shortest
 remaining prefill first, so a one-line message sent just after a 4,000-token one is answered
 after a chunk, not after the long prompt; a request owed a whole budget (its fair share of past
-steps, less what it got: chat/prompt_shares.py) goes before them, so a stream of short messages
+steps, less what it got: chat/prompt_fairness.py) goes before them, so a stream of short messages
 cannot starve a long one. The
 scheduler decides; the cache owner (cache_sessions/owner.py) applies every change to the
 sessions. A request joins the decode rows once only its last prompt token is left to feed, or
@@ -113,19 +113,18 @@ class DecodeScheduler:
         """Prefill `prompt_ids` into `session` ahead of its Send, at idle priority: only in steps
         with no reply to work on (so it never lengthens anyone's step), a small piece a step (a
         reply arriving waits at most that), its progress kept when a reply comes first. It ends
-        once prefilled, or at the first step after `stop` (a newer draft, the Send itself, a
-        close): what it fed stays in the cache, and the Send's rollback keeps what it shares."""
+        once prefilled, or at the first step after `stop` (a newer text, the Send itself, a close): what it fed stays in the cache, and the Send's rollback keeps what it shares."""
         request = GenerationRequest(session, prompt_ids, GenerationOptions(max_new_tokens=1), stop, work, client,
-                                    draft=True)
-        return self._queue(request, self.planner.requests.drafts, newest_only=True)
+                                    ahead=True)
+        return self._queue(request, self.planner.requests.ahead, newest_only=True)
 
     def _queue(self, request: GenerationRequest, queue: MutableSequence[GenerationRequest],
                newest_only: bool = False) -> GenerationRequest:
-        """Into `queue` of the table (waiting replies, or drafts), checked, and the loop woken.
+        """Into `queue` of the table (waiting replies, or texts prepared ahead), checked, and the loop woken.
         `newest_only`: the session's requests already in `queue` are called off, in the same hold
         of the table's lock (one text prepared a conversation, whoever asks and however fast)."""
         if self.loop.on_loop():  # it would wait for tokens from a job queued behind itself
-            raise RuntimeError("submit a reply or a draft from outside the engine's compute thread")
+            raise RuntimeError("submit a reply or a text to prepare from outside the engine's compute thread")
         if not request.prompt_ids:
             raise ValueError("cannot generate from or prepare an empty prompt")
         with self.planner.requests.lock:
@@ -181,7 +180,7 @@ class DecodeScheduler:
         try:
             self.ahead.end_stopped()
             if self.planner.requests.idle():
-                self.ahead.step()  # no reply to work on: a draft's piece
+                self.ahead.step()  # no reply to work on: a piece of a text prepared ahead
                 return
             graph_steps = self.runner.graph_steps
             plan = self.planner.plan(self.clock, self.runner.graph_ready)
@@ -193,7 +192,7 @@ class DecodeScheduler:
                                           compiled=self.runner.graph_steps > graph_steps)
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
             for request in self.planner.requests.take_everyone():
-                self.planner.turns.finish(request, error)
+                self.planner.stages.finish(request, error)
 
     def _run(self, plan: StepPlan) -> torch.Tensor | None:
         """The plan's one model step; the owner notes what every row fed. Returns the logits
@@ -207,13 +206,13 @@ class DecodeScheduler:
             logits = self.runner.run(rows, range(len(plan.decoding)), plan.tails(), eager=plan.eager)
             self.caches.fed(rows)
         except BaseException as error:
-            self.planner.turns.leave(plan.decoding, error)
+            self.planner.stages.leave(plan.decoding, error)
             for request, _ in plan.pieces:
-                self.planner.turns.leave_prefill(request, error)
+                self.planner.stages.leave_prefill(request, error)
             return None
         self.step_budget.record(self.clock() - started, len(plan.decoding), plan.extra_tokens())
         for request, _ in plan.pieces:
-            self.planner.turns.piece_fed(request)
+            self.planner.stages.piece_fed(request)
         return logits if plan.decoding else None
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
@@ -230,7 +229,7 @@ class DecodeScheduler:
             self.planner.counters.step(plan.decoding, plan.guesses, taken)
         ended += self.guesses.give_back(plan.decoding, plan.guesses, ended)
         if ended:
-            self.planner.turns.leave(ended)
+            self.planner.stages.leave(ended)
 
 
 def _shut_down_at_exit(scheduler: "weakref.ref[DecodeScheduler]") -> None:

@@ -1,13 +1,13 @@
 """What one step runs, decided before it runs (vLLM v1's scheduler, at this scale), and when
 each request moves through the table: admitted, rolled back, prefilled in pieces, decoding,
-ended (chat/turns.py carries those moves out over the cache owner).
+ended (chat/request_stages.py carries those moves out over the cache owner).
 
 chat/scheduler.py runs the loop around it (plan → run → sample); this decides. Each step: end
 requests stopped wherever they wait (waiting, prefilling, decoding: a Stop is read before any
 budget); admit waiting requests while rows are free (a client below its share of the rows takes
 one from the client holding the most: chat/request_table.py); give this step's prompt budget in
-pieces, fair by tokens owed (chat/prompt_shares.py), shortest remaining prefill first; and ask
-each decode row's guesses. Drafts (prompts prepared while the person types) wait in the same
+pieces, fair by tokens owed (chat/prompt_fairness.py), shortest remaining prefill first; and ask
+each decode row's guesses. Texts prepared while the person types wait in the same
 table; chat/ahead.py runs them in steps no reply wants.
 """
 from __future__ import annotations
@@ -22,12 +22,12 @@ from transformers import PreTrainedModel
 from cache_sessions.owner import CacheOwner
 from cache_sessions.session import common_prefix_length
 from chat.guessing import StepGuesses
-from chat.prompt_shares import PromptShares
+from chat.prompt_fairness import PromptFairness
 from chat.request_table import RequestTable
 from chat.requests import GenerationRequest
 from chat.runner import Row
 from chat.step_budget import StepBudget
-from chat.turns import RequestTurns
+from chat.request_stages import RequestStages
 
 PREFILL_ORDERS = ("shortest", "arrival")
 
@@ -77,8 +77,8 @@ class SchedulerStats:
     packed: bool = False  # steps run packed, one forward for every row (else row by row: chat/runner.py)
     prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/step_budget.py)
     paused: int = 0  # decode rows given up for another client's share of the rows (chat/request_table.py)
-    drafts: int = 0  # prompts being prepared ahead (`prepare`)
-    prepared: int = 0  # drafts prefilled to their end so far
+    preparing: int = 0  # texts being prepared ahead of their Send (`prepare`)
+    prepared: int = 0  # texts prepared to their end so far
     guessed: int = 0  # tokens guessed and verified in decode steps (chat/drafting.py)
     guesses_taken: int = 0  # of them, taken into replies
     first_tokens_kept: int = 0  # first tokens chosen from logits a cache kept, with no step (a Retry, a prepared Send)
@@ -131,8 +131,8 @@ class StepPlanner:
 
     def reset(self) -> None:
         self.requests = RequestTable()
-        self.turns = RequestTurns(self.model, self.caches, self.guesses, self.requests)  # starts and ends them
-        self.shares = PromptShares()  # prompt tokens owed to each client with a request waiting to prefill
+        self.stages = RequestStages(self.model, self.caches, self.guesses, self.requests)  # starts and ends them
+        self.shares = PromptFairness()  # prompt tokens owed to each client with a request waiting to prefill
         self.on_disk: set[GenerationRequest] = set()  # admitted, their states still being read
         self._rows_waited = False  # the last step ran newcomers apart: this one runs every row
         self.counters = _Counters()
@@ -142,7 +142,7 @@ class StepPlanner:
             counters, waits, requests = self.counters, list(self.counters.join_waits), self.requests
             return SchedulerStats(
                 max_batch_size=self.max_batch_size, decoding=len(requests.decoding), prefilling=len(requests.prefilling),
-                waiting=len(requests.waiting), paused=len(requests.paused), drafts=len(requests.drafts),
+                waiting=len(requests.waiting), paused=len(requests.paused), preparing=len(requests.ahead),
                 prepared=counters.prepared, steps=counters.steps, guessed=counters.guessed,
                 guesses_taken=counters.guesses_taken, first_tokens_kept=counters.first_tokens_kept,
                 newcomers_apart=counters.newcomers_apart,
@@ -155,12 +155,12 @@ class StepPlanner:
         """Who leaves (stopped wherever they wait), who is admitted, this step's prompt pieces
         and each decode row's guesses."""
         for request in self.requests.admit(self.max_batch_size):
-            self.turns.finish(request)  # stopped while it waited (its cache untouched) or was paused
+            self.stages.finish(request)  # stopped while it waited (its cache untouched) or was paused
         stopped = [request for request in self.requests.decoding if request.stop.is_set()]
         if stopped:
-            self.turns.leave(stopped)  # its last chosen token stays unfed, as after `generate`
+            self.stages.leave(stopped)  # its last chosen token stays unfed, as after `generate`
         pieces = self.pieces()
-        kept = self.turns.first_tokens_kept()
+        kept = self.stages.first_tokens_kept()
         if kept:
             with self.requests.lock:
                 self.counters.first_tokens_kept += kept
@@ -170,8 +170,8 @@ class StepPlanner:
         return StepPlan(decoding, guesses, pieces, started, inputs, eager)
 
     def pieces(self) -> list[tuple[GenerationRequest, list[int]]]:
-        """This step's prefill pieces within its budget, in the order `PromptShares` gives (fair
-        by tokens owed, see chat/prompt_shares.py); newcomers are rolled back first, and one with
+        """This step's prefill pieces within its budget, in the order `PromptFairness` gives (fair
+        by tokens owed, see chat/prompt_fairness.py); newcomers are rolled back first, and one with
         only its last token left starts decoding now, as does one whose last piece can go with
         that token in its first decode row (its cache keeps nothing at the generation start:
         `CacheSession.feeds_with_first_step`), so its first token comes from this step. A
@@ -194,7 +194,7 @@ class StepPlanner:
                 self.on_disk.add(request)
                 continue
             if request.stop.is_set():
-                self.turns.leave_prefill(request)
+                self.stages.leave_prefill(request)
                 continue
             wanting.append(request.flow)
             allowed = self._whole_or(request, budget, sum(given.values()))
@@ -202,14 +202,14 @@ class StepPlanner:
                 continue
             work = request.work
             try:
-                self.turns.begin(request)
+                self.stages.begin(request)
                 piece = self.caches.prefill_piece(request.session, request.prompt_ids, allowed, work.prefix_store,
                                                   work.shared_prefix_length)
                 # nothing left (held whole: its first token from the logits kept), or its last piece
                 # with its first decode input: its first token this step, not the next
                 decodes_now = not piece or self.ends_prompt(request, piece)
             except BaseException as error:
-                self.turns.leave_prefill(request, error)
+                self.stages.leave_prefill(request, error)
                 continue
             if piece:
                 budget = max(0, budget - len(piece))
@@ -261,7 +261,7 @@ class StepPlanner:
                                                           work.prefix_store, work.shared_prefix_length)
 
     def _prefill_order(self, budget: int) -> list[GenerationRequest]:
-        """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_shares.py);
+        """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_fairness.py);
         or in arrival order."""
         if self.prefill_order != "shortest":
             return list(self.requests.prefilling)

@@ -1103,7 +1103,7 @@ def test_the_reply_is_prepared_while_the_message_is_typed(browser, demo_app):
                            "&& window.rewindPrepare.taken === window.rewindPrepare.asked", timeout=60_000)
     assert page.evaluate("() => window.rewindPrepare.asked") >= 2  # while typing went on (0.6 s at least)
     deadline = time.monotonic() + 60
-    while status()["batch"]["prepared"] <= before or status()["batch"]["drafts"]:
+    while status()["batch"]["prepared"] <= before or status()["batch"]["preparing"]:
         assert time.monotonic() < deadline, "the message was never prepared"
         time.sleep(0.05)
     previous = stats_text(page)

@@ -157,7 +157,7 @@ def test_a_record_another_tab_changed_replaces_the_servers_older_copy(make_engin
     assert book.revs[browser.current] == 2
 
 
-def test_a_streaming_reply_is_drafted_so_a_reload_keeps_the_message_and_the_text(make_engine):
+def test_a_streaming_reply_is_copied_so_a_reload_keeps_the_message_and_the_text(make_engine):
     """The message is in the browser's copy before its reply streams (the whole record, once), and
     each update of the chat brings the draft's reply up to what is on screen (#32, 3: a draft
     written each second lost a reply shorter than that)."""
@@ -167,7 +167,7 @@ def test_a_streaming_reply_is_drafted_so_a_reload_keeps_the_message_and_the_text
     event_key(chat_list, browser, book, key)
     long = Settings(system_prompt="Be brief.", max_new_tokens=40, temperature=0.0).values()
     drafts, patches, on_screen = [], [], []
-    for outputs in chat_list.drafting(streamed(handlers.send))(None, "Write a lot.", key, *long, key, book):
+    for outputs in chat_list.copying_reply(streamed(handlers.send))(None, "Write a lot.", key, *long, key, book):
         if isinstance(outputs[-1], dict) and outputs[-1].get("records"):
             (drafts if "data" in outputs[-1]["records"][0] else patches).append(outputs[-1]["records"][0])
             browser.apply(outputs[-1])
@@ -204,7 +204,7 @@ def test_a_message_typed_during_a_reply_never_rebuilds_it_from_its_own_draft(mak
     drafted, asked = threading.Event(), threading.Event()
 
     def stream():  # what Gradio's worker does with the event, and the page with its drafts
-        for outputs in chat_list.drafting(streamed(handlers.send))(None, "Write a lot.", key, *long, key, book):
+        for outputs in chat_list.copying_reply(streamed(handlers.send))(None, "Write a lot.", key, *long, key, book):
             if isinstance(outputs[-1], dict) and outputs[-1].get("records"):
                 browser.apply(outputs[-1])
                 if browser.reply_of(browser.current)["content"]:  # some of the reply is drafted

@@ -60,7 +60,7 @@ def test_each_compiled_step_gives_a_from_scratch_forwards_logits_with_one_graph_
     assert compiled.steps == 40 and compiled.error is None  # every length and capacity passed the guards
     # rolled back into what compiled steps wrote, the next step reads the kept part only
     session = sessions[0]
-    session.prepare(session.token_ids[:-25] + [11])  # the kept part; 11 is the next token fed
+    session.rewind_to(session.token_ids[:-25] + [11])  # the kept part; 11 is the next token fed
     logits = compiled.step([(session, [11])])
     session.note_extended([11])
     torch.testing.assert_close(logits[0], scratch_logits(model, session.token_ids), atol=LOGIT_TOLERANCE,

@@ -134,7 +134,7 @@ def test_a_replys_first_step_guesses_only_from_an_earlier_version(make_engine, m
     monkeypatch.setattr(ModelRunner, "run", recorded)
     monkeypatch.setattr(chat.drafting.Drafter, "propose", always)
     assert conversation.prepare("first", **GREEDY)  # so the reply's first step feeds one token, as a Retry's
-    wait_until(lambda: engine.batch_stats().drafts == 0)
+    wait_until(lambda: engine.batch_stats().preparing == 0)
     steps.clear()
     list(conversation.send("first", **GREEDY))
     assert conversation.stats.prefilled_tokens == 1

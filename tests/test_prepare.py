@@ -30,7 +30,7 @@ def test_a_prepared_message_is_answered_from_the_cache_and_exactly(make_engine, 
     conv = engine.conversation("You are terse.")
     list(conv.send("First question?", **GREEDY))
     assert conv.prepare(TEXT, **GREEDY)
-    wait_until(lambda: engine.batch_stats().drafts == 0)
+    wait_until(lambda: engine.batch_stats().preparing == 0)
     list(conv.send(TEXT, **GREEDY))
     # full attention: held whole, its first token from the logits kept after it; windows and
     # recurrent states: all but the last token, which the first step feeds
@@ -39,7 +39,7 @@ def test_a_prepared_message_is_answered_from_the_cache_and_exactly(make_engine, 
     check_exact(conv, models[arch], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
     # prepared, then another text sent: the shared part is reused, the reply exact all the same
     assert conv.prepare(TEXT + " And one more line I deleted.", **GREEDY)
-    wait_until(lambda: engine.batch_stats().drafts == 0)
+    wait_until(lambda: engine.batch_stats().preparing == 0)
     list(conv.send("Something else entirely?", **GREEDY))
     check_exact(conv, models[arch], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
 
@@ -48,7 +48,7 @@ def test_a_newer_draft_or_the_send_calls_the_last_one_off(make_engine, models, t
     engine = make_engine("full", prefill_chunk=4)  # small pieces: still going when called off
     conv = engine.conversation("You are terse.")
     with_held_loop(engine, lambda: (conv.prepare(TEXT, **GREEDY), conv.prepare(TEXT + " Edited.", **GREEDY)))
-    wait_until(lambda: engine.batch_stats().drafts == 0)  # the first ended at once, the second prefilled
+    wait_until(lambda: engine.batch_stats().preparing == 0)  # the first ended at once, the second prefilled
     list(conv.send(TEXT + " Edited.", **GREEDY))
     assert conv.stats.prefilled_tokens <= 1
     check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)
@@ -88,10 +88,10 @@ def test_a_draft_never_runs_while_a_reply_has_work(make_engine, models, tokenize
     assert typing.prepare(TEXT, **GREEDY)
     start = engine.batch_stats().steps
     wait_until(lambda: engine.batch_stats().steps >= start + 20 or not reader.is_alive())
-    assert engine.batch_stats().decoding == 1 and engine.batch_stats().drafts == 1  # the reply still runs
+    assert engine.batch_stats().decoding == 1 and engine.batch_stats().preparing == 1  # the reply still runs
     assert not any(draft for draft, _ in carried)  # and the draft waited
     reader.join(60)
-    wait_until(lambda: engine.batch_stats().drafts == 0)
+    wait_until(lambda: engine.batch_stats().preparing == 0)
     assert any(draft for draft, _ in carried) and not any(draft and decoding for draft, decoding in carried)
     monkeypatch.undo()
     list(typing.send(TEXT, **GREEDY))
@@ -123,7 +123,7 @@ def test_a_prepared_sends_first_token_needs_no_step(models, tokenizers, monkeypa
         list(conv.send("First question?", **GREEDY))
         if prepared:
             assert conv.prepare(TEXT, **GREEDY)
-            wait_until(lambda: engine.batch_stats().drafts == 0)
+            wait_until(lambda: engine.batch_stats().preparing == 0)
         at_first = measure(lambda: list(conv.send(TEXT, **GREEDY)))
         assert len(at_first) == 1 and (at_first[0] == 0) == prepared
         replies[prepared] = conv.reply_ids
@@ -144,7 +144,7 @@ def test_racing_asks_leave_one_text_in_work(make_engine, models, tokenizers):
     engine = make_engine("full", prefill_chunk=4)
     conv = engine.conversation("You are terse.")
     list(conv.send("First question?", **GREEDY))
-    drafts = engine.scheduler.planner.requests.drafts
+    drafts = engine.scheduler.planner.requests.ahead
     asks = [f"{TEXT} Ask {number}." for number in range(48)]
     barrier = threading.Barrier(8)
 
@@ -163,6 +163,6 @@ def test_racing_asks_leave_one_text_in_work(make_engine, models, tokenizers):
     live = []  # while the loop is held nothing steps: what is in work is what the asks left
     with_held_loop(engine, lambda: (burst(), live.extend(d for d in drafts if not d.stop.is_set())))
     assert len(live) <= 1
-    wait_until(lambda: engine.batch_stats().drafts == 0)
+    wait_until(lambda: engine.batch_stats().preparing == 0)
     list(conv.send(asks[-1], **GREEDY))
     check_exact(conv, models["full"], tokenizers[THINKING_TEMPLATE], max_new_tokens=8)

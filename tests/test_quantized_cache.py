@@ -92,7 +92,7 @@ def test_batched_rows_decode_as_each_would_alone(models, arch):
         sessions = []
         for prompt in prompts:
             session = CacheSession(model, kv_cache=kind)
-            session.prepare(prompt)
+            session.rewind_to(prompt)
             sessions.append(session)
         replies = decode_together(model, sessions, [p[-1] for p in prompts], 8)
         for session, prompt, reply in zip(sessions, prompts, replies):
@@ -109,7 +109,7 @@ def test_the_states_take_the_bytes_the_format_says(models):
     sizes = {}
     for kind in (KVCacheKind(), *KINDS):
         session = CacheSession(model, kv_cache=kind)
-        session.prepare(prompt)
+        session.rewind_to(prompt)
         sizes[kind.name + str(kind.bits)] = filled_bytes(session.tensors())
     elements = 2 * 2 * 2 * 16 * (len(prompt) - 1)  # layers x (keys, values) x kv heads x head dim x tokens
     assert sizes["dynamic8"] == elements * 4

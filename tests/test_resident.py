@@ -25,7 +25,7 @@ STEPS, CHUNK = 6, 7
 
 def ready(model, prompt: list[int], kv_cache: KVCacheKind) -> CacheSession:
     session = CacheSession(model, kv_cache=kv_cache)
-    session.prepare(prompt)
+    session.rewind_to(prompt)
     session.extend(prompt[len(session.token_ids):-1])
     return session
 
@@ -75,7 +75,7 @@ def check_rows_against_scratch(model, arch: str, kv_cache: KVCacheKind, step=Non
     step = step or (lambda rows, logits_of: forward_rows(model, rows, logits_of))
     tolerance = QUANTIZED_LOGIT_TOLERANCE[kv_cache.bits] if kv_cache.name == "quantized" else LOGIT_TOLERANCE
     sessions = [ready(model, prompt, kv_cache) for prompt in PROMPTS[:2]] + [CacheSession(model, kv_cache=kv_cache)]
-    sessions[2].prepare(PROMPTS[2], prefill=False)
+    sessions[2].rewind_to(PROMPTS[2], prefill=False)
     assert packs(sessions)
     sequences = [list(prompt) for prompt in PROMPTS]  # what each row has fed or will feed next
     decoding, worst, mixed_steps = [0, 1], 0.0, 0
@@ -101,7 +101,7 @@ def check_rows_against_scratch(model, arch: str, kv_cache: KVCacheKind, step=Non
         assert session.token_ids == sequence[:-1]  # the last chosen token is not fed yet
         assert cached_vs_scratch_logit_error(model, session.cache, session.token_ids, 7, kv_cache) < tolerance
     back = sessions[2]  # rolls back into the packed reply exactly
-    rolled = back.prepare(back.token_ids[:-3] + [5])
+    rolled = back.rewind_to(back.token_ids[:-3] + [5])
     # A recurrent state goes back only to a checkpoint, which the scheduler takes (none here).
     assert rolled.reused_tokens > 0 or (arch == "hybrid" and rolled.rebuilt)
     assert cached_vs_scratch_logit_error(model, back.cache, back.token_ids, 7, kv_cache) < tolerance

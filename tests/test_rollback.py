@@ -15,7 +15,7 @@ PROMPT = list(range(30, 90))
 
 def hold(session: CacheSession, token_ids: list[int]) -> None:
     """Make the session hold `token_ids`, as prepare + generate would leave it."""
-    session.prepare(token_ids + [5])
+    session.rewind_to(token_ids + [5])
     session.extend(token_ids[len(session.token_ids):])
 
 
@@ -45,7 +45,7 @@ def test_prepare_rolls_back_to_any_prefix_exactly(models, arch, cut):
     hold(session, PROMPT)
     assert exact(session)
     prompt = PROMPT[:cut] + [11, 12, 13]
-    result = session.prepare(prompt)
+    result = session.rewind_to(prompt)
     held = session.token_ids
     assert held == prompt[:-1]  # prefilled up to the generation start: the first decode step feeds the last
     assert exact(session)
@@ -63,7 +63,7 @@ def test_prefill_in_chunks_equals_one_prefill(models, arch):
     session, store = CacheSession(models[arch]), PrefixStore(4)
     hold(session, PROMPT[:10])
     prompt = PROMPT + [11, 12, 13]
-    session.prepare(prompt, prefill=False)
+    session.rewind_to(prompt, prefill=False)
     assert session.token_ids == PROMPT[:10]
     steps = 0
     while not session.prefill(prompt, budget=16, prefix_store=store, shared_prefix_length=30):
@@ -77,15 +77,15 @@ def test_prefill_in_chunks_equals_one_prefill(models, arch):
 
 def test_sliding_crop_only_inside_what_was_recorded(models):
     session = CacheSession(models["sliding"])
-    session.prepare(PROMPT[:40] + [5])  # checkpoint at 40 (the generation start)
-    session.prepare(PROMPT + [5])  # checkpoint at 60, then the window is trimmed to its last 7 states
+    session.rewind_to(PROMPT[:40] + [5])  # checkpoint at 40 (the generation start)
+    session.rewind_to(PROMPT + [5])  # checkpoint at 60, then the window is trimmed to its last 7 states
     window_kind = session.kinds[0]
     assert window_kind.layer.keys.shape[-2] == SLIDING_WINDOW - 1
     assert not window_kind.can_crop(60, 59)  # would need position 52, which was trimmed
     session.extend([1, 2, 3])  # recorded again from 60 on
     assert window_kind.can_crop(63, 60) and not window_kind.can_crop(63, 59)
 
-    result = session.prepare(PROMPT[:59] + [1, 2])
+    result = session.rewind_to(PROMPT[:59] + [1, 2])
     assert (result.rollback, result.reused_tokens) == ("checkpoint", 40)
     assert exact(session)
 
@@ -95,7 +95,7 @@ def test_sliding_memory_stays_bounded_over_many_turns(models):
     prompt: list[int] = []
     for turn in range(12):
         prompt = prompt + list(range(40 + turn, 60 + turn))
-        session.prepare(prompt + [3])
+        session.rewind_to(prompt + [3])
     stored = [kind.layer.keys.shape[-2] for kind in session.kinds]
     assert max(stored) == SLIDING_WINDOW - 1  # not 12 * 20 tokens
     assert len(session.checkpoints) == 4
@@ -104,26 +104,26 @@ def test_sliding_memory_stays_bounded_over_many_turns(models):
 
 def test_without_checkpoints_recurrent_rollback_rebuilds_and_says_so(models):
     session = CacheSession(models["hybrid"], max_checkpoints=0)
-    session.prepare(PROMPT + [5])
-    result = session.prepare(PROMPT[:40] + [5])
+    session.rewind_to(PROMPT + [5])
+    result = session.rewind_to(PROMPT[:40] + [5])
     assert result.rollback == "rebuild" and result.rebuilt and result.reused_tokens == 0
     assert exact(session)
 
 
 def test_release_frees_everything_and_next_prepare_reports_a_rebuild(models):
     session = CacheSession(models["mixed"])
-    session.prepare(PROMPT + [5])
+    session.rewind_to(PROMPT + [5])
     assert session.nbytes() > 0
     session.release()
     assert session.nbytes() == 0 and session.token_ids == []
-    result = session.prepare(PROMPT + [5])
+    result = session.rewind_to(PROMPT + [5])
     assert result.rebuilt and result.reused_tokens == 0
     assert exact(session)
 
 
 def test_cache_bytes_count_checkpoints(models):
     session = CacheSession(models["hybrid"])
-    session.prepare(PROMPT + [5])
+    session.rewind_to(PROMPT + [5])
     checkpoint_bytes = sum(t.numel() * t.element_size() for t in session.checkpoints.tensors())
     assert len(session.checkpoints) >= 1 and checkpoint_bytes > 0
     cache_only = sum(t.numel() * t.element_size() for k in session.kinds for t in k.tensors())
@@ -161,7 +161,7 @@ def test_the_logits_after_a_prompt_are_kept_while_the_cache_holds_it(models, arc
     `whole` rollback keep the prompt to its end. They count in the session's bytes."""
     session = CacheSession(models[arch])
     prompt, logits = PROMPT[:20], torch.randn(1, models[arch].config.vocab_size)
-    session.prepare(prompt)  # holds all but the last token
+    session.rewind_to(prompt)  # holds all but the last token
     session.keep_next_logits(prompt, logits)
     assert session.next_logits(prompt) is None  # the cache does not hold the whole prompt
     session.extend(prompt[-1:])
@@ -174,7 +174,7 @@ def test_the_logits_after_a_prompt_are_kept_while_the_cache_holds_it(models, arc
     assert session.nbytes() == before + logits.numel() * logits.element_size()
     session.extend([7, 8])  # a reply after it: the prompt still held
     assert session.rollback_target(prompt, whole=True) == 20 and session.rollback_target(prompt) == 19
-    session.prepare(prompt, prefill=False, whole=True)
+    session.rewind_to(prompt, prefill=False, whole=True)
     assert session.token_ids == prompt and exact(session)
     session.rollback_to(10)  # another turn parted inside it: not held, not used
     assert session.next_logits(prompt) is None and session.rollback_target(prompt, whole=True) == 10

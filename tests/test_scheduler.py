@@ -30,7 +30,7 @@ from transformers import (
 
 import chat.runner
 import chat.scheduler
-import chat.turns
+import chat.request_stages
 from chat import ChatEngine, ConversationBusyError, ConversationError
 from chat.runner import ModelRunner
 from chat.sampling import TokenChooser
@@ -123,7 +123,7 @@ def hooks(monkeypatch):
             elif options.max_new_tokens == PAUSES_AT_THIRD_TOKEN:
                 self.processors.append(_Pauses(**pause))
 
-    monkeypatch.setattr(chat.turns, "TokenChooser", HookedChooser)
+    monkeypatch.setattr(chat.request_stages, "TokenChooser", HookedChooser)
     yield pause
     pause["release"].set()
 

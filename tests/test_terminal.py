@@ -119,7 +119,7 @@ def test_a_message_typed_in_the_terminal_is_prepared_before_its_send(make_engine
         thread.start()
         for character in typed:
             keys.send_text(character)
-        wait_until(lambda: asked[-1:] == [typed] and engine.batch_stats().drafts == 0)
+        wait_until(lambda: asked[-1:] == [typed] and engine.batch_stats().preparing == 0)
         keys.send_text("\r")
         thread.join(30)
     assert read["line"] == typed and len(asked) <= len(typed)

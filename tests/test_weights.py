@@ -160,7 +160,7 @@ def test_batched_rows_decode_as_each_would_alone(tokenizers, arch):
     sessions = []
     for prompt in prompts:
         sessions.append(CacheSession(model))
-        sessions[-1].prepare(prompt)
+        sessions[-1].rewind_to(prompt)
     replies = decode_together(model, sessions, [p[-1] for p in prompts], 8)
     for session, prompt, reply in zip(sessions, prompts, replies):
         check_near_greedy(model, prompt, reply, int8_logit_tolerance(model))

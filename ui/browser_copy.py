@@ -46,7 +46,7 @@ class Book:
     index: list[tuple[str, str]] = field(default_factory=list)  # (id, title), newest first: the list shown
     renamed: set[str] = field(default_factory=set)  # ids whose name the user chose
     saved: tuple[str, int] | None = None  # (server key, conversation revision) the shown record was written from
-    drafted: dict[str, int] = field(default_factory=dict)  # record id -> revision of this page's latest draft of it
+    copied: dict[str, int] = field(default_factory=dict)  # record id -> revision of this page's latest copy of a streaming reply
     account: str | None = None  # signed in: the account its records are kept for too (from the OAuth session)
     unclaimed: list[str] = field(default_factory=list)  # signed in: this browser's chats the account lacks (at load)
 
@@ -69,7 +69,7 @@ class Book:
     def forget(self, chat_id: str) -> None:
         self.index = [(entry, name) for entry, name in self.index if entry != chat_id]
         self.revs.pop(chat_id, None)
-        self.drafted.pop(chat_id, None)
+        self.copied.pop(chat_id, None)
         self.renamed.discard(chat_id)
 
     def hear(self, said: "Probe") -> list[str]:
@@ -206,7 +206,7 @@ def record(book: Book, chat_id: str, data: dict[str, Any], *, draft: bool = Fals
     title = book.title(chat_id) if chat_id in book.renamed else title_of(data)
     rev = book.revs.get(chat_id, 0) + 1 if draft else book.next_rev(chat_id)
     if draft:
-        book.drafted[chat_id] = rev
+        book.copied[chat_id] = rev
     else:
         book.put_first(chat_id, title)
     return {"id": chat_id, "rev": rev, "title": title, "renamed": chat_id in book.renamed, "data": data,

@@ -88,7 +88,7 @@ class ListOutputs:
 
 class CopyKeeping:
     """Around every conversation event: the server gets the shown conversation back if it must
-    (`ensure`, `recover`), a streaming reply is drafted into the browser's copy (`drafting`), and
+    (`ensure`, `recover`), a streaming reply is copied into the browser's copy as it goes (`copying_reply`), and
     the copy is brought up to date (`sync`)."""
 
     def __init__(self, handlers: ChatHandlers, account_copy: AccountCopy | None = None):
@@ -126,13 +126,13 @@ class CopyKeeping:
         what to ask the page for (the record's id, or nothing)."""
         said, book = checked_probe(probe), checked_book(book)
         self._hear(said, book)
-        if book.current is None:  # a new chat: its record's id, for the drafts of its first reply
+        if book.current is None:  # a new chat: its record's id, for the copies of its first reply
             book.current = browser_copy.new_id()
             return book, None
         chat, known = self.directory.find(key), book.revs.get(book.current)
         # this page's own draft of a reply that may still stream (a message typed ahead, a click
         # during it) is no other tab's change: rebuilding from it would stop that reply
-        own = (known, book.drafted.get(book.current))
+        own = (known, book.copied.get(book.current))
         stale = said.current == book.current and said.rev is not None and said.rev not in own
         if said.rev is not None and (chat is None or stale):
             return book, {"id": book.current}
@@ -154,7 +154,7 @@ class CopyKeeping:
         book.read(record, (new_key, chat.conversation.revision))
         return new_key, book
 
-    def drafting(self, handler: Callable[..., Iterator[tuple]]) -> Callable[..., Iterator[tuple]]:
+    def copying_reply(self, handler: Callable[..., Iterator[tuple]]) -> Callable[..., Iterator[tuple]]:
         """A generating event's stream with the browser's copy of its reply so far besides it
         (`key` and `book` as its last two inputs; the outbox as its last output): the whole
         record once, as the message shows (so it is in the browser before the reply streams),
@@ -165,22 +165,22 @@ class CopyKeeping:
         @functools.wraps(handler)
         def run(*args: Any) -> Iterator[tuple]:
             *args, key, book = args
-            book, drafted, patched = checked_book(book), None, None
+            book, copied, patched = checked_book(book), None, None
             for outputs in handler(*args):
                 key = outputs[key_field] if isinstance(outputs[key_field], str) else key
                 chat = self.directory.find(key)
                 if chat is None or not chat.shown or not book.current or not chat.conversation.is_running:
                     yield (*outputs, gr.skip())
-                elif drafted is None:
+                elif copied is None:
                     data = chat.conversation.snapshot()
                     if said_anything(data):
-                        drafted = browser_copy.record(book, book.current, data, draft=True)
-                        yield (*outputs, outbox(book, drafted))
+                        copied = browser_copy.record(book, book.current, data, draft=True)
+                        yield (*outputs, outbox(book, copied))
                     else:
                         yield (*outputs, gr.skip())
                 elif (reply := chat.conversation.reply_so_far()) is not None and reply != patched:
                     patched = reply
-                    yield (*outputs, outbox(book, browser_copy.reply_patch(drafted, reply)))
+                    yield (*outputs, outbox(book, browser_copy.reply_patch(copied, reply)))
                 else:
                     yield (*outputs, gr.skip())
         parameters = list(inspect.signature(handler).parameters.values())

@@ -140,41 +140,41 @@ def wire_conversation(handlers: ChatHandlers, events: PageEvents, chat_list: Cha
     generating = dict(concurrency_id="generate")  # shares the queue's default concurrency limit
     saved_list = [page["outbox"], book, page["chats"], page["title"]]
 
-    def on(trigger: Any, fn: Callable, inputs: list, *, drafts: bool = False, **options: Any) -> None:
+    def on(trigger: Any, fn: Callable, inputs: list, *, copies_reply: bool = False, **options: Any) -> None:
         """The server first gets the shown conversation back if it lost it, then the event (with
-        drafts of its reply in the browser's copy while it streams), then the browser's copy is
+        the reply so far in the browser's copy while it streams), then the browser's copy is
         updated. (API clients call the event itself, by its name.)"""
         step = with_conversation(chat_list, page, trigger)
-        if drafts:
-            step = step.then(chat_list.drafting(fn), [*inputs, key, book], [*outputs, page["outbox"]], **options)
+        if copies_reply:
+            step = step.then(chat_list.copying_reply(fn), [*inputs, key, book], [*outputs, page["outbox"]], **options)
         else:
             step = step.then(fn, inputs, outputs, **options)
         step.then(chat_list.sync, [key, book], saved_list, **QUIET)
 
     textbox, target = page["textbox"], page["branch_target"]
-    on(textbox.submit, streamed(handlers.send), [textbox, *with_settings], drafts=True, api_name=False,
+    on(textbox.submit, streamed(handlers.send), [textbox, *with_settings], copies_reply=True, api_name=False,
        js=SENT_TEXT, **generating)
     asked = page["prepare_asked"]
     page["prepare_go"].click(handlers.prepare, [textbox, asked, *with_settings], asked, js=PREPARE_ASKED, api_name=False,
                              show_progress="hidden", trigger_mode="always_last", concurrency_limit=None
                              ).then(None, [asked], None, js=PREPARE_TAKEN, **QUIET)
-    on(page["send"].click, streamed(handlers.send), [textbox, *with_settings], drafts=True, api_name=False,
+    on(page["send"].click, streamed(handlers.send), [textbox, *with_settings], copies_reply=True, api_name=False,
        js=SENT_TEXT, **generating)
-    on(page["continue_button"].click, streamed(handlers.continue_reply), with_settings, drafts=True,
+    on(page["continue_button"].click, streamed(handlers.continue_reply), with_settings, copies_reply=True,
        api_name=False, **generating)
     on(page["branch_go"].click, instant(handlers.switch_branch), [target, *with_settings], api_name="switch_branch",
        js=TARGET_INPUT)
-    on(page["retry_go"].click, streamed(handlers.retry_at), [target, *with_settings], drafts=True, api_name=False,
+    on(page["retry_go"].click, streamed(handlers.retry_at), [target, *with_settings], copies_reply=True, api_name=False,
        js=TARGET_INPUT, **generating)
     chatbot, event = page["chatbot"], page["event"]  # its own events carry the shown message's index
-    for trigger, fn, name, drafts in (
+    for trigger, fn, name, copies in (
             (chatbot.retry, streamed(events.on_retry), "chatbot_retry", True),
             (chatbot.undo, instant(events.on_undo), "chatbot_undo", False),
             (chatbot.edit, streamed(events.on_edit), "chatbot_edit", True),
             (chatbot.example_select, streamed(events.on_example), "chatbot_example", True)):
         captured = trigger(capture, None, [event], **QUIET)
-        on(captured.then, fn, [event, *with_settings], drafts=drafts, api_name=name, api_visibility="private",
-           **(generating if drafts else {}))
+        on(captured.then, fn, [event, *with_settings], copies_reply=copies, api_name=name, api_visibility="private",
+           **(generating if copies else {}))
     page["stop"].click(handlers.stop, [key], None, api_name="stop", queue=False)
     page["dark"].click(None, js="() => window.rewindSettings.toggleTheme()", api_name=False)
     page["outbox"].change(None, [page["outbox"]], None, js=APPLY, **QUIET)
@@ -284,7 +284,7 @@ def remember_settings(page: dict[str, Any], max_system_chars: int, demo: gr.Bloc
 
 def wire_api_twins(handlers: ChatHandlers, page: dict[str, Any]) -> None:
     """API twins of the browser's events: the Chatbot's need browser event data, and the page's
-    generating ones carry drafts for the browser's copy (an API client keeps its own)."""
+    generating ones carry the reply so far to the browser's copy (an API client keeps its own)."""
     outputs, with_settings = outputs_of(page), [page["key"], *settings_of(page)]
     generating = dict(concurrency_id="generate")
     message = text_only("message", visible=False)

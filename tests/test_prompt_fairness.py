@@ -1,8 +1,8 @@
-"""Fair by tokens owed, per client (chat/prompt_shares.py, issue #43 item 2), on made-up steps: the
+"""Fair by tokens owed, per client (chat/prompt_fairness.py, issue #43 item 2), on made-up steps: the
 budget is handed out as the scheduler hands it (in `order`, each taking what it still needs up to
 what is left), and requests arrive and leave between steps."""
 
-from chat.prompt_shares import PromptShares
+from chat.prompt_fairness import PromptFairness
 
 
 def run_steps(arrivals: dict[int, list[tuple[str, int]]], budget: int, watch: str, clients: dict[str, str] | None = None,
@@ -10,7 +10,7 @@ def run_steps(arrivals: dict[int, list[tuple[str, int]]], budget: int, watch: st
     """Steps until `watch` has been prefilled: `arrivals[step]` are (name, prompt tokens) that
     join before that step; `clients`: each name's client (default: a client of its own)."""
     clients = clients or {}
-    shares, remaining = PromptShares(), {}
+    shares, remaining = PromptFairness(), {}
     for step in range(most_steps):
         remaining.update(arrivals.get(step, []))
         flows = {key: clients.get(key, key) for key in remaining}
@@ -59,7 +59,7 @@ def test_a_short_message_still_goes_before_a_long_one():
 
 
 def test_what_is_owed_is_bounded_and_forgotten():
-    shares = PromptShares()
+    shares = PromptFairness()
     for _ in range(100):  # passed over a hundred times
         shares.settle(["a", "b"], {"b": 16}, 16)
     assert shares.owed["a"] == 4 * 16 and shares.owed["b"] == 0

@@ -1,11 +1,10 @@
-"""A request's way through the table, applied: its first turn (a sampler, its cache rolled back
-to where the prompt parts from it), each prompt piece noted, a first token from logits its cache
-kept, and its end (the cache owner checks
-and rests its session, then the waiting turn is told).
+"""A request's stages through the table, applied: its start (a sampler, its cache rolled back to
+where the prompt parts from it), each prompt piece noted, a first token from logits its cache
+kept, and its end (the cache owner checks and rests its session, then its reader is told).
 
-The planner (chat/step_planner.py) decides when each of these happens; this carries them out
-over the cache owner, for replies and drafts alike (chat/ahead.py), so neither holds a second
-copy of how a request starts or ends.
+The planner (chat/step_planner.py) decides when each of these happens; this carries them out over
+the cache owner, for replies and texts prepared ahead alike (chat/ahead.py), so neither holds a
+second copy of how a request starts or ends.
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from chat.requests import GenerationRequest
 from chat.sampling import TokenChooser
 
 
-class RequestTurns:
+class RequestStages:
     """Starts, advances and ends the requests of one table (made anew with the table)."""
 
     def __init__(self, model: PreTrainedModel, caches: CacheOwner, guesses: StepGuesses, requests: RequestTable):

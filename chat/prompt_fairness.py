@@ -26,7 +26,7 @@ from typing import Hashable, Mapping, Sequence
 OWED_CAP_BUDGETS = 4  # what one flow may be owed, in budgets
 
 
-class PromptShares:
+class PromptFairness:
     """The prompt tokens owed to each flow with a request waiting to prefill."""
 
     def __init__(self) -> None:
