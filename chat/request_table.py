@@ -113,6 +113,16 @@ class RequestTable:
         self.paused.append(victim)
         return True
 
+    def append(self, request: GenerationRequest, queue: list[GenerationRequest], newest_only: bool = False) -> None:
+        """`request` into `queue` (waiting replies, or texts prepared ahead). `newest_only`: the
+        session's requests already in `queue` are called off in the same hold of the lock (one
+        text prepared a conversation, whoever asks and however fast)."""
+        with self.lock:
+            for older in queue if newest_only else ():
+                if older.session is request.session:
+                    older.stop.set()
+            queue.append(request)
+
     def start_decoding(self, request: GenerationRequest) -> None:
         with self.lock:
             self.prefilling.remove(request)

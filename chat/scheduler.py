@@ -37,7 +37,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Hashable, Iterator, MutableSequence, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -111,27 +111,21 @@ class DecodeScheduler:
     def prepare(self, session: CacheSession, prompt_ids: Sequence[int], stop: threading.Event,
                 work: CacheWork = CacheWork(), client: Hashable | None = None) -> GenerationRequest:
         """Prefill `prompt_ids` into `session` ahead of its Send, at idle priority: only in steps
-        with no reply to work on (so it never lengthens anyone's step), a small piece a step (a
-        reply arriving waits at most that), its progress kept when a reply comes first. It ends
-        once prefilled, or at the first step after `stop` (a newer text, the Send itself, a close): what it fed stays in the cache, and the Send's rollback keeps what it shares."""
+        with no reply to work on, a small piece a step, its progress kept when a reply comes
+        first. It ends once prefilled, or at the first step after `stop` (a newer text, the Send,
+        a close): what it fed stays, and the Send's rollback keeps what it shares."""
         request = GenerationRequest(session, prompt_ids, GenerationOptions(max_new_tokens=1), stop, work, client,
                                     ahead=True)
         return self._queue(request, self.planner.requests.ahead, newest_only=True)
 
-    def _queue(self, request: GenerationRequest, queue: MutableSequence[GenerationRequest],
+    def _queue(self, request: GenerationRequest, queue: list[GenerationRequest],
                newest_only: bool = False) -> GenerationRequest:
-        """Into `queue` of the table (waiting replies, or texts prepared ahead), checked, and the loop woken.
-        `newest_only`: the session's requests already in `queue` are called off, in the same hold
-        of the table's lock (one text prepared a conversation, whoever asks and however fast)."""
+        """Into `queue` of the table (`RequestTable.append`), checked, and the loop woken."""
         if self.loop.on_loop():  # it would wait for tokens from a job queued behind itself
             raise RuntimeError("submit a reply or a text to prepare from outside the engine's compute thread")
         if not request.prompt_ids:
             raise ValueError("cannot generate from or prepare an empty prompt")
-        with self.planner.requests.lock:
-            for older in queue if newest_only else ():
-                if older.session is request.session:
-                    older.stop.set()
-            queue.append(request)
+        self.planner.requests.append(request, queue, newest_only)
         self.loop.wake()
         return request
 
