@@ -18,7 +18,7 @@ from starlette.middleware import Middleware
 
 from chat import ChatEngine, ModelLoadError, remote, saved
 from chat.shares import Shares
-from chat.store import Records, SignOuts, default_url, open_database
+from chat.store import Quotas, Records, SignOuts, default_url, open_database
 from ui.accounts import AccountCopy, AccountEvents, SignedOutSessions, sign_in_configured
 from ui.browser_copy import SCRIPT as BROWSER_COPY_SCRIPT, Book
 from ui.waiting import WaitingBodies, WaitingBook
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_system_chars=config.max_system_chars)
     metrics = Metrics(directory)
     database = open_database(config.store_url or default_url())
-    sharing = Sharing(directory, Shares(database))
+    sharing = Sharing(directory, Shares(database, Quotas(anonymous_share_days=config.anonymous_share_days)))
     account_copy = AccountCopy(Records(database)) if sign_in_configured() else None
     demo = build(ChatHandlers(engine, directory, limits=limits, metrics=metrics), model_label=label,
                  max_new_tokens=config.max_new_tokens, sharing=sharing, account_copy=account_copy,

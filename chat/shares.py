@@ -4,7 +4,8 @@ A snapshot is saved-format data (chat/saved.py) of that one path, nothing else o
 link reaches it and only it. Whoever made it revokes it with the key given back at its making
 (the browser keeps it); a signed-in owner also through their account. A revoked link is gone from
 the store (it answers 404), not hidden. Shares made without signing in are bounded per client a
-day and in bytes altogether, so a visitor cannot fill the disk.
+day, in count and in bytes, and last `Quotas.anonymous_share_days` (then they are gone, as if
+revoked); the bound on all of them together is a backstop no one client reaches.
 """
 
 from __future__ import annotations
@@ -48,27 +49,39 @@ class Shares:
                     raise StoreError(f"Your account keeps at most {self.quotas.max_shares} shared links: revoke "
                                      "some to make another.")
             else:
-                recent = connection.execute(made.where(SHARES.c.owner.is_(None), SHARES.c.client == client,
-                                                       SHARES.c.created > time.time() - DAY_S)).scalar_one()
-                if recent >= self.quotas.max_shares:
-                    raise StoreError(f"At most {self.quotas.max_shares} links a day can be shared from one address "
-                                     "without signing in.")
-                held = connection.execute(sa.select(sa.func.coalesce(sa.func.sum(SHARES.c.nbytes), 0))
-                                          .where(SHARES.c.owner.is_(None))).scalar_one()
-                if held + len(text.encode()) > self.quotas.max_anonymous_share_bytes:
-                    raise StoreError("This server holds no more links shared without signing in; sign in to share.")
+                self._anonymous_room(connection, client, len(text.encode()))
             connection.execute(SHARES.insert().values(id=share_id, owner=owner, key_hash=_hash(key), client=client,
                                                       title=title, snapshot=text, nbytes=len(text.encode()),
                                                       created=time.time()))
         return share_id, key
 
+    def _anonymous_room(self, connection: sa.Connection, client: str, nbytes: int) -> None:
+        """Raise unless `client` may share `nbytes` more without signing in (expired links gone first)."""
+        quotas, now = self.quotas, time.time()
+        connection.execute(SHARES.delete().where(self._expired(now)))
+        summed = sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(SHARES.c.nbytes), 0)).select_from(SHARES)
+        count, today = connection.execute(summed.where(SHARES.c.owner.is_(None), SHARES.c.client == client,
+                                                       SHARES.c.created > now - DAY_S)).one()
+        if count >= quotas.max_shares:
+            raise StoreError(f"At most {quotas.max_shares} links a day can be shared from one address without "
+                             "signing in.")
+        if today + nbytes > quotas.max_client_share_bytes:
+            raise StoreError(f"At most {quotas.max_client_share_bytes // 2**20} MB a day can be shared from one "
+                             "address without signing in.")
+        held = connection.execute(summed.where(SHARES.c.owner.is_(None))).one()[1]
+        if held + nbytes > quotas.max_anonymous_share_bytes:
+            raise StoreError("This server holds no more links shared without signing in; sign in to share.")
+
+    def _expired(self, now: float) -> Any:
+        return sa.and_(SHARES.c.owner.is_(None), SHARES.c.created < now - self.quotas.anonymous_share_days * DAY_S)
+
     def get(self, share_id: str) -> dict[str, Any] | None:
-        """{"title", "snapshot", "created"}, or None (never made, or revoked)."""
+        """{"title", "snapshot", "created"}, or None (never made, revoked, or expired)."""
         if not is_share_id(share_id):
             return None
         with self.engine.connect() as connection:
             row = connection.execute(sa.select(SHARES.c.title, SHARES.c.snapshot, SHARES.c.created)
-                                     .where(SHARES.c.id == share_id)).first()
+                                     .where(SHARES.c.id == share_id, sa.not_(self._expired(time.time())))).first()
         return None if row is None else {"title": row.title, "snapshot": json.loads(row.snapshot),
                                           "created": row.created}
 

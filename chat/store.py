@@ -134,7 +134,9 @@ class Quotas:
     max_chats: int = 500
     max_bytes: int = 256 * 2**20
     max_shares: int = 200  # per account, and per anonymous client a day
-    max_anonymous_share_bytes: int = 256 * 2**20  # all shares made without signing in
+    max_client_share_bytes: int = 16 * 2**20  # what one anonymous client may share a day
+    max_anonymous_share_bytes: int = 256 * 2**20  # all shares made without signing in: a backstop
+    anonymous_share_days: float = 30.0  # how long a link shared without signing in lasts
 
 
 @dataclass(frozen=True)

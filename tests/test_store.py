@@ -288,3 +288,43 @@ def test_an_sqlite_store_is_its_owners_alone_from_the_first_write(tmp_path):
         assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o600
     finally:
         os.umask(old)
+
+
+def test_one_anonymous_client_cannot_take_every_clients_share_budget(engine):
+    """One address shared 135 snapshots of 1.9 MB in 37 s (under its count) until the server-wide
+    budget said no to everyone: now each address has its bytes a day, well under that budget."""
+    shares = Shares(engine, Quotas(max_client_share_bytes=10_000, max_anonymous_share_bytes=100_000))
+    big = conversation("x" * 4_000)
+    for _ in range(2):
+        shares.create(owner=None, client="addr:greedy", title="t", snapshot=big)
+    with pytest.raises(StoreError, match="a day can be shared from one address"):
+        shares.create(owner=None, client="addr:greedy", title="t", snapshot=big)
+    for client in ("addr:2", "addr:3"):  # the others still share
+        shares.create(owner=None, client=client, title="t", snapshot=big)
+
+
+def test_anonymous_links_expire_and_their_bytes_come_back(engine, monkeypatch):
+    import time as clock
+
+    import chat.shares
+
+    shares = Shares(engine, Quotas(anonymous_share_days=30, max_anonymous_share_bytes=20_000))
+    kept, _ = shares.create(owner="hf:a", client="hf:a", title="mine", snapshot=conversation("signed in"))
+    old, _ = shares.create(owner=None, client="addr:1", title="old", snapshot=conversation("x" * 9_000))
+    assert shares.get(old) is not None
+    later = clock.time() + 31 * 86_400
+    monkeypatch.setattr(chat.shares.time, "time", lambda: later)
+    assert shares.get(old) is None and shares.get(kept) is not None  # an account's link lasts
+    shares.create(owner=None, client="addr:2", title="new", snapshot=conversation("y" * 9_000))
+    shares.create(owner=None, client="addr:3", title="new", snapshot=conversation("z" * 9_000))  # the old one's room
+    with engine.connect() as connection:
+        assert connection.execute(sa.select(sa.func.count()).select_from(chat.shares.SHARES)
+                                  .where(chat.shares.SHARES.c.id == old)).scalar_one() == 0
+
+
+def test_how_long_an_anonymous_link_lasts_is_a_setting():
+    from ui.config import AppConfig
+
+    assert AppConfig.from_args([], environ={}).anonymous_share_days == 30
+    assert AppConfig.from_args(["--anonymous-share-days", "7"], environ={}).anonymous_share_days == 7
+    assert AppConfig.from_args([], environ={"ANONYMOUS_SHARE_DAYS": "2.5"}).anonymous_share_days == 2.5

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from chat.config import EngineConfig
+from chat.store import Quotas
 
 
 def _setting(default: Any, env: str | tuple[str, ...], help: str = "") -> Any:
@@ -107,6 +108,8 @@ class AppConfig:
                                      "signed-in people's conversations: an SQLAlchemy URL (postgresql+psycopg://... "
                                      "when several replicas serve one address); default SQLite in /data on a Space "
                                      "with persistent storage, else in ~/.local/share/rewind-chat")
+    anonymous_share_days: float = _setting(Quotas.anonymous_share_days, "ANONYMOUS_SHARE_DAYS",
+                                           "how long a link shared without signing in lasts, in days")
     max_checkpoints: int = _setting(EngineConfig.max_checkpoints, "MAX_CHECKPOINTS",
                                     "snapshots per conversation for layers that cannot be cropped")
 
