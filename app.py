@@ -233,7 +233,7 @@ def load_engine(config: AppConfig) -> Any:
         remote.ENGINE = engine
         engine.run_replies_in(spaces.GPU(duration=120)(remote.run_in_worker))
     model = engine.model
-    chosen = getattr(engine, "weights", config.weights)  # "auto" resolved by timing (chat/weights.py)
+    chosen = getattr(engine, "weights", config.weights)  # "auto" resolved by timing (chat/model_step/weights.py)
     held = str(model.dtype).replace("torch.", "") + ("" if chosen == "full" else f", {chosen} weights") + \
         (f" (auto: {chosen} timed faster here)" if config.weights == "auto" and chosen != "full" else "")
     # packed and int8 layers hold their weights as buffers

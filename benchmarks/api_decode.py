@@ -34,7 +34,7 @@ from benchmarks.report import bare_generate_rate, cpu_flags, publish, target_tab
 from chat import ChatEngine
 from chat.drafting import DRAFT_MODES
 from chat.models import build_model
-from chat.weights import WEIGHT_FORMATS, apply_weight_format
+from chat.model_step.weights import WEIGHT_FORMATS, apply_weight_format
 from chat.worker import ModelWorker
 
 SYSTEM_PROMPT = "You are a helpful assistant."

@@ -74,15 +74,15 @@ def main(argv: list[str] | None = None) -> dict:
 
 def one_start(args: argparse.Namespace) -> dict:
     """In the child: eager replies, then replies while the one-row graph builds, then compiled."""
-    import cache_sessions.compiled
+    import chat.model_step.compiled
     from benchmarks.models import build_bench_tokenizer
     from benchmarks.step_anatomy import VOCAB
     from chat import ChatEngine
     from chat.models import build_model
-    from chat.weights import apply_weight_format
+    from chat.model_step.weights import apply_weight_format
 
     if args.child == "contend":
-        cache_sessions.compiled.COMPILE_NICE = 0
+        chat.model_step.compiled.COMPILE_NICE = 0
     tokenizer = build_bench_tokenizer()
     model = apply_weight_format(build_model(args.model, VOCAB, None), args.weights)
 
@@ -93,10 +93,10 @@ def one_start(args: argparse.Namespace) -> dict:
             pass
         return conversation.stats.decode_tokens_per_s
 
-    start = cache_sessions.compiled.CompiledDecode.start
-    cache_sessions.compiled.CompiledDecode.start = lambda self: None  # not yet: eager first
+    start = chat.model_step.compiled.CompiledDecode.start
+    chat.model_step.compiled.CompiledDecode.start = lambda self: None  # not yet: eager first
     engine = ChatEngine(model, tokenizer, max_batch_size=1, compile="on")
-    cache_sessions.compiled.CompiledDecode.start = start
+    chat.model_step.compiled.CompiledDecode.start = start
     reply_rate(engine)  # warm-up
     eager = statistics.median(reply_rate(engine) for _ in range(3))
     engine.compiled.start()

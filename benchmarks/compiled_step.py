@@ -1,9 +1,9 @@
-"""A decode step of `--rows` conversations, eager against compiled (cache_sessions/compiled.py), in one process.
+"""A decode step of `--rows` conversations, eager against compiled (chat/model_step/compiled.py), in one process.
 
 Histories of `--history` tokens are prefilled once (untimed); then rounds alternate
 the two modes' order, each round timing `--steps` decode steps of each and rolling them back
 (`crop`) so every step sees the same lengths. Eager is the engine's plain step of the rows run
-eagerly (cache_sessions/plain_step.py), compiled the same function's graph of the rows' bucket
+eagerly (chat/model_step/plain_step.py), compiled the same function's graph of the rows' bucket
 (1, 2, 4 or 8 rows). The
 compile time is every bucket's up to that one; with `--store DIR` the graphs are saved there,
 and a second run with the same folder (a restart) loads them instead (`rows_loaded`).
@@ -30,11 +30,11 @@ import torch
 from benchmarks.agreement import demo_agreement
 from benchmarks.report import publish, target_table
 from benchmarks.step_anatomy import VOCAB, conversation
-from cache_sessions.plain_step import run_plain
-from cache_sessions.compiled import CompiledDecode
+from chat.model_step.plain_step import run_plain
+from chat.model_step.compiled import CompiledDecode
 from chat import ChatEngine
 from chat.models import build_model, parameter_count
-from chat.weights import WEIGHT_FORMATS, apply_weight_format
+from chat.model_step.weights import WEIGHT_FORMATS, apply_weight_format
 
 MODES = ("eager", "compiled")
 

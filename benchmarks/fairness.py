@@ -41,7 +41,7 @@ from chat import ChatEngine, Conversation
 from chat.models import build_model
 from chat.scheduler import GenerationRequest
 from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR
-from chat.weights import WEIGHT_FORMATS, apply_weight_format
+from chat.model_step.weights import WEIGHT_FORMATS, apply_weight_format
 from chat.worker import ModelWorker
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="with CHUNK/ALONE: the seconds a step may take while none decodes")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each scenario (medians reported)")
     parser.add_argument("--weights", default="full", choices=WEIGHT_FORMATS, help="how the weights are held "
-                        "(chat/weights.py), the same for every config")
+                        "(chat/model_step/weights.py), the same for every config")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
     started = time.perf_counter()

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--counts", default="1,2,4,8", help="conversations at once, comma-separated")
     parser.add_argument("--stagger", type=int, default=10, help="decode steps between staggered arrivals")
     parser.add_argument("--prefill-chunk", type=int, default=None)
-    parser.add_argument("--weights", default="full", help="the engine's weights: full, packed, auto (chat/weights.py)")
+    parser.add_argument("--weights", default="full", help="the engine's weights: full, packed, auto (chat/model_step/weights.py)")
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--plot", dest="plot_path", default=None)
     args = parser.parse_args(argv)

@@ -30,7 +30,7 @@ from benchmarks.fairness import SYSTEM_PROMPT, engine_for, newcomer_beside_strea
 from benchmarks.models import build_bench_tokenizer
 from benchmarks.report import alternated, arms_heading, arms_record
 from chat.models import build_model
-from chat.weights import WEIGHT_FORMATS, apply_weight_format
+from chat.model_step.weights import WEIGHT_FORMATS, apply_weight_format
 from chat.worker import ModelWorker
 
 ARMS = ("whole", "apart", "beside")

@@ -46,7 +46,7 @@ import torch
 
 from benchmarks.models import VOCAB, Words, build_bench_tokenizer
 from benchmarks.report import cpu_flags, publish, target_table
-from cache_sessions.compiled import COMPILE_MODES
+from chat.model_step.compiled import COMPILE_MODES
 from chat import ChatEngine
 from chat.drafting import DRAFT_MODES
 from chat.models import build_model, parameter_count

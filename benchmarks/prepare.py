@@ -35,7 +35,7 @@ from benchmarks.fairness import Sender, gaps, message_of, session_id, token_cloc
 from benchmarks.models import Words
 from benchmarks.report import cpu_flags, engine_at_size
 from chat import ChatEngine
-from chat.weights import WEIGHT_FORMATS
+from chat.model_step.weights import WEIGHT_FORMATS
 from ui.page_assets import PREPARE_EVERY_MS
 
 SYSTEM = "You are a helpful assistant."

@@ -3,7 +3,7 @@
 
 `--weights int8` multiplies a decode step's few rows with the weight-only int8 kernel; a prompt
 piece's many rows go through `Int8Linear.prompt_product`, whose kernel the engine times at start
-(`chat.weights.choose_prompt_kernel`): "fp32" (the levels turned into fp32) or "bf16" (turned into
+(`chat.model_step.weights.choose_prompt_kernel`): "fp32" (the levels turned into fp32) or "bf16" (turned into
 bf16, summed by the CPU's bf16 product). This prefills a `--prompt`-token prompt in one piece into
 an empty cache of `--model` (real-qwen3-0.6b: Qwen3-0.6B's shape) with each kernel forced, and the
 fp32 model as it is, alternated, `--repeats` times: milliseconds (median), prompt tokens a second,
@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.report import cpu_flags
 from chat.models import build_model, parameter_count
-from chat.weights import Int8Linear, apply_weight_format, prompt_kernel_choice
+from chat.model_step.weights import Int8Linear, apply_weight_format, prompt_kernel_choice
 
 VOCAB = 8192
 

@@ -22,7 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 from benchmarks.models import build_bench_tokenizer
 from chat import ChatEngine
 from chat.models import build_model
-from chat.weights import apply_weight_format
+from chat.model_step.weights import apply_weight_format
 from chat.worker import ModelWorker
 
 

@@ -27,7 +27,7 @@ from benchmarks.models import Words
 from benchmarks.report import alternated, arms_heading, arms_record, engine_at_size, patched
 from cache_sessions.session import CacheSession
 from chat import ChatEngine
-from chat.weights import WEIGHT_FORMATS
+from chat.model_step.weights import WEIGHT_FORMATS
 
 ARMS = ("kept", "fed again")
 

@@ -51,7 +51,7 @@ def child(model_name: str, history: int, tokens: int, threads: int, weights: str
     from chat.models import build_model
     from chat.options import GenerationOptions
     from chat.scheduler import DecodeScheduler
-    from chat.weights import apply_weight_format
+    from chat.model_step.weights import apply_weight_format
     from chat.worker import ModelWorker
 
     worker = ModelWorker()
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--history", type=int, default=250)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--weights", default="full", help="full, packed or int8 (chat/weights.py)")
+    parser.add_argument("--weights", default="full", help="full, packed or int8 (chat/model_step/weights.py)")
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)

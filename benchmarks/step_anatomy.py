@@ -1,8 +1,8 @@
 """What one packed step costs, its kinds alternated in one process.
 
 Three steps on one model, each over histories prefilled once (untimed), each run as the engine's
-plain step (cache_sessions/plain_step.py) and as the model's own packed forward
-(cache_sessions/resident.py, what runs the families the plain step does not know):
+plain step (chat/model_step/plain_step.py) and as the model's own packed forward
+(chat/model_step/resident.py, what runs the families the plain step does not know):
 
   one row      a decode step of one conversation (`--history` tokens)
   four rows    a decode step of four conversations of that length: per token against one row is
@@ -17,7 +17,7 @@ Each kind runs `--steps` steps a round, the kinds in a rotating order, `--rounds
 
     python -m benchmarks.step_anatomy                              # bench-full, 1,000 / 3,000 tokens, 16 a chunk
     python -m benchmarks.step_anatomy --model real-qwen3-0.6b
-    python -m benchmarks.step_anatomy --weights packed               # fp32 in oneDNN's layout (chat/weights.py)
+    python -m benchmarks.step_anatomy --weights packed               # fp32 in oneDNN's layout (chat/model_step/weights.py)
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from unittest import mock
 import torch
 
 from benchmarks.report import publish, target_table
-from cache_sessions import resident
-from cache_sessions.plain_step import run_plain
+from chat.model_step import resident
+from chat.model_step.plain_step import run_plain
 from cache_sessions.session import CacheSession
 from chat.models import build_model
-from chat.weights import WEIGHT_FORMATS, apply_weight_format
+from chat.model_step.weights import WEIGHT_FORMATS, apply_weight_format
 
 VOCAB = 8192
 PLAIN_KINDS = ("one row", "four rows", "mixed")
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--history", type=int, default=1000, help="tokens of each decoding row's history")
     parser.add_argument("--prompt-history", type=int, default=3000, help="tokens before the prompt chunk")
     parser.add_argument("--chunk", type=int, default=16, help="prompt tokens beside the decode row")
-    parser.add_argument("--weights", default="full", choices=WEIGHT_FORMATS, help="how the weights are held (chat/weights.py)")
+    parser.add_argument("--weights", default="full", choices=WEIGHT_FORMATS, help="how the weights are held (chat/model_step/weights.py)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--json", dest="json_path")

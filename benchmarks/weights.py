@@ -29,7 +29,7 @@ from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.tensors import filled_bytes
 from chat import ChatEngine
 from chat.models import build_model, parameter_count
-from chat.weights import apply_weight_format
+from chat.model_step.weights import apply_weight_format
 from chat.worker import ModelWorker
 
 # name: (dtype, weights) as `--dtype` and `--weights` take them; fp32 first (the reference).

@@ -1,4 +1,5 @@
-"""Rollback-capable KV cache sessions. Knows nothing of chat, templates or UI.
+"""Rollback-capable KV cache sessions. Knows nothing of chat, templates or UI, and runs no model
+step (chat/model_step does).
 
 Module map:
   session.py      CacheSession: the prompt-driven path (rewind_to / prefill / commit / extend), segments
@@ -9,7 +10,6 @@ Module map:
   segments.py     the states a span of tokens added, cut out to be put back (reply versions)
   tensors.py      walking nested states: find, move and measure their tensors
   branches.py     which messages a cache holds; keeping and putting back a branch's states
-  resident.py     one packed forward for many sessions, each appending to and reading its own cache in place
   prefixes.py     shared prefilled prefixes (system prompts) for new sessions
   owner.py        the one owner of every session's states: applies each change on the loop
   books.py        the owner's books: the sessions, their bytes, the budget, the loop's check

@@ -4,7 +4,7 @@ here, on the engine's loop thread, and nowhere else.
 vLLM's split at this scale: the scheduler (chat/scheduler.py) decides what runs each step, this
 owner applies it to the sessions (roll back, choose each prompt piece, note what a step fed,
 commit, keep and put back branches, move between devices, release), and the runner
-(chat/runner.py) runs the model: this owner imports no model code. Other threads never
+(chat/model_step/runner.py) runs the model: this owner imports no model code. Other threads never
 touch a session's tensors: they ask the loop (`Loop.call` / `Loop.post`) and read only the
 numbers kept here under a lock.
 
@@ -83,7 +83,7 @@ class CacheOwner(CacheBooks):
             self._measure(session)
 
     def fed(self, rows: list[tuple[CacheSession, list[int]]]) -> None:
-        """A step went through (chat/runner.py ran it): each row's cache now also holds what it
+        """A step went through (chat/model_step/runner.py ran it): each row's cache now also holds what it
         fed. Every row's session is a live request's (registered and brought back when it began,
         never spilled since), so only the thread is checked here, once a step."""
         self._on_loop()

@@ -102,7 +102,7 @@ class CacheSession(SegmentedStates):
         cache holds, which must be a prefix of it. True once only the last token is left.
 
         Chunks let a long prompt be prefilled between other conversations' decode steps; a
-        packed step (cache_sessions/resident.py) feeds `prefill_piece` itself, then calls
+        packed step (chat/model_step/resident.py) feeds `prefill_piece` itself, then calls
         `piece_fed`, as this loop does on the session's own."""
         prompt_ids = list(prompt_ids)
         limit = None if budget is None else len(self.token_ids) + budget

@@ -34,13 +34,13 @@ Module map:
   host.py          settings for a shared host, made before torch loads (OpenMP's wait policy)
   typing_ahead.py  the terminal chat prepares the line being typed, as the page does (prompt_toolkit)
   loading.py       from_pretrained with automatic device and dtype; the "demo" model
-  weights.py       how the weights are held: as loaded, packed, or int8 (its prompt product timed on this host)
   demo.py          where the trained demo model lies; the tests' tokenizer, trained in code
   models.py        the table of model shapes built in code (demo, tests, benchmarks)
   errors.py        errors a UI can show, one family (ChatError)
   store.py         the server's store of signed-in people's records (SQLite or PostgreSQL), merged as the browser merges
   sessions.py      the server's chats found by keys it made (never a client's id): a count limit, idle expiry
-  runner.py        the one model step: every row on its own cache, compiled, packed or row by row
+  model_step/      the one model step: the runner, the plain step, its compiled form, the model's own
+                   forward packed, and how the weights are held
   shares.py        shared snapshots of a conversation's path, reached by an unguessable id, revoked by their maker
 """
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from cache_sessions.owner import CacheOwner
 from chat.requests import GenerationRequest
-from chat.runner import ModelRunner
+from chat.model_step.runner import ModelRunner
 from chat.step_planner import StepPlanner
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cache_sessions.compiled import check_compile_mode
+from chat.model_step.compiled import check_compile_mode
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import DEFAULT_MAX_ENTRIES
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
 from chat.drafting import check_draft_mode
 from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR
-from chat.weights import check_weight_format
+from chat.model_step.weights import check_weight_format
 
 DEFAULT_MAX_BATCH_SIZE = 8
 # A cap under the timed step budget (chat/step_budget.py), which decides on a real model's shape; on
@@ -47,10 +47,10 @@ class EngineConfig:
     `weights`: "full" (as loaded), "packed" (the fp32 weights in oneDNN's layout, CPU), "auto"
     (full or packed, whichever this host multiplies faster, timed on the model's own widest layer
     when the engine is made; the app's default) or "int8" (linear weights in int8 with a scale per
-    channel, on the CPU; chat/weights.py), applied to the model when the engine is made (in
+    channel, on the CPU; chat/model_step/weights.py), applied to the model when the engine is made (in
     place: a library caller's model as loaded stays so by default). `compile`: "on",
     "off" or "auto" (on from 200 M parameters, where it measured faster): decode steps take
-    compiled graphs (cache_sessions/compiled.py; a graph per 1, 2, 4, 8 rows up to
+    compiled graphs (chat/model_step/compiled.py; a graph per 1, 2, 4, 8 rows up to
     `max_batch_size`), compiled on a thread of their own while steps run eager, for the plain
     decoders on the CPU. `draft`: "auto", "ngram" or "off": decode steps verify tokens guessed
     from the conversation and the reply's earlier versions (chat/drafting.py: replies as without;

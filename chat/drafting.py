@@ -33,7 +33,7 @@ from what earlier replies' guesses from that source scored).
 How many (`DraftPolicy`): "ngram" guesses up to `MAX_DRAFT` wherever a match is found; "auto"
 picks the length that maximizes the row's expected tokens a second from its measured acceptance
 and what extra tokens add to a step on this machine, timed as steps run (`DraftPolicy`), down to
-none; where a compiled decode graph is ready (cache_sessions/compiled.py) a row of several tokens
+none; where a compiled decode graph is ready (chat/model_step/compiled.py) a row of several tokens
 leaves it for the eager forward (1.47x slower a step at Qwen3-0.6B's shape), so guesses must beat
 the graph's timed step, and none are fed while no eager step of that many rows was timed;
 "off" never.

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cache_sessions.cold import ColdStore
-from cache_sessions.compiled import CompiledDecode
+from chat.model_step.compiled import CompiledDecode
 from cache_sessions.owner import CacheOwner
 from cache_sessions.prefixes import PrefixStore
 from chat import saved
@@ -25,7 +25,7 @@ from chat.scheduler import DecodeScheduler
 from chat.step_planner import SchedulerStats
 from chat.sources import ReplySource
 from chat.templates import ChatTemplate
-from chat.weights import Int8Linear, apply_weight_format, choose_weight_format, prompt_kernel_choice
+from chat.model_step.weights import Int8Linear, apply_weight_format, choose_weight_format, prompt_kernel_choice
 from chat.worker import ModelWorker
 
 
@@ -143,7 +143,7 @@ class ChatEngine:
                 "evictions": caches.evictions, "branch_segments_freed": caches.segments_freed}
 
     def _weights_status(self) -> dict[str, Any]:
-        """How the weights are held, and for int8 which prompt product runs (chat/weights.py)."""
+        """How the weights are held, and for int8 which prompt product runs (chat/model_step/weights.py)."""
         kernel = next((module.prompt_kernel for module in self.model.modules() if isinstance(module, Int8Linear)), None)
         return {"format": self.weights, "asked": self.config.weights, "auto_timed": self.weight_choice,
                 "int8_prompt_kernel": kernel,

@@ -17,7 +17,7 @@ tokens/s spinning by default, 9.3 with `GOMP_SPINCOUNT=100000`, 8.0 with PASSIVE
 process 2.3, 3.5 and 5.3. A dedicated host may set `GOMP_SPINCOUNT` (docs/deploy.md).
 
 Inductor's on-disk cache (compiled kernels the app loads and runs) goes in the app's own cache
-folder, beside the saved decode steps (cache_sessions/compiled.py), not in torch's default
+folder, beside the saved decode steps (chat/model_step/compiled.py), not in torch's default
 `/tmp/torchinductor_<user>`: that one is lost when a Space restarts, and on a shared host another
 user may create it first and fill it. torch fixes the folder as a side effect of its own imports,
 so it is chosen here, before torch loads; an operator's `TORCHINDUCTOR_CACHE_DIR` wins.

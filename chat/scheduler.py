@@ -3,7 +3,7 @@ one model step per step; every other change to a cache runs between steps.
 
 Three roles (vLLM v1, nano-vllm): the scheduler decides (its planner, chat/step_planner.py, over
 the table of requests), the cache owner (cache_sessions/owner.py) applies, the runner
-(chat/runner.py) executes. One step, after the commands other threads posted (a branch switch, a
+(chat/model_step/runner.py) executes. One step, after the commands other threads posted (a branch switch, a
 close, a worker's result), reads in that order: **plan** (end requests stopped wherever they
 wait; admit waiting requests while rows are free; each newcomer rolled back by the owner; this
 step's prompt pieces within its budget; each decode row's guesses) → **run** (the runner's one model step: the next token of every decoding row, its
@@ -42,7 +42,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from cache_sessions.compiled import CompiledDecode
+from chat.model_step.compiled import CompiledDecode
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.owner import CacheOwner
 from cache_sessions.session import CacheSession
@@ -53,7 +53,7 @@ from chat.guessing import StepGuesses, choose_tokens
 from chat.loop import Loop
 from chat.options import GenerationOptions
 from chat.requests import CacheWork, GenerationRequest
-from chat.runner import ModelRunner
+from chat.model_step.runner import ModelRunner
 from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR, StepBudget
 from chat.step_planner import SchedulerStats, StepPlan, StepPlanner
 from chat.worker import ModelWorker
@@ -70,7 +70,7 @@ class DecodeScheduler:
                  draft: str = "auto", **cache_settings: Any):
         """`prefill_order`: "shortest" (remaining prefill first, see above) or "arrival" (oldest
         first, measured against it in benchmarks/fairness.py). `compiled`: the graphs the runner
-        takes a step of decode rows alone to, once built (cache_sessions/compiled.py). `kv_cache`:
+        takes a step of decode rows alone to, once built (chat/model_step/compiled.py). `kv_cache`:
         the kind of cache every session's states live in (the owner's, and the runner's probe). `step_gap_factor`:
         while rows decode, a step's prompt tokens are at most `prefill_chunk` and as many as keep
         it within that many decode steps, measured (chat/step_budget.py; None: `prefill_chunk`

@@ -25,7 +25,7 @@ from chat.guessing import StepGuesses
 from chat.prompt_fairness import PromptFairness
 from chat.request_table import RequestTable
 from chat.requests import GenerationRequest
-from chat.runner import Row
+from chat.model_step.runner import Row
 from chat.step_budget import StepBudget
 from chat.request_stages import RequestStages
 
@@ -74,7 +74,7 @@ class SchedulerStats:
     largest_batch: int  # the most rows one decode step has run
     join_wait_mean_s: float  # from submit to the first decode step, over the last 32
     join_wait_max_s: float
-    packed: bool = False  # steps run packed, one forward for every row (else row by row: chat/runner.py)
+    packed: bool = False  # steps run packed, one forward for every row (else row by row: chat/model_step/runner.py)
     prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/step_budget.py)
     paused: int = 0  # decode rows given up for another client's share of the rows (chat/request_table.py)
     preparing: int = 0  # texts being prepared ahead of their Send (`prepare`)
@@ -116,7 +116,7 @@ class StepPlanner:
                  last_piece_rows: int | None = None):
         """`last_piece_rows`: a prompt's last piece goes with its last token in the first decode
         row only within this many tokens (None: any), else a step before it. Where products keep
-        rows apart up to that many (int8, chat/runner.py), the token then gets the bits a Retry's
+        rows apart up to that many (int8, chat/model_step/runner.py), the token then gets the bits a Retry's
         step of it alone gives: a greedy Retry is the reply it replaces (docs/performance.md)."""
         if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
             raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")

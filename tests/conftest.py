@@ -23,7 +23,7 @@ PLAIN_TEMPLATE = "qwen2_5"  # knows nothing of reasoning
 def count_forwards(model, monkeypatch) -> list:
     """Each forward pass of `model` from now on appends to the list returned (until monkeypatch
     undoes it): each call of its output layer, which every step runs once, the model's own
-    forward and the runner's plain step alike (cache_sessions/plain_step.py)."""
+    forward and the runner's plain step alike (chat/model_step/plain_step.py)."""
     calls = []
     head = model.get_output_embeddings()
     original = head.forward

@@ -17,13 +17,13 @@ LOGIT_TOLERANCE = 1e-4  # fp32
 # 2.8e-4; a step at 4 bits is 17x larger. A stale state puts many codes many steps off.
 QUANTIZED_LOGIT_TOLERANCE = {8: 1e-3, 4: 1e-2}
 MAX_FLIPPED_CODES = 1 / 200
-# int8 weights (chat/weights.py): float noise between the cached path and the scratch forward
+# int8 weights (chat/model_step/weights.py): float noise between the cached path and the scratch forward
 # (different shapes and kernels; linear attention's recurrence against its chunked prefill) can
 # put a product on the other side of a bf16 rounding boundary, one step off, and a top logit
 # within a hair of the next then loses its place. States of other tokens (stale) differed by 5.2
 # or more. On these random models ~1.3 tokens of 2,050 lie within 0.1 of the top on average.
 INT8_LOGIT_TOLERANCE = 0.1
-# With the "bf16" prompt product (chat/weights.py, where the CPU multiplies bf16 natively) a
+# With the "bf16" prompt product (chat/model_step/weights.py, where the CPU multiplies bf16 natively) a
 # prompt's products may round partial sums to bf16: cached and scratch logits of the tiny
 # attention models then differ by up to ~0.12 (measured), still far below a stale state's 5.2.
 INT8_BF16_PROMPT_LOGIT_TOLERANCE = 0.25
@@ -31,7 +31,7 @@ INT8_BF16_PROMPT_LOGIT_TOLERANCE = 0.25
 
 def int8_logit_tolerance(model) -> float:
     """What an int8 model's logits may differ by between cached and scratch, by its prompt product."""
-    from chat.weights import Int8Linear
+    from chat.model_step.weights import Int8Linear
     kernels = {module.prompt_kernel for module in model.modules() if isinstance(module, Int8Linear)}
     return INT8_BF16_PROMPT_LOGIT_TOLERANCE if "bf16" in kernels else INT8_LOGIT_TOLERANCE
 
@@ -172,9 +172,9 @@ def check_exact(conv, model, tokenizer, *, max_new_tokens: int | None, enable_th
 
 @torch.no_grad()
 def decode_together(model, sessions, last_tokens, steps):
-    """Greedy rows decoded together by the engine's runner, one step for all (chat/runner.py):
+    """Greedy rows decoded together by the engine's runner, one step for all (chat/model_step/runner.py):
     each session prefilled to all but its last prompt token, which is fed first."""
-    from chat.runner import ModelRunner
+    from chat.model_step.runner import ModelRunner
 
     runner, tokens, replies = ModelRunner(model), list(last_tokens), [[] for _ in sessions]
     for _ in range(steps):

@@ -1,4 +1,4 @@
-"""The compiled decode step (cache_sessions/compiled.py, issue #31): each step against a
+"""The compiled decode step (chat/model_step/compiled.py, issue #31): each step against a
 from-scratch forward over the whole sequence (fp32 and int8 weights), one graph for every length
 and buffer capacity, rollback into compiled steps, and every operation of an engine that uses it
 held to the same references as the eager engine (tests/reference.py)."""
@@ -17,12 +17,12 @@ from test_exactness import MAX_NEW, every_operation
 from tiny_models import build_model
 
 from cache_sessions import CacheSession
-from cache_sessions import compiled as compiled_module
-from cache_sessions.compiled import CompiledDecode, graph_key
+from chat.model_step import compiled as compiled_module
+from chat.model_step.compiled import CompiledDecode, graph_key
 from cache_sessions.sealed import Sealer
 from chat import ChatEngine
 from chat.config import EngineConfig
-from chat.weights import apply_weight_format
+from chat.model_step.weights import apply_weight_format
 
 WAIT_S = 600  # compiling on a busy 2-core machine: minutes at worst
 

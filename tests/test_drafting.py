@@ -115,7 +115,7 @@ def test_a_replys_first_step_guesses_only_from_an_earlier_version(make_engine, m
     """The first token is what the person waits for: a new reply's first step carries no guesses
     from the conversation's n-grams (here a lookup that always has some), its later steps do;
     a Retry's first step guesses from the version it replaces."""
-    from chat.runner import ModelRunner
+    from chat.model_step.runner import ModelRunner
 
     # sliding windows: a first token always comes from a step (no logits kept after a prompt)
     engine = make_engine("sliding", draft="ngram")
@@ -287,7 +287,7 @@ def test_where_a_graph_serves_from_the_start_one_eager_step_is_timed_for_guesses
 
 class ReadyGraph:
     """A compiled graph for one row that serves from the engine's first step (one loaded from
-    disk at start), standing in for cache_sessions/compiled.py: it runs the same plain step."""
+    disk at start), standing in for chat/model_step/compiled.py: it runs the same plain step."""
 
     enabled, steps = True, 0
 
@@ -301,7 +301,7 @@ class ReadyGraph:
         return len(rows) == 1 and len(rows[0][1]) == 1 and list(logits_of) == [0]
 
     def step(self, rows):
-        from cache_sessions.plain_step import run_plain
+        from chat.model_step.plain_step import run_plain
 
         self.steps += 1
         return run_plain(self.model, rows, [0])

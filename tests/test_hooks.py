@@ -14,7 +14,7 @@ from conftest import THINKING_TEMPLATE
 from reference import render_ids, scratch_greedy_reply
 
 from chat import ChatEngine
-from chat.runner import ModelRunner
+from chat.model_step.runner import ModelRunner
 
 GREEDY = dict(max_new_tokens=10, do_sample=False)
 
@@ -112,14 +112,14 @@ def test_a_patched_forward_or_an_unknown_attention_is_refused(models, tokenizers
 def test_a_step_that_does_not_match_the_models_forward_on_the_probe_is_refused(models, monkeypatch):
     """The load probe: a plain step that computes something else (here, its logits nudged) is
     found out before it serves, and the model's own forward runs instead."""
-    import chat.runner
+    import chat.model_step.runner
 
     model = models["full"]
     honest = ModelRunner(model)
     honest.probe_plain()
     assert honest.plain_refusal is None
-    real = chat.runner.run_plain
-    monkeypatch.setattr(chat.runner, "run_plain", lambda *args, **kwargs: real(*args, **kwargs) + 1e-2)
+    real = chat.model_step.runner.run_plain
+    monkeypatch.setattr(chat.model_step.runner, "run_plain", lambda *args, **kwargs: real(*args, **kwargs) + 1e-2)
     nudged = ModelRunner(model)
     nudged.probe_plain()
     assert "load probe" in nudged.plain_refusal

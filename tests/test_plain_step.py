@@ -1,4 +1,4 @@
-"""The plain step (cache_sessions/plain_step.py): the decoder of the families it knows written out
+"""The plain step (chat/model_step/plain_step.py): the decoder of the families it knows written out
 over a packed sequence, decode rows and prompt pieces in one call, each row on its own cache.
 
 The reference is a from-scratch forward over each row's whole sequence (no cache at all) and
@@ -11,12 +11,12 @@ import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
-import chat.runner
+import chat.model_step.runner
 from cache_sessions import CacheSession
 from cache_sessions.kv_cache import KVCacheKind
-from cache_sessions.plain_step import layer_windows, plain_refusal, run_plain, takes_states
+from chat.model_step.plain_step import layer_windows, plain_refusal, run_plain, takes_states
 from chat.models import TINY_SLIDING_WINDOW
-from chat.runner import ModelRunner
+from chat.model_step.runner import ModelRunner
 from reference import LOGIT_TOLERANCE
 from test_resident import PROMPTS, check_rows_against_scratch, ready, scratch_logits
 
@@ -112,7 +112,7 @@ def test_with_int8_weights_guesses_verified_alone_get_the_bits_of_decoding_them_
     and a Retry's step of the prompt's last token alone gives what the first reply's step gave.
     Heads as wide as real models' (one call for the whole row rounds another way there); a
     sliding window filled and not yet filled."""
-    from chat.weights import apply_weight_format, products_keep_rows_apart
+    from chat.model_step.weights import apply_weight_format, products_keep_rows_apart
     from tiny_models import wide_heads_model
 
     model = apply_weight_format(wide_heads_model(arch, 300, None), "int8")
@@ -161,9 +161,9 @@ def test_the_runner_runs_the_plain_step_where_it_takes(models, monkeypatch, arch
     forward otherwise: both give the scratch forward's logits."""
     model = models[arch]
     used = []
-    own_plain, own_forward = chat.runner.run_plain, chat.runner.forward_rows
-    monkeypatch.setattr(chat.runner, "run_plain", lambda *args: used.append("plain") or own_plain(*args))
-    monkeypatch.setattr(chat.runner, "forward_rows", lambda *args: used.append("forward") or own_forward(*args))
+    own_plain, own_forward = chat.model_step.runner.run_plain, chat.model_step.runner.forward_rows
+    monkeypatch.setattr(chat.model_step.runner, "run_plain", lambda *args: used.append("plain") or own_plain(*args))
+    monkeypatch.setattr(chat.model_step.runner, "forward_rows", lambda *args: used.append("forward") or own_forward(*args))
     runner = ModelRunner(model)
     assert (runner.plain_refusal is None) == plain
     session = ready(model, PROMPTS[2], KVCacheKind())

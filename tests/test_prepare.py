@@ -11,7 +11,7 @@ import torch
 from conftest import THINKING_TEMPLATE
 from reference import check_exact
 
-import chat.runner
+import chat.model_step.runner
 
 GREEDY = dict(max_new_tokens=8, do_sample=False)
 TEXT = "Here is the long message I was typing, about the cache and how it rolls back to the prefix."
@@ -73,14 +73,14 @@ def test_a_draft_never_runs_while_a_reply_has_work(make_engine, models, tokenize
     engine = make_engine("full")
     streaming, typing = engine.conversation("You are terse."), engine.conversation("You are terse.")
     carried: list[tuple[bool, bool]] = []  # per forward: (the draft's session in it, a reply decoding)
-    forward = chat.runner.packed_step
+    forward = chat.model_step.runner.packed_step
 
     def watched(model, rows, logits_of, plain, tails=None, alone=()):
         carried.append((any(session is typing.session for session, _ in rows),
                         any(session is streaming.session for session, _ in rows)))
         return forward(model, rows, logits_of, plain, tails, alone)
 
-    monkeypatch.setattr(chat.runner, "packed_step", watched)
+    monkeypatch.setattr(chat.model_step.runner, "packed_step", watched)
     stream = streaming.send("Talk for a while.", max_new_tokens=60, do_sample=False)
     reader = threading.Thread(target=lambda: list(stream), daemon=True)
     reader.start()

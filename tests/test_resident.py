@@ -1,4 +1,4 @@
-"""Packed steps (cache_sessions/resident.py): decode rows and prefill pieces of several sessions in
+"""Packed steps (chat/model_step/resident.py): decode rows and prefill pieces of several sessions in
 one forward, each on its own cache, give every row what it gives alone.
 
 The reference is a from-scratch forward over each row's whole sequence (no cache at all), and
@@ -11,11 +11,11 @@ import torch
 
 from cache_sessions import CacheSession
 from cache_sessions.kv_cache import KVCacheKind
-from cache_sessions import resident
-from cache_sessions.plain_step import run_plain, takes_states
-from cache_sessions.resident import forward_rows, packs, recurrent_mixers
+from chat.model_step import resident
+from chat.model_step.plain_step import run_plain, takes_states
+from chat.model_step.resident import forward_rows, packs, recurrent_mixers
 from cache_sessions.rollback import RecurrentState
-from chat.runner import ModelRunner
+from chat.model_step.runner import ModelRunner
 from reference import (LOGIT_TOLERANCE, QUANTIZED_LOGIT_TOLERANCE, cached_vs_scratch_logit_error, fresh,
                        scratch_greedy_reply)
 
@@ -65,7 +65,7 @@ def test_a_recurrent_mixer_the_stacked_states_do_not_serve_runs_its_rows_one_by_
 @pytest.mark.parametrize("arch", ["full", "mixed", "hybrid"])
 def test_the_runner_row_by_row_gives_each_row_its_own_result(models, arch):
     """A model whose layers cannot run packed (recurrent mixers it cannot find) gets the model's
-    own forward on each row's cache in turn (chat/runner.py): the same checks against scratch."""
+    own forward on each row's cache in turn (chat/model_step/runner.py): the same checks against scratch."""
     runner = ModelRunner(models[arch])
     runner.packs = False  # as for such a model
     check_rows_against_scratch(models[arch], arch, KVCacheKind(), step=runner.run)

@@ -28,11 +28,11 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-import chat.runner
+import chat.model_step.runner
 import chat.scheduler
 import chat.request_stages
 from chat import ChatEngine, ConversationBusyError, ConversationError
-from chat.runner import ModelRunner
+from chat.model_step.runner import ModelRunner
 from chat.sampling import TokenChooser
 from chat.step_budget import StepBudget
 
@@ -283,14 +283,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, 
     runner, newcomer = engine.conversation("You are terse."), engine.conversation("You are terse.")
     # per forward: (decode rows, tokens of each prefill piece, tokens of each decode row)
     forwards: list[tuple[int, list[int], list[int]]] = []
-    packed = chat.runner.packed_step
+    packed = chat.model_step.runner.packed_step
 
     def logged(model, rows, logits_of, plain, tails=None, alone=()):
         forwards.append((len(logits_of), [len(fed) for _, fed in rows[len(logits_of):]],
                          [len(fed) for _, fed in rows[:len(logits_of)]]))
         return packed(model, rows, logits_of, plain, tails, alone)
 
-    monkeypatch.setattr(chat.runner, "packed_step", logged)
+    monkeypatch.setattr(chat.model_step.runner, "packed_step", logged)
     consumer = Consumer(runner, runner.send("Talk for a while.", max_new_tokens=PAUSES_AT_THIRD_TOKEN,
                                             do_sample=False))
     assert hooks["reached"].wait(60)
@@ -506,7 +506,7 @@ def costed_steps(engine, monkeypatch, *, beside_decode_rows: bool) -> list[int]:
     """The engine's steps on a made-up clock: a forward costs 10 units, each prompt token in it 2
     more. Returns the list the prompt tokens of each step with prefill go to (only the steps
     that also carry decode rows, with `beside_decode_rows`)."""
-    now, pieces, packed = [0.0], [], chat.runner.packed_step
+    now, pieces, packed = [0.0], [], chat.model_step.runner.packed_step
     engine.scheduler.clock = lambda: now[0]
 
     def costed(model, rows, logits_of, plain, tails=None, alone=()):
@@ -516,7 +516,7 @@ def costed_steps(engine, monkeypatch, *, beside_decode_rows: bool) -> list[int]:
             pieces.append(prompt_tokens)
         return packed(model, rows, logits_of, plain, tails, alone)
 
-    monkeypatch.setattr(chat.runner, "packed_step", costed)
+    monkeypatch.setattr(chat.model_step.runner, "packed_step", costed)
     return pieces
 
 
@@ -595,7 +595,7 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
     engine = make_engine("full", prefill_chunk_alone=8, alone_step_s=None)
     first, second = engine.conversation(), engine.conversation()  # no shared system prompt: one piece each
     forwards, reached, release, ended_after = [0], threading.Event(), threading.Event(), []
-    packed = chat.runner.packed_step
+    packed = chat.model_step.runner.packed_step
 
     def held(model, rows, logits_of, plain, tails=None, alone=()):
         forwards[0] += 1
@@ -611,7 +611,7 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
             ended_after.append(forwards[0])
         end(request, error)
 
-    monkeypatch.setattr(chat.runner, "packed_step", held)
+    monkeypatch.setattr(chat.model_step.runner, "packed_step", held)
     monkeypatch.setattr(chat.scheduler.GenerationRequest, "_end", noted)
     with HeldScheduler(engine):
         shorter = Consumer(first, first.send(" ".join(f"word{i}" for i in range(60)), **GREEDY))
@@ -725,14 +725,14 @@ def test_a_newcomers_prompt_end_runs_apart_from_the_rows_where_their_gap_allows(
     within two of their steps): that step runs the newcomer alone, the next every row, and
     every reply is exact. Switched off (as before), the newcomer's step carries the rows."""
     monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
-    now, packed = [0.0], chat.runner.packed_step
+    now, packed = [0.0], chat.model_step.runner.packed_step
 
     def costed(model, rows, logits_of, plain, tails=None, alone=()):
         fed = sum(len(tokens) for _, tokens in rows)
         now[0] += 10 + 5 * len(logits_of) + (fed - len(logits_of))
         return packed(model, rows, logits_of, plain, tails, alone)
 
-    monkeypatch.setattr(chat.runner, "packed_step", costed)
+    monkeypatch.setattr(chat.model_step.runner, "packed_step", costed)
     engine = make_engine("full", prefill_chunk=64, draft="off")
     engine.scheduler.clock = lambda: now[0]
     engine.scheduler.planner.newcomers_apart = apart
@@ -789,7 +789,7 @@ def test_a_message_a_little_over_the_step_budget_goes_whole_where_one_step_can_c
     steps), a message given whole may take 3.5 (150 tokens). A message of about 140 tokens is fed
     in one step and its reply is exact; cut to the budget (as before), in two."""
     monkeypatch.setattr(models["full"].generation_config, "eos_token_id", None)
-    now, fed, packed = [0.0], [], chat.runner.packed_step
+    now, fed, packed = [0.0], [], chat.model_step.runner.packed_step
 
     def costed(model, rows, logits_of, plain, tails=None, alone=()):
         tokens = sum(len(tokens) for _, tokens in rows)
@@ -797,7 +797,7 @@ def test_a_message_a_little_over_the_step_budget_goes_whole_where_one_step_can_c
         fed.append([(id(session), len(tokens)) for session, tokens in rows])
         return packed(model, rows, logits_of, plain, tails, alone)
 
-    monkeypatch.setattr(chat.runner, "packed_step", costed)
+    monkeypatch.setattr(chat.model_step.runner, "packed_step", costed)
     engine = make_engine("full", prefill_chunk=256, draft="off")
     engine.scheduler.clock = lambda: now[0]
     engine.scheduler.planner.whole_messages = whole

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_sessions.compiled import trusted_inductor_cache
+from chat.model_step.compiled import trusted_inductor_cache
 from cache_sessions.sealed import BrokenSeal, Sealer, UntrustedFolder, private_folder
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""`--weights int8` (chat/weights.py): linear weights in int8 with a scale per output channel.
+"""`--weights int8` (chat/model_step/weights.py): linear weights in int8 with a scale per output channel.
 The layer is checked against a float64 product with the weight rounded by hand; exact rollback
 against plain `generate` on the same quantized model (tests/reference.py), every operation, every
 layer mix, alone and batched. `--weights packed` (the fp32 weights in oneDNN's layout): the layer
@@ -18,8 +18,8 @@ from torch import nn
 from cache_sessions import CacheSession
 from chat import ChatEngine
 from chat.config import EngineConfig
-import chat.weights
-from chat.weights import AUTO_PROBE_ROWS, PROMPT_KERNELS, Int8Linear, PackedLinear, apply_weight_format, choose_weight_format
+import chat.model_step.weights
+from chat.model_step.weights import AUTO_PROBE_ROWS, PROMPT_KERNELS, Int8Linear, PackedLinear, apply_weight_format, choose_weight_format
 
 
 @pytest.mark.parametrize("in_features", [96, 36])  # 36: not a width the kernel takes (the prompt path only)
@@ -71,10 +71,10 @@ def test_a_compiled_one_row_product_is_the_same_product_of_int8_weights(in_featu
     `one_row_product`, the sum inductor fuses: the input as it is (not rounded to bf16) times the
     int8 weight, within fp32's sum noise of that product in float64, at widths the eager kernel
     does not take too; and within one bf16 step of the eager layer (whose input is rounded)."""
-    import chat.weights
+    import chat.model_step.weights
     traced = []
-    product = chat.weights.one_row_product
-    monkeypatch.setattr(chat.weights, "one_row_product", lambda *args: traced.append(1) or product(*args))
+    product = chat.model_step.weights.one_row_product
+    monkeypatch.setattr(chat.model_step.weights, "one_row_product", lambda *args: traced.append(1) or product(*args))
     generator = torch.Generator().manual_seed(1)
     linear = nn.Linear(in_features, 40)
     with torch.no_grad():
@@ -102,7 +102,7 @@ def quantized_model(arch, tokenizer):
 
 @pytest.mark.parametrize("in_features,out_features", [(1024, 3072), (3072, 1024), (256, 96)])
 def test_an_int8_layer_gives_a_row_the_same_bits_whatever_rows_are_beside_it(in_features, out_features):
-    """What lets guesses be verified with the bits of decode steps (cache_sessions/plain_step.py,
+    """What lets guesses be verified with the bits of decode steps (chat/model_step/plain_step.py,
     `alone`): up to `KERNEL_ROWS` rows, each row of a product is the product of that row alone, to
     the bit; and the model-level check says so for int8 layers only."""
     linear = nn.Linear(in_features, out_features, bias=False)
@@ -112,18 +112,18 @@ def test_an_int8_layer_gives_a_row_the_same_bits_whatever_rows_are_beside_it(in_
         alone = torch.cat([layer(rows[index:index + 1]) for index in range(len(rows))])
         for count in range(2, Int8Linear.KERNEL_ROWS + 1):
             assert torch.equal(layer(rows[:count]), alone[:count]), count
-    assert chat.weights.products_keep_rows_apart(nn.Sequential(layer))
-    assert not chat.weights.products_keep_rows_apart(nn.Sequential(layer, linear))
-    assert not chat.weights.products_keep_rows_apart(nn.Sequential(PackedLinear(linear)))
+    assert chat.model_step.weights.products_keep_rows_apart(nn.Sequential(layer))
+    assert not chat.model_step.weights.products_keep_rows_apart(nn.Sequential(layer, linear))
+    assert not chat.model_step.weights.products_keep_rows_apart(nn.Sequential(PackedLinear(linear)))
 
 
 def test_the_runner_keeps_rows_apart_for_eager_int8_steps_only(tokenizers):
     """Guesses attending alone, and a last prompt piece held to the kernel's rows, buy exactness
     only where every step is the plain one, eager, with int8 weights: a compiled one-row step sums
     in its own order, and the model's own forward attends a row in one call."""
-    from cache_sessions.compiled import CompiledDecode
+    from chat.model_step.compiled import CompiledDecode
     from cache_sessions.kv_cache import KVCacheKind
-    from chat.runner import ModelRunner
+    from chat.model_step.runner import ModelRunner
 
     tokenizer = tokenizers[THINKING_TEMPLATE]
     model = build_model("full", len(tokenizer), None)
@@ -273,7 +273,7 @@ def test_auto_weights_take_the_format_this_host_multiplies_faster(tokenizers, mo
     """"auto" times both formats on the model's widest layer at each probe's rows and takes the
     faster: with one format's products made slower by hand, the other is chosen, applied, and
     shown in /status with what was timed. The replies stay exact on the model as chosen."""
-    monkeypatch.setattr(chat.weights, "_WEIGHT_CHOICES", {})  # this process's earlier timing aside
+    monkeypatch.setattr(chat.model_step.weights, "_WEIGHT_CHOICES", {})  # this process's earlier timing aside
     slowed(monkeypatch, slower, 0.003)
     tokenizer = tokenizers[THINKING_TEMPLATE]
     model = build_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
@@ -309,7 +309,7 @@ def test_auto_leaves_a_head_tied_to_the_embedding_shared(tokenizers, monkeypatch
     The replies stay exact either way."""
     from chat.models import build_model as build_named
 
-    monkeypatch.setattr(chat.weights, "_WEIGHT_CHOICES", {})
+    monkeypatch.setattr(chat.model_step.weights, "_WEIGHT_CHOICES", {})
     slowed(monkeypatch, nn.Linear, 0.003)  # so "auto" packs
     tokenizer = tokenizers[THINKING_TEMPLATE]
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")

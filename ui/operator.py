@@ -107,7 +107,7 @@ class _Gauges:
             ("rewind_batch_waiting", batch.get("waiting", 0), "Replies waiting for a free row"),
             ("rewind_cold_bytes", cold.get("bytes", 0), "Bytes of idle caches kept on disk (--cache-dir)"),
             ("rewind_compiled_step_ready", int(bool(compiled.get("ready"))),
-             "Whether decode steps run compiled (cache_sessions/compiled.py)"),
+             "Whether decode steps run compiled (chat/model_step/compiled.py)"),
             ("rewind_compiled_step_graphs", compiled.get("graphs", 0), "Graphs compiled for the decode step"),
             ("rewind_compiled_step_compile_seconds", compiled.get("compile_s") or 0, "Seconds its compile took"),
         ):

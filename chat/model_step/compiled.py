@@ -2,7 +2,7 @@
 
 An eager decode step at Qwen3-0.6B's shape on a CPU is a few thousand small operations whose
 dispatch costs as much as the matrix products (docs/performance.md). The step of the plain
-decoder families is one function of the model's own modules (cache_sessions/plain_step.py,
+decoder families is one function of the model's own modules (chat/model_step/plain_step.py,
 gpt-fast's way: no cache object, no config read at run time), the one the engine also runs
 eagerly; this compiles it for steps of decode rows alone, so `torch.compile` traces it whole
 (`fullgraph=True`) and inductor may fuse what lies between the products (norms, rotary
@@ -24,7 +24,7 @@ loaded graph checks its guards at every call as a compiled one does; a graph tha
 is compiled again.
 
 Steps with prompt pieces, or more rows than the largest bucket, run the same step eagerly
-(chat/runner.py).
+(chat/model_step/runner.py).
 
 Exactness: the same operations as the eager forward on the same states, in another order of
 floating-point sums (fused kernels), so logits differ by float noise (measured in
@@ -51,7 +51,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from cache_sessions.plain_step import layer_windows, plain_refusal, plain_step, takes_states
+from chat.model_step.plain_step import layer_windows, plain_refusal, plain_step, takes_states
 from cache_sessions.sealed import Sealer, UntrustedFolder, private_folder
 
 COMPILE_MODES = ("auto", "on", "off")
@@ -79,7 +79,7 @@ def check_compile_mode(mode: str) -> None:
 
 def compile_refusal(model: PreTrainedModel, auto: bool = False) -> str | None:
     """Why this model's decode steps are not compiled here (None: they are); `auto`: by `auto`'s rule."""
-    # int8 layers hold their weights as buffers (chat/weights.py): count those too
+    # int8 layers hold their weights as buffers (chat/model_step/weights.py): count those too
     parameters = sum(tensor.numel() for tensor in (*model.parameters(), *model.buffers()))
     if auto and parameters < AUTO_MIN_PARAMETERS:
         return f"auto: {parameters / 1e6:.1f} M parameters, compiled from {AUTO_MIN_PARAMETERS / 1e6:.0f} M"
@@ -105,7 +105,7 @@ def decode_inputs(model: PreTrainedModel, tokens: list[int], positions: list[int
 
 def _saved_guards(guards: Sequence[Any]) -> list[bool]:
     """The guards a saved graph keeps: dynamo's own choice for a saved graph (none on globals or
-    on object identity), less those on oneDNN-packed weights (chat/weights.py), which it cannot
+    on object identity), less those on oneDNN-packed weights (chat/model_step/weights.py), which it cannot
     write down; their shapes are in the graph's key (the model's config and weights format)."""
     from torch._dynamo.guards import CheckFunctionManager
 

@@ -18,7 +18,7 @@ every token in order, so a packed sequence cannot run through them as one: durin
 each such mixer runs on each row's span with that row's own states: the decoding rows together,
 their bounded states stacked for the call and written back, and each prefill piece alone. The
 rest of the layer stays packed. A model whose recurrent layers' mixers cannot be found (no
-module taking `cache_params`) runs row by row instead (chat/runner.py).
+module taking `cache_params`) runs row by row instead (chat/model_step/runner.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from cache_sessions.plain_step import logit_places
+from chat.model_step.plain_step import logit_places
 from cache_sessions.rollback import RecurrentState
 from cache_sessions.session import CacheSession
 

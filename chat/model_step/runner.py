@@ -5,12 +5,12 @@ applies it to the sessions (rollback, what each feeds, commit) and imports no mo
 executes it: every row's tokens through one model step, each row on its own cache, and returns
 the logits the step's sampling needs. One entry point for decode rows and prompt pieces alike:
 
-- the plain step (cache_sessions/plain_step.py) of the families it knows (Llama, Mistral, Qwen2,
+- the plain step (chat/model_step/plain_step.py) of the families it knows (Llama, Mistral, Qwen2,
   Qwen3, Gemma2; sliding windows included), written out over a packed sequence: compiled
-  (cache_sessions/compiled.py) when a graph takes the step (decode rows alone of a model with
+  (chat/model_step/compiled.py) when a graph takes the step (decode rows alone of a model with
   full attention only, once built), else run eagerly, decode rows and prompt pieces together;
 - else one packed forward of the model's own layers, each row attending to its own cache
-  (cache_sessions/resident.py): the weights read once for every row (recurrent layers, a
+  (chat/model_step/resident.py): the weights read once for every row (recurrent layers, a
   quantized cache, other families);
 - else, for a model whose layers cannot run packed (recurrent mixers it cannot find), the
   model's own forward on each row's cache in turn.
@@ -30,12 +30,12 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from cache_sessions.compiled import CompiledDecode
+from chat.model_step.compiled import CompiledDecode
 from cache_sessions.kv_cache import KVCacheKind
-from cache_sessions.plain_step import bypassed_modules, hook_refusal, plain_refusal, run_plain, takes_states
-from cache_sessions.resident import forward_rows, packs
+from chat.model_step.plain_step import bypassed_modules, hook_refusal, plain_refusal, run_plain, takes_states
+from chat.model_step.resident import forward_rows, packs
 from cache_sessions.session import CacheSession
-from chat.weights import Int8Linear, products_keep_rows_apart
+from chat.model_step.weights import Int8Linear, products_keep_rows_apart
 
 Row = tuple[CacheSession, list[int]]  # a session and the tokens it feeds this step
 # How far the plain step's logits may be from the model's own forward on the load probe, as a
@@ -69,7 +69,7 @@ class ModelRunner:
         # so a greedy reply with guesses is the one without, and a prompt's last piece goes with
         # its last token only within that many rows (chat/step_planner.py). Only where every
         # step is the plain one, eager: the model's own forward attends a row in one call, and a
-        # compiled one-row step sums its products in a loop of its own (cache_sessions/compiled.py),
+        # compiled one-row step sums its products in a loop of its own (chat/model_step/compiled.py),
         # so there no other step gives their bits and keeping rows apart would buy nothing.
         plain_eager = self.plain_refusal is None and (compiled is None or not compiled.enabled)
         self.rows_apart = Int8Linear.KERNEL_ROWS if plain_eager and products_keep_rows_apart(model) else None

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from cache_sessions.resident import recurrent_mixers
+from chat.model_step.resident import recurrent_mixers
 
 WEIGHT_FORMATS = ("auto", "full", "packed", "int8")
 

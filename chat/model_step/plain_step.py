@@ -16,10 +16,10 @@ cache_sessions/rollback.py relies on: the step hands it each row's new states th
 Gemma2's logit soft-caps (tanh) are applied as its own attention does (SDPA has none), and its
 extra norms around attention and the MLP as its layer runs them.
 
-The engine runs this eagerly for any step whose rows it takes, and cache_sessions/compiled.py
+The engine runs this eagerly for any step whose rows it takes, and chat/model_step/compiled.py
 compiles the same function for steps of decode rows alone (full attention only): one step, two
 ways to run it. A step it does not take (recurrent layers, a quantized cache, another family) runs
-the model's own forward, packed (cache_sessions/resident.py) or row by row.
+the model's own forward, packed (chat/model_step/resident.py) or row by row.
 
 Measured against that packed forward (`python -m benchmarks.step_anatomy`, docs/performance.md):
 the per-row work of a step is a write and an attention call a layer, where the model's forward
@@ -188,7 +188,7 @@ def _attention_calls(length: int, alone: int) -> list[tuple[int, int]]:
     `alone` together, then each of those by itself, over the states up to it, as a decode row of
     its own would. The step then gives those tokens (a decode row's last input and its guesses)
     the bits decoding them one step at a time gives, where every other operation gives a row the
-    same bits whatever rows are beside it (int8 weights: chat/runner.py). One call for the row
+    same bits whatever rows are beside it (int8 weights: chat/model_step/runner.py). One call for the row
     rounds another way (SDPA's kernel blocks the queries otherwise), and with bf16 products a
     near-tie then goes the other way."""
     together = length - alone
