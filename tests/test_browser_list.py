@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from test_browser import browser, demo_app, open_chat, send, start_new_chat, wait_reply  # noqa: F401 (fixtures)
+from test_browser import browser, demo_app, open_chat, send, start_new_chat, wait_loaded, wait_reply  # noqa: F401
 from playwright.sync_api import expect  # noqa: E402
 
 
@@ -124,8 +124,20 @@ def test_a_message_sent_right_after_new_chat_goes_to_the_new_chat(browser, demo_
     page.close()
 
 
-def test_the_search_box_is_named_for_a_screen_reader(browser, demo_app):
-    """Its accessible name was "Textbox"."""
-    page = open_chat(browser, demo_app.url)
-    expect(page.get_by_role("textbox", name="Search chats", exact=True)).to_be_visible()
+def test_the_search_box_and_the_thinking_fold_are_named_and_finger_sized_on_a_phone(browser, demo_app):
+    """The search box's accessible name was "Textbox"; the Thinking fold's button had none and was
+    18 x 18 px on a phone."""
+    page = browser.new_page(viewport={"width": 390, "height": 844}, has_touch=True)
+    page.goto(demo_app.url)
+    wait_loaded(page)
+    expect(page.get_by_role("textbox", name="Search chats", exact=True)).to_be_attached()
+    wait_reply(page, send(page, "What is 5 * 67?"))  # the demo model thinks first
+    fold = page.get_by_role("button", name="Show or hide the thinking", exact=True)
+    expect(fold.first).to_be_visible()
+    box = fold.first.bounding_box()
+    assert box["width"] >= 40 and box["height"] >= 40, box
+    assert page.locator('#chatbot button[aria-label=""]').count() == 0
+    entry = page.locator("#chat-list input[type=radio]").first  # under its "Today" heading, named by itself
+    expect(page.locator("#chat-list label").first).to_have_attribute("data-group", "Today")
+    expect(entry).to_have_accessible_name(re.compile(r"^What is 5 \* 67\?"))
     page.close()

@@ -28,12 +28,19 @@ PAGE_SCRIPT = """() => {
     // Gradio names each message by its raw text: for the branch controls, their markup. They are
     // named by what they are instead ("Branches: Previous branch 2 / 3 Next branch").
     // Other messages are named by their text without markup ("…: stopped", not "<sub>stopped</sub>").
-    const nameControls = () => document.querySelectorAll('#chatbot [aria-label*="<"]').forEach((message) => {
-        const nav = message.querySelector(".branch-nav"), label = message.getAttribute("aria-label");
-        const named = nav ? `Branches: ${nav.textContent.trim()}`
-                          : label.replace(/<[^>]*>/g, " ").replace(/\s+/g, " ").trim();
-        if (named !== label) message.setAttribute("aria-label", named);  // (a set is a mutation: only a change)
-    });
+    // The Thinking fold's button Gradio leaves unnamed is named for what it does.
+    const nameControls = () => {
+        document.querySelectorAll('#chatbot [aria-label*="<"]').forEach((message) => {
+            const nav = message.querySelector(".branch-nav"), label = message.getAttribute("aria-label");
+            const named = nav ? `Branches: ${nav.textContent.trim()}`
+                              : label.replace(/<[^>]*>/g, " ").replace(/\s+/g, " ").trim();
+            if (named !== label) message.setAttribute("aria-label", named);  // (a set is a mutation: only a change)
+        });
+        document.querySelectorAll('#chatbot .thought-group .title button[aria-label=""]').forEach((fold) => {
+            fold.setAttribute("aria-label", "Show or hide the thinking");
+            fold.title = "Show or hide the thinking";
+        });
+    };
     new MutationObserver(nameControls).observe(document.body, {subtree: true, childList: true, attributes: true,
                                                                attributeFilter: ["aria-label"]});
     document.addEventListener("keydown", (event) => {  // Escape stops a reply
@@ -323,7 +330,8 @@ CSS = """
 .branch-step.next::before { content: "›" / ""; }
 .branch-step.regen::before { content: "↻" / ""; }
 /* the list: a day's heading above its first entry, each entry's time and last message */
-#chat-list label[data-group]:not([data-group=""])::before { content: attr(data-group); display: block; width: 100%;
+/* (the heading is drawn, not read as part of the entry's name: a screen reader hears the entry's own name) */
+#chat-list label[data-group]:not([data-group=""])::before { content: attr(data-group) / ""; display: block; width: 100%;
   font-size: 0.75em; font-weight: 600; opacity: 0.7; margin: 0.4em 0 0.1em; }
 #chat-list label { flex-wrap: wrap; }
 #chat-list label[data-when]:not([data-when=""])::after { content: attr(data-when) " · " attr(data-preview);
@@ -345,6 +353,7 @@ footer .divider:last-child { display: none !important; }
   /* the chat's trash button and a reply's Thinking expander were 18 px, the list's buttons 26 */
   #chatbot .icon-button-wrapper.top-panel button { min-width: 40px; min-height: 40px; }
   #chatbot .thought-group .title { min-height: 40px; }
+  #chatbot .thought-group .title .arrow button { min-width: 40px; min-height: 40px; }
   #sidebar button { min-height: 40px; }
 }
 /* Gradio's "•••" waiting bubble belongs after the user's message, until the reply's first text.
