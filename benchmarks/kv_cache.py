@@ -83,7 +83,7 @@ def decode_speed(model, worker: ModelWorker, kind: KVCacheKind, tokens: int) -> 
     scheduler = DecodeScheduler(model, worker, max_checkpoints=0, kv_cache=kind)
     session = scheduler.caches.new_session()
     prompt = prompt_of(tokens, 7)
-    scheduler.call(session.prepare, prompt)
+    scheduler.call(session.rewind_to, prompt)
     request = scheduler.submit(session, prompt, GenerationOptions(max_new_tokens=64, do_sample=False),
                                threading.Event())
     arrivals = [time.perf_counter() for _ in request.tokens()]
