@@ -175,9 +175,9 @@ class StepPlanner:
         only its last token left starts decoding now, as does one whose last piece can go with
         that token in its first decode row (its cache keeps nothing at the generation start:
         `CacheSession.feeds_with_first_step`), so its first token comes from this step. A
-        stopped request leaves here, whether or not the budget would have reached it (it used to
-        wait for its turn at the budget, which could be after another user's whole prompt: its
-        Stop did nothing meanwhile)."""
+        stopped request leaves here, whether or not the budget would have reached it (its turn at
+        the budget could come after another user's whole prompt, and its Stop would do nothing
+        meanwhile)."""
         if self.requests.decoding:
             budget = self.step_budget.tokens(self.prefill_chunk, len(self.requests.decoding))
         else:

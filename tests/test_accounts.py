@@ -95,13 +95,13 @@ def test_a_person_finds_their_chat_in_a_second_browser_and_no_one_else_does(brow
     # a setting changed on the laptop follows the person too
     open_settings(laptop)
     type_temperature(laptop, "1.3")
-    laptop.get_by_label("Thinking", exact=False).uncheck()
+    laptop.get_by_role("checkbox", name="Thinking", exact=False).uncheck()
     kept_for_account(space_app, "hf:1001", temperature=1.3, thinking=False)  # (each goes as its own request)
 
     phone = signed_in(browser, space_app, provider, "1001")
     open_settings(phone)
     expect(phone.locator("#temperature input[type='number']")).to_have_value("1.3")
-    expect(phone.get_by_label("Thinking", exact=False)).not_to_be_checked()
+    expect(phone.get_by_role("checkbox", name="Thinking", exact=False)).not_to_be_checked()
     chats = phone.locator("#chat-list label")
     expect(chats).to_have_count(2)
     expect(phone.locator("#claim")).to_be_hidden()  # nothing of this browser's own to keep

@@ -379,7 +379,7 @@ def test_the_settings_and_the_theme_survive_a_reload(browser, demo_app):
     open_settings(page)
     for _ in range(3):  # under load the panel's first draw was seen to put the typed value back
         type_temperature(page, "1.3")
-        page.get_by_label("Thinking", exact=False).uncheck()
+        page.get_by_role("checkbox", name="Thinking", exact=False).uncheck()
         try:
             page.wait_for_function(  # both changes are kept in the browser before the reload
                 "() => { const kept = JSON.parse(localStorage.getItem(%s) || '{}');"
@@ -397,7 +397,7 @@ def test_the_settings_and_the_theme_survive_a_reload(browser, demo_app):
     page.wait_for_selector("#message textarea")
     open_settings(page)
     expect(page.locator("#temperature input[type='number']")).to_have_value("1.3")
-    expect(page.get_by_label("Thinking", exact=False)).not_to_be_checked()
+    expect(page.get_by_role("checkbox", name="Thinking", exact=False)).not_to_be_checked()
     page.wait_for_function("(was) => document.body.classList.contains('dark') !== was", arg=dark)
     page.close()
 
