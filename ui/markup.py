@@ -2,7 +2,7 @@
 
 The chat renders a reply's Markdown and the HTML inside it in the browser. Whatever the browser's
 own sanitizer keeps, this server-side pass leaves no element that can run or navigate to script:
-- fenced code blocks stay as written (the renderer shows them as text);
+- the lines inside fenced code blocks stay as written (the renderer shows them as text);
 - outside them, every tag is read as the browser's tokenizer reads it. A tag of an inert HTML
   element is rewritten with the attributes that stay inert (its links and images only to http,
   https, mailto or a relative address); a tag the page does not know (`List<int>` in prose or
@@ -80,7 +80,8 @@ def is_safe_url(url: str, image: bool = False) -> bool:
 
 
 def _regions(text: str) -> list[tuple[int, int, bool]]:
-    """`text` cut at the lines of its fenced code blocks: (start, end, is code)."""
+    """`text` cut at the lines inside its fenced code blocks: (start, end, is code). A fence's
+    opening line is not code (its info string lands in the page as a class)."""
     offsets = [0] + [match.end() for match in _LINE_END.finditer(text)]  # (as markdown-it counts lines)
     if offsets[-1] < len(text):
         offsets.append(len(text))
@@ -88,7 +89,7 @@ def _regions(text: str) -> list[tuple[int, int, bool]]:
                     if token.type == "fence" and token.map)
     regions, at = [], 0
     for first, last in fences:
-        start, end = offsets[min(first, len(offsets) - 1)], offsets[min(last, len(offsets) - 1)]
+        start, end = offsets[min(first + 1, len(offsets) - 1)], offsets[min(last, len(offsets) - 1)]
         if start > at:
             regions.append((at, start, False))
         regions.append((start, end, True))
