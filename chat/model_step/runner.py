@@ -74,7 +74,6 @@ class ModelRunner:
         plain_eager = self.plain_refusal is None and (compiled is None or not compiled.enabled)
         self.rows_apart = Int8Linear.KERNEL_ROWS if plain_eager and products_keep_rows_apart(model) else None
         self._watched = bypassed_modules(model)  # whose hooks the packed and plain steps would not fire as generate
-        self.hooked_because: str | None = None  # why the last step ran row by row (`hooked`)
 
     def hooked(self) -> str | None:
         """Why steps now run the model's own forward row by row, with no guesses: a forward hook
@@ -113,9 +112,9 @@ class ModelRunner:
         row = run_plain(model, [(session, tokens[-1:])], [0])
         own = model(input_ids=torch.tensor([tokens], device=model.device)).logits[0]
         plain = torch.cat([piece, row]).float()
-        tolerance = PROBE_TOLERANCE.get(model.dtype, PROBE_TOLERANCE_16_BIT) * max(1.0, own.abs().max().item())
-        if any(isinstance(module, Int8Linear) for module in model.modules()):  # int8 products: bf16 outputs
-            tolerance = PROBE_TOLERANCE_16_BIT * max(1.0, own.abs().max().item())
+        int8 = any(isinstance(module, Int8Linear) for module in model.modules())  # (int8 products: bf16 outputs)
+        share = PROBE_TOLERANCE_16_BIT if int8 else PROBE_TOLERANCE.get(model.dtype, PROBE_TOLERANCE_16_BIT)
+        tolerance = share * max(1.0, own.abs().max().item())
         error = (plain - own.float()).abs().max().item()
         if not error <= tolerance:
             self.plain_refusal = (f"on the load probe its logits were {error:.3g} from the model's own forward "
@@ -148,8 +147,7 @@ class ModelRunner:
         owner's: it notes what was fed, or, if this raises, every row's states may hold part of
         the step. `eager`: not through a compiled graph even where one would take the step."""
         rows, logits_of = list(rows), list(logits_of)
-        self.hooked_because = self.hooked()
-        if self.hooked_because is not None:  # as `generate` runs it: the model's own forward, alone
+        if self.hooked() is not None:  # as `generate` runs it: the model's own forward, alone
             return self._one_by_one(rows, logits_of, tails)
         if not eager and self.plain_refusal is None and self.compiled is not None and self.compiled.takes(rows, logits_of):  # one token a row: tails are 1
             logits = self.compiled.step(rows)
