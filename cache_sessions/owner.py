@@ -28,7 +28,7 @@ from cache_sessions.books import CacheBooks, CacheStats, Loop
 from cache_sessions.branches import BranchKeep, BranchMove, keep_before_reply, move_branch
 from cache_sessions.checkpoints import Checkpoint
 from cache_sessions.prefixes import PrefixStore
-from cache_sessions.session import CacheSession, PrefillResult
+from cache_sessions.session import CacheSession, Landing, PrefillResult
 
 __all__ = ["CacheOwner", "CacheStats", "Loop"]
 
@@ -51,6 +51,13 @@ class CacheOwner(CacheBooks):
         return session.rewind_to(prompt_ids, prefix_store=prefix_store, shared_prefix_length=shared_prefix_length,
                                prefill=False, whole=True)
 
+    def landing(self, session: CacheSession, prompt_ids: Sequence[int], prefix_store: PrefixStore | None
+                ) -> Landing:
+        """Where `begin` would leave `session` for this prompt, found without moving anything (a
+        step's plan reads it before the rollback is applied)."""
+        self._on_loop(session)
+        return session.landing(prompt_ids, prefix_store, whole=True)
+
     def next_logits(self, session: CacheSession, prompt_ids: Sequence[int]) -> torch.Tensor | None:
         """The logits kept after its whole prompt, which its cache holds (None: not kept)."""
         self._on_loop(session)
@@ -62,16 +69,16 @@ class CacheOwner(CacheBooks):
         session.keep_next_logits(prompt_ids, logits)
 
     def prefill_piece(self, session: CacheSession, prompt_ids: Sequence[int], budget: int,
-                      prefix_store: PrefixStore | None, shared_prefix_length: int) -> list[int]:
-        """The prompt tokens this session feeds in the next packed step (see `forward_rows`)."""
+                      prefix_store: PrefixStore | None, shared_prefix_length: int, at: Landing) -> list[int]:
+        """The prompt tokens this session feeds in the next step, from `at` (`CacheSession.prefill_piece`)."""
         self._on_loop(session)
-        return session.prefill_piece(prompt_ids, budget, prefix_store, shared_prefix_length)
+        return session.prefill_piece(prompt_ids, budget, prefix_store, shared_prefix_length, at)
 
     def feeds_with_first_step(self, session: CacheSession, prompt_ids: Sequence[int], piece: Sequence[int],
-                              prefix_store: PrefixStore | None, shared_prefix_length: int) -> bool:
+                              prefix_store: PrefixStore | None, shared_prefix_length: int, at: Landing) -> bool:
         """Whether its last prompt piece goes with the first decode step (`CacheSession.feeds_with_first_step`)."""
         self._on_loop(session)
-        return session.feeds_with_first_step(prompt_ids, piece, prefix_store, shared_prefix_length)
+        return session.feeds_with_first_step(prompt_ids, piece, prefix_store, shared_prefix_length, at)
 
     def piece_fed(self, session: CacheSession, prompt_ids: Sequence[int], prefix_store: PrefixStore | None,
                   shared_prefix_length: int) -> bool:

@@ -27,6 +27,16 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 @dataclass(frozen=True)
+class Landing:
+    """Where a cache stands for a prompt: the tokens it holds (a prefix of the prompt), and the
+    fork, the point past them where the prompt parts from what the cache held before its
+    rollback (it had to land before it: the prefill checkpoints there), if any."""
+
+    position: int
+    fork: int | None = None
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     reused_tokens: int  # prompt tokens whose states were kept (or copied from a shared prefix)
     prefilled_tokens: int  # prompt tokens computed for this prompt (the last one is fed by generate)
@@ -70,6 +80,24 @@ class CacheSession(SegmentedStates):
             rollback=result.how,
             shared_prefix_tokens=min(copied, result.position),
         )
+
+    def landing(self, prompt_ids: Sequence[int], prefix_store: PrefixStore | None = None,
+                whole: bool = False) -> Landing:
+        """Where `rewind_to(prompt_ids, prefix_store=prefix_store, prefill=False, whole=whole)`
+        would leave the cache, found without moving anything (a step is planned from it before
+        the rollback is applied)."""
+        prompt_ids = list(prompt_ids)
+        if not self.token_ids and prefix_store is not None:
+            shared = prefix_store.find(prompt_ids[:-1])
+            if shared is not None:  # an empty cache starts from it, all of it a prefix of the prompt
+                return Landing(len(shared.token_ids))
+        target = self.rollback_target(prompt_ids, whole)
+        position = self.reachable(target)
+        return Landing(position, target if position < target else None)
+
+    def here(self) -> Landing:
+        """Where the cache stands for the prompt it was last rolled back to."""
+        return Landing(len(self.token_ids), self._fork)
 
     def rollback_target(self, prompt_ids: Sequence[int], whole: bool = False) -> int:
         """Where `rewind_to(prompt_ids)` rolls back to: the common prefix, one token always left to
@@ -119,22 +147,28 @@ class CacheSession(SegmentedStates):
             raise
 
     def prefill_piece(self, prompt_ids: Sequence[int], budget: int | None = None,
-                      prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0) -> list[int]:
+                      prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0,
+                      at: Landing | None = None) -> list[int]:
         """The next prompt tokens to feed: at most `budget`, ending at the next point where the
         session keeps something (the shared prefix, for `prefix_store`; the point this prompt
         parts from the last one, where the rollback had to land before it, to checkpoint it).
         None left once only the last token is, or where the whole prompt is held (a `whole`
-        rollback: the logits after it were kept)."""
+        rollback: the logits after it were kept). `at`: from where a rollback not applied yet
+        would leave the cache (`landing`), rather than from where it stands."""
         prompt_ids = list(prompt_ids)
-        start, end = len(self.token_ids), len(prompt_ids) - 1
-        if start == len(prompt_ids) and prompt_ids == self.token_ids:
+        if at is None:
+            at = self.here()
+            if prompt_ids[:at.position] != self.token_ids:
+                raise ValueError("the cache does not hold a prefix of this prompt; rewind_to it first")
+        start, end = at.position, len(prompt_ids) - 1
+        if start == len(prompt_ids):
             return []
-        if end < start or prompt_ids[:start] != self.token_ids:
+        if end < start:
             raise ValueError("the cache does not hold a prefix of this prompt; rewind_to it first")
         if budget is not None:
             end = min(end, start + budget)
         shares = prefix_store is not None and shared_prefix_length < len(prompt_ids)
-        stops = [p for p in (self._fork, shared_prefix_length if shares else None) if p is not None and start < p < end]
+        stops = [p for p in (at.fork, shared_prefix_length if shares else None) if p is not None and start < p < end]
         return prompt_ids[start:min(stops, default=end)]
 
     def piece_fed(self, prompt_ids: Sequence[int], prefix_store: PrefixStore | None = None,
@@ -155,7 +189,8 @@ class CacheSession(SegmentedStates):
         return done
 
     def feeds_with_first_step(self, prompt_ids: Sequence[int], piece: Sequence[int],
-                              prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0) -> bool:
+                              prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0,
+                              at: Landing | None = None) -> bool:
         """Whether `piece` (the next from `prefill_piece`) may go with the prompt's last token in the
         reply's first decode step instead of a step of its own, its first token chosen after it
         (as vLLM samples after a prompt's last piece): only where `piece_fed` would keep nothing
@@ -163,7 +198,7 @@ class CacheSession(SegmentedStates):
         checkpoint there: regenerate crops back to it), and no shared prefix is stored there. A
         sliding window needs its checkpoint there: a crop (a refused guess, chat/drafting.py) keeps
         only a window of what it recorded, so a Regenerate could not crop back that far."""
-        held = len(self.token_ids) + len(piece)
+        held = (at or self.here()).position + len(piece)
         stores_prefix = prefix_store is not None and held == shared_prefix_length < len(prompt_ids)
         return held == len(prompt_ids) - 1 and self.crops_anywhere() and not stores_prefix
 

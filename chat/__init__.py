@@ -19,10 +19,10 @@ Module map:
   scheduler.py     the one loop: cache commands, then one packed forward a step (decode rows and prefill chunks)
   requests.py      a reply being made (GenerationRequest) and the cache work it asks for
   request_table.py the scheduler's one record of its requests: waiting, prefilling, decoding, paused
-  step_planner.py  what a step runs (StepPlan), decided before it runs: who leaves, who is admitted, pieces, rows
-  request_stages.py   a request's stages applied over the cache owner: begun (rolled back), pieces noted, ended
+  step_plan.py     what a step does, as plain data (StepPlan): who leaves, who is admitted, pieces, rows
+  step_planner.py  makes a step's plan from the table, changing nothing; a text being typed is its lowest priority
+  request_stages.py   a plan applied over the cache owner: requests begun (rolled back), pieces noted, ended
   prompt_fairness.py  who gets a step's prompt budget: fair by tokens owed, per client
-  ahead.py         steps that prepare a message being typed, in steps no reply wants
   drafting.py      guessed tokens to verify: where guesses come from, how many a row feeds (--draft)
   guessing.py      the step's side of guessing: which rows guess, choosing their tokens, giving back
   step_budget.py   how many prompt tokens a step may carry beside decode rows, from timed steps

@@ -22,7 +22,7 @@ from chat.plans import Planner
 from chat.remote import RemoteSource
 from chat.runtime import Runtime
 from chat.scheduler import DecodeScheduler
-from chat.step_planner import SchedulerStats
+from chat.step_plan import SchedulerStats
 from chat.sources import ReplySource
 from chat.templates import ChatTemplate
 from chat.model_step.weights import Int8Linear, apply_weight_format, choose_weight_format, prompt_kernel_choice

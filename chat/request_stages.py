@@ -1,24 +1,24 @@
-"""A request's stages through the table, applied: its start (a sampler, its cache rolled back to
-where the prompt parts from it), each prompt piece noted, a first token from logits its cache
-kept, and its end (the cache owner checks and rests its session, then its reader is told).
+"""A step's plan applied, and a request's stages through the table: its start (a sampler, its
+cache rolled back to where the prompt parts from it), each prompt piece noted, and its end (the
+cache owner checks and rests its session, then its reader is told).
 
-The planner (chat/step_planner.py) decides when each of these happens; this carries them out over
-the cache owner, for replies and texts prepared ahead alike (chat/ahead.py), so neither holds a
-second copy of how a request starts or ends.
+The planner (chat/step_planner.py) decides, as plain data (chat/step_plan.py); this carries it
+out over the cache owner, for replies and texts prepared ahead alike, so no second copy of how a
+request starts or ends exists.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
-import torch
 from transformers import PreTrainedModel
 
 from cache_sessions.owner import CacheOwner
-from chat.guessing import StepGuesses, choose_tokens
+from chat.guessing import StepGuesses
 from chat.request_table import RequestTable
 from chat.requests import GenerationRequest
 from chat.sampling import TokenChooser
+from chat.step_plan import Piece, StepPlan
 
 
 class RequestStages:
@@ -27,33 +27,57 @@ class RequestStages:
     def __init__(self, model: PreTrainedModel, caches: CacheOwner, guesses: StepGuesses, requests: RequestTable):
         self.model, self.caches, self.guesses, self.requests = model, caches, guesses, requests
 
+    def apply(self, plan: StepPlan) -> StepPlan:
+        """Carry `plan` out, in its order (see `StepPlan`): the table's moves, who leaves, each
+        rollback (where it lands checked against the plan: a request whose cache lands elsewhere
+        ends with that error, never fed from a wrong place), replies that decode from this step,
+        a prepared text fed to its end, and each guessing row's point to go back to. Returns the
+        plan that runs: less the requests that ended meanwhile."""
+        self.requests.admit(plan.admission)
+        for request in plan.admission.stopped:
+            self.finish(request)  # stopped while it waited (its cache untouched) or was paused
+        for request, error in plan.leaving:
+            self.leave([request], error)
+        gone = {request for request, _ in plan.leaving}
+        for piece in (*plan.prefill, *([plan.ahead] if plan.ahead is not None else [])):
+            if not self._began(piece):
+                gone.add(piece.request)
+            elif piece.ends_prompt and not piece.request.ahead:
+                self.requests.start_decoding(piece.request)
+        if plan.ahead is not None and plan.ahead.request not in gone and not plan.ahead.fed():
+            self.leave([plan.ahead.request])  # its prompt fed (whole, or all but the last token)
+            gone.add(plan.ahead.request)
+        running = plan.without(gone)
+        self.guesses.mark(running.decoding, running.guesses)
+        return running
+
+    def _began(self, piece: Piece) -> bool:
+        """Its first turn begun where it `begins` (False: it failed, and left)."""
+        if not piece.begins:
+            return True
+        request = piece.request
+        try:
+            self.begin(request)
+            if request.session.here() != piece.at:
+                raise RuntimeError(f"the cache landed at {request.session.here()}, not where its step was planned "
+                                   f"({piece.at})")
+        except BaseException as error:
+            self.leave([request], error)
+            return False
+        return True
+
     def begin(self, request: GenerationRequest) -> None:
         """Its first turn: its sampler, and its cache rolled back to where the prompt parts from it."""
         if request.prefill is None:
             work = request.work
             request.started_at = time.perf_counter()
             request.chooser = TokenChooser(self.model, request.options, len(request.prompt_ids))
-            self.guesses.begin(request)
             request.prefill = self.caches.begin(request.session, request.prompt_ids, work.keep, work.prefix_store,
                                                 work.shared_prefix_length)
 
-    def first_tokens_kept(self) -> int:
-        """Rows that hold their whole prompt, the logits after it kept (a Retry, the Send of a
-        prepared message: `CacheSession.next_logits`), choose their first token from those now,
-        before the step, and feed it in this step as any decode row feeds its last token. Returns
-        how many did."""
-        ready = [request for request in self.requests.decoding if not request.unfed]
-        if not ready:
-            return 0
-        logits = torch.cat([self.caches.next_logits(request.session, request.prompt_ids) for request in ready])
-        ended, _ = choose_tokens(ready, logits, [[] for _ in ready])
-        if ended:
-            self.leave(ended)
-        return len(ready)
-
     def piece_fed(self, request: GenerationRequest) -> None:
         """A prompt piece ran: the request decodes from the next step once only its last token is left."""
-        if self.prefilled(request, self.leave_prefill):
+        if self.prefilled(request, lambda request, error: self.leave([request], error)):
             self.requests.start_decoding(request)
 
     def prefilled(self, request: GenerationRequest, fail: Callable[[GenerationRequest, BaseException], None]
@@ -68,15 +92,11 @@ class RequestStages:
             fail(request, error)
             return False
 
-    def leave(self, requests: list[GenerationRequest], error: BaseException | None = None) -> None:
-        """Take `requests` out of the decode rows and end them."""
+    def leave(self, requests: Sequence[GenerationRequest], error: BaseException | None = None) -> None:
+        """Take `requests` out of the table (whichever list holds them) and end them."""
         self.requests.remove(requests)
         for request in requests:
             self.finish(request, error)
-
-    def leave_prefill(self, request: GenerationRequest, error: BaseException | None = None) -> None:
-        self.requests.remove([request])
-        self.finish(request, error)
 
     def finish(self, request: GenerationRequest, error: BaseException | None = None) -> None:
         """The request is out: the owner checks and rests its session, then its turn is told."""

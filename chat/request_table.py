@@ -20,10 +20,23 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from contextlib import contextmanager
-from typing import Collection, Iterator
+from dataclasses import dataclass
+from typing import Collection, Iterator, Sequence
 
 from cache_sessions.session import CacheSession
 from chat.requests import GenerationRequest
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Who moves between the table's lists this step (`RequestTable.admission`), and the lists
+    that leaves."""
+
+    stopped: tuple[GenerationRequest, ...]  # stopped while waiting or paused: out of the table
+    moves: tuple[tuple[str, GenerationRequest], ...]  # in order: "admit" (waiting → prefilling),
+    # "resume" (paused → decoding), "pause" (decoding → paused: a row for another client's share)
+    prefilling: tuple[GenerationRequest, ...]
+    decoding: tuple[GenerationRequest, ...]
 
 
 class RequestTable:
@@ -70,48 +83,55 @@ class RequestTable:
                 if not self._elsewhere[session]:
                     del self._elsewhere[session]
 
-    def admit(self, rows: int, may_pause: bool = True) -> list[GenerationRequest]:
-        """Give the `rows` to clients (see the module's docstring): waiting requests start
-        prefilling, paused ones decode again, and with `may_pause` a client below its share takes
-        a decode row from the client holding the most. Returns the requests stopped while they
-        waited or were paused (out of the table; a paused one's states are as it left them)."""
+    def admission(self, rows: int, may_pause: bool = True) -> Admission:
+        """Who the `rows` go to this step (see the module's docstring), decided on copies of the
+        lists: the table changes only when `admit` applies it. Waiting requests start prefilling,
+        paused ones decode again, and with `may_pause` a client below its share takes a decode
+        row from the client holding the most. A waiting request whose session another request
+        of the table still holds (a reply or a text prepared ahead, stopped this step: it leaves first)
+        waits for it to leave."""
         with self.lock:
-            stopped = [request for request in (*self.waiting, *self.paused) if request.stop.is_set()]
-            for request in stopped:
-                (self.paused if request in self.paused else self.waiting).remove(request)
-            while self.waiting or self.paused:
-                held = Counter(request.flow for request in (*self.prefilling, *self.decoding))
-                order = {id(request): place for place, request in enumerate(
-                    sorted((*self.waiting, *self.paused), key=lambda request: request.submitted_at))}
-                chosen = min((*self.waiting, *self.paused), key=lambda request: (held[request.flow], order[id(request)]))
-                if len(self.prefilling) + len(self.decoding) >= rows and not (
-                        may_pause and self._pause_for(chosen, held, rows)):
+            stopped = tuple(request for request in (*self.waiting, *self.paused) if request.stop.is_set())
+            waiting = [request for request in self.waiting if request not in stopped]
+            paused = [request for request in self.paused if request not in stopped]
+            prefilling, decoding = list(self.prefilling), list(self.decoding)
+            held = {request.session for request in (*stopped, *self.prefilling, *self.decoding, *self.paused,
+                                                    *self.ahead)}
+            moves: list[tuple[str, GenerationRequest]] = []
+            while True:
+                free = [request for request in waiting if request.session not in held]
+                if not free and not paused:
                     break
-                if chosen in self.paused:
-                    self.paused.remove(chosen)
-                    self.decoding.append(chosen)
+                counts = Counter(request.flow for request in (*prefilling, *decoding))
+                chosen = min((*free, *paused), key=lambda request: (counts[request.flow], request.submitted_at))
+                if len(prefilling) + len(decoding) >= rows:
+                    victim = _victim(chosen, counts, rows, (*waiting, *paused, *prefilling, *decoding), decoding)
+                    if not may_pause or victim is None:
+                        break
+                    decoding.remove(victim)
+                    paused.append(victim)
+                    moves.append(("pause", victim))
+                if chosen in paused:
+                    paused.remove(chosen)
+                    decoding.append(chosen)
+                    moves.append(("resume", chosen))
                 else:
-                    self.waiting.remove(chosen)
-                    self.prefilling.append(chosen)
-        return stopped
+                    waiting.remove(chosen)
+                    prefilling.append(chosen)
+                    held.add(chosen.session)
+                    moves.append(("admit", chosen))
+        return Admission(stopped, tuple(moves), tuple(prefilling), tuple(decoding))
 
-    def _pause_for(self, chosen: GenerationRequest, held: Counter, rows: int) -> bool:
-        """With every row taken: pause the newest decode row of the client holding the most, if
-        `chosen`'s client is below its share and that one above it. Whether a row was freed."""
-        clients = {request.flow for request in (*self.waiting, *self.paused, *self.prefilling, *self.decoding)}
-        share = max(1, rows // len(clients))
-        if held[chosen.flow] >= share:
-            return False
-        richest = max(held, key=lambda flow: held[flow], default=None)
-        if richest is None or held[richest] <= share:
-            return False
-        theirs = [request for request in self.decoding if request.flow == richest]
-        if not theirs:
-            return False
-        victim = max(theirs, key=lambda request: request.submitted_at)
-        self.decoding.remove(victim)
-        self.paused.append(victim)
-        return True
+    def admit(self, admission: Admission) -> None:
+        """Apply `admission`: the stopped out, then its moves in order."""
+        with self.lock:
+            for request in admission.stopped:
+                (self.paused if request in self.paused else self.waiting).remove(request)
+            for move, request in admission.moves:
+                source, target = {"admit": (self.waiting, self.prefilling), "resume": (self.paused, self.decoding),
+                                  "pause": (self.decoding, self.paused)}[move]
+                source.remove(request)
+                target.append(request)
 
     def append(self, request: GenerationRequest, queue: list[GenerationRequest], newest_only: bool = False) -> None:
         """`request` into `queue` (waiting replies, or texts prepared ahead). `newest_only`: the
@@ -128,11 +148,14 @@ class RequestTable:
             self.prefilling.remove(request)
             self.decoding.append(request)
 
-    def remove(self, requests: list[GenerationRequest]) -> None:
+    def remove(self, requests: Sequence[GenerationRequest]) -> None:
         """Out of the table, from whichever list holds them."""
         with self.lock:
             for request in requests:
-                (self.decoding if request in self.decoding else self.prefilling).remove(request)
+                for queue in (self.decoding, self.prefilling, self.ahead, self.paused, self.waiting):
+                    if request in queue:
+                        queue.remove(request)
+                        break
 
     def take_everyone(self) -> list[GenerationRequest]:
         """Every request, out of the table (a fault of the scheduler itself ends them all)."""
@@ -141,3 +164,17 @@ class RequestTable:
             self.waiting.clear()
             self.prefilling, self.decoding, self.paused, self.ahead = [], [], [], []
         return everyone
+
+
+def _victim(chosen: GenerationRequest, held: Counter, rows: int, everyone: Sequence[GenerationRequest],
+            decoding: Sequence[GenerationRequest]) -> GenerationRequest | None:
+    """With every row taken: the newest decode row of the client holding the most, where
+    `chosen`'s client is below its share of the `rows` and that one above it (None: none)."""
+    share = max(1, rows // len({request.flow for request in everyone}))
+    if held[chosen.flow] >= share:
+        return None
+    richest = max(held, key=lambda flow: held[flow], default=None)
+    if richest is None or held[richest] <= share:
+        return None
+    theirs = [request for request in decoding if request.flow == richest]
+    return max(theirs, key=lambda request: request.submitted_at) if theirs else None

@@ -3,13 +3,17 @@ one model step per step; every other change to a cache runs between steps.
 
 Three roles (vLLM v1, nano-vllm): the scheduler decides (its planner, chat/step_planner.py, over
 the table of requests), the cache owner (cache_sessions/owner.py) applies, the runner
-(chat/model_step/runner.py) executes. One step, after the commands other threads posted (a branch switch, a
-close, a worker's result), reads in that order: **plan** (end requests stopped wherever they
-wait; admit waiting requests while rows are free; each newcomer rolled back by the owner; this
-step's prompt pieces within its budget; each decode row's guesses) → **run** (the runner's one model step: the next token of every decoding row, its
-guesses and the prompt pieces, each row on its own cache in place, as llama.cpp's slots) → the
-owner notes what every row fed → **sample** (each decode row's tokens by its own sampler; rows
-that ended leave). Then the owner settles (frees closed sessions, keeps the budget).
+(chat/model_step/runner.py) executes. One step, after the commands other threads posted (a
+branch switch, a close, a worker's result), reads in that order: **plan** (a `StepPlan`, plain
+data, made without changing anything: who leaves, who is admitted and where each newcomer's
+cache will land, this step's prompt pieces within its budget, each decode row's guesses) →
+**apply** (the table's moves, the leavers ended, each rollback by the owner) → **run** (a first
+token from logits a cache kept is chosen; then the runner's one model step: the next token of
+every decoding row, its guesses and the prompt pieces, each row on its own cache in place, as
+llama.cpp's slots; the owner notes what every row fed) → **sample** (each decode row's tokens by
+its own sampler; rows that ended leave). Then the owner settles (frees closed sessions, keeps
+the budget). A text prepared while the person types is the plan's lowest priority: a piece of it
+runs only in a step no reply wants.
 
 Prefill is always chunked, so nobody waits on another's whole prompt. While rows decode, a step
 carries at most `prefill_chunk` prompt tokens (what a long pasted prompt delays the running
@@ -36,6 +40,7 @@ import os
 import threading
 import time
 import weakref
+from dataclasses import replace
 from contextlib import contextmanager
 from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
@@ -46,16 +51,16 @@ from chat.model_step.compiled import CompiledDecode
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.owner import CacheOwner
 from cache_sessions.session import CacheSession
-from chat.ahead import AheadSteps
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ALONE
 from chat.drafting import DraftPolicy
 from chat.guessing import StepGuesses, choose_tokens
 from chat.loop import Loop
 from chat.options import GenerationOptions
 from chat.requests import CacheWork, GenerationRequest
-from chat.model_step.runner import ModelRunner
+from chat.model_step.runner import ModelRunner, Row
 from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR, StepBudget
-from chat.step_planner import SchedulerStats, StepPlan, StepPlanner
+from chat.step_plan import Piece, SchedulerStats, StepPlan
+from chat.step_planner import StepPlanner
 from chat.worker import ModelWorker
 
 T = TypeVar("T")
@@ -89,13 +94,13 @@ class DecodeScheduler:
         self.planner = StepPlanner(model, self.caches, self.guesses, self.step_budget, max_batch_size=max_batch_size,
                                    prefill_chunk=prefill_chunk, prefill_chunk_alone=prefill_chunk_alone,
                                    prefill_order=prefill_order, last_piece_rows=self.runner.rows_apart)
-        self.ahead = AheadSteps(self.planner, self.caches, self.runner)
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
         atexit.register(_shut_down_at_exit, weakref.ref(self))  # before the worker's: atexit runs last first
 
     def _reset(self) -> None:
         self.planner.reset()
+        self._on_disk: frozenset[GenerationRequest] = frozenset()  # the last plan's: woken when read
         self.loop.reset()
         self.caches.reset()
 
@@ -106,6 +111,7 @@ class DecodeScheduler:
         """Queue a reply; the cache is rolled back and prefilled on the compute thread, in turn
         (`client`: who asked, see `GenerationRequest`)."""
         request = GenerationRequest(session, prompt_ids, options, stop, work, client)
+        self.guesses.attach(request)
         return self._queue(request, self.planner.requests.waiting)
 
     def prepare(self, session: CacheSession, prompt_ids: Sequence[int], stop: threading.Event,
@@ -166,58 +172,90 @@ class DecodeScheduler:
     def _has_work(self) -> bool:
         """Whether another step is due: not while the only requests left wait for the disk (the
         read wakes the loop when it is done)."""
-        return self.planner.requests.has_work(besides=self.planner.on_disk)
+        return self.planner.requests.has_work(besides=self._on_disk)
 
     @torch.no_grad()
     def _step(self) -> None:
-        """Plan → run → sample (see the module's docstring)."""
+        """Plan → apply → run → sample (see the module's docstring)."""
         try:
-            self.ahead.end_stopped()
-            if self.planner.requests.idle():
-                self.ahead.step()  # no reply to work on: a piece of a text prepared ahead
-                return
             graph_steps = self.runner.graph_steps
             plan = self.planner.plan(self.clock, self.runner.graph_ready)
-            logits = self._run(plan)
+            self._on_disk = plan.on_disk
+            plan = self._first_tokens_kept(self.planner.apply(plan))
+            rows = plan.rows()
+            extra = sum(len(fed) for _, fed in rows) - len(plan.decoding)  # past one token a decode row
+            logits = self._run(plan, rows, extra)
             if logits is not None:
                 self._sample(plan, logits)
                 # the whole step, proposing, choosing and giving back included: what a guess really costs
-                self.guessing.record_step(self.clock() - plan.started, len(plan.decoding), plan.extra_tokens(),
+                self.guessing.record_step(self.clock() - plan.started, len(plan.decoding), extra,
                                           compiled=self.runner.graph_steps > graph_steps)
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
             for request in self.planner.requests.take_everyone():
                 self.planner.stages.finish(request, error)
 
-    def _run(self, plan: StepPlan) -> torch.Tensor | None:
-        """The plan's one model step; the owner notes what every row fed. Returns the logits
-        after every token of the decode rows (None: no decode row, or the step failed and every
-        row of it ended: each row's states may hold part of it)."""
-        rows = plan.rows()
+    def _first_tokens_kept(self, plan: StepPlan) -> StepPlan:
+        """Rows that hold their whole prompt, the logits after it kept (a Retry, the Send of a
+        prepared message: `CacheSession.next_logits`), choose their first token from those now,
+        before the run, and feed it in this step as any decode row feeds its last token. Returns
+        the plan less the rows that ended with it."""
+        ready = plan.first_from_kept()
+        if not ready:
+            return plan
+        logits = torch.cat([self.caches.next_logits(request.session, request.prompt_ids) for request in ready])
+        ended, _ = choose_tokens(ready, logits, [[] for _ in ready])
+        with self.planner.requests.lock:
+            self.planner.counters.first_tokens_kept += len(ready)
+        self.planner.stages.leave(ended)
+        guesses = tuple(self.guesses.after_first(guess, request.sequence[-1]) if request in ready else guess
+                        for request, guess in zip(plan.decoding, plan.guesses))
+        return replace(plan, guesses=guesses).without(ended)
+
+    def _run(self, plan: StepPlan, rows: list[Row], extra: int) -> torch.Tensor | None:
+        """The plan's one model step (its `rows`, with `extra` tokens past one a decode row); the
+        owner notes what every row fed. Returns the logits after every token of the decode rows
+        (None: no decode row, or the step failed and every row of it ended: each row's states may
+        hold part of it)."""
         if not rows:
             return None
         started = self.clock()
+        text = plan.ahead if plan.ahead_runs() else None
         try:
-            logits = self.runner.run(rows, range(len(plan.decoding)), plan.tails(), eager=plan.eager)
+            logits = self.runner.run(rows, *plan.logits_wanted(), eager=plan.eager)
             self.caches.fed(rows)
         except BaseException as error:
-            self.planner.stages.leave(plan.decoding, error)
-            for request, _ in plan.pieces:
-                self.planner.stages.leave_prefill(request, error)
+            everyone = [*plan.decoding, *(piece.request for piece in plan.pieces), *([text.request] if text else [])]
+            self.planner.stages.leave(everyone, error)
             return None
-        self.step_budget.record(self.clock() - started, len(plan.decoding), plan.extra_tokens())
-        for request, _ in plan.pieces:
-            self.planner.stages.piece_fed(request)
+        self.step_budget.record(self.clock() - started, len(plan.decoding), extra)
+        for piece in plan.pieces:
+            self.planner.stages.piece_fed(piece.request)
+        if text is not None:
+            self._text_fed(text, logits)
         return logits if plan.decoding else None
+
+    def _text_fed(self, text: Piece, logits: torch.Tensor) -> None:
+        """A piece of a text prepared ahead ran: where it ended the prompt, the logits after it are
+        kept (its Send chooses its first token from them) and it is prepared; else noted (a
+        checkpoint, a shared prefix), its last token, if it takes one, next step."""
+        request = text.request
+        if not text.ends_prompt:
+            self.planner.stages.prefilled(request, lambda request, error: self.planner.stages.leave([request], error))
+            return
+        self.caches.keep_next_logits(request.session, request.prompt_ids, logits[-1])
+        with self.planner.requests.lock:
+            self.planner.counters.prepared += 1
+        self.planner.stages.leave([request])
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """Each decode row's tokens by its own sampler (its guesses taken while they match); the
         caches give back guesses not taken; rows that ended leave. A row's first logits, after its
         prompt's last token, are kept with its cache for a Retry (`CacheSession.keep_next_logits`)."""
         offset = 0
-        for request, tail in zip(plan.decoding, plan.tails()):
+        for request, guess in zip(plan.decoding, plan.guesses):
             if request.token_count == 0:
                 self.caches.keep_next_logits(request.session, request.prompt_ids, logits[offset])
-            offset += tail
+            offset += len(guess) + 1
         ended, taken = choose_tokens(plan.decoding, logits, plan.guesses)
         with self.planner.requests.lock:
             self.planner.counters.step(plan.decoding, plan.guesses, taken)

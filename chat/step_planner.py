@@ -1,110 +1,35 @@
-"""What one step runs, decided before it runs (vLLM v1's scheduler, at this scale), and when
-each request moves through the table: admitted, rolled back, prefilled in pieces, decoding,
-ended (chat/request_stages.py carries those moves out over the cache owner).
+"""What one step runs, decided before it runs, as plain data (vLLM v1's scheduler, at this
+scale): `StepPlanner.plan` reads the table of requests and the caches and returns a `StepPlan`
+(chat/step_plan.py); making it changes nothing. `StepPlanner.apply` carries it out (the request
+stages, chat/request_stages.py, over the cache owner).
 
-chat/scheduler.py runs the loop around it (plan → run → sample); this decides. Each step: end
-requests stopped wherever they wait (waiting, prefilling, decoding: a Stop is read before any
-budget); admit waiting requests while rows are free (a client below its share of the rows takes
-one from the client holding the most: chat/request_table.py); give this step's prompt budget in
-pieces, fair by tokens owed (chat/prompt_fairness.py), shortest remaining prefill first; and ask
-each decode row's guesses. Texts prepared while the person types wait in the same
-table; chat/ahead.py runs them in steps no reply wants.
+Each step: requests stopped wherever they wait leave (waiting, prefilling, decoding, a text being
+prepared: a Stop is read before any budget); waiting requests are admitted while rows are free (a
+client below its share of the rows takes one from the client holding the most:
+chat/request_table.py); this step's prompt budget goes in pieces, fair by tokens owed
+(chat/prompt_fairness.py), shortest remaining prefill first, each newcomer's piece read from where
+its rollback will land (`CacheSession.landing`); each decode row's guesses are asked. A text
+prepared while the person types is a prompt piece of the lowest priority: it runs only in a step
+no reply wants, one piece of at most `prefill_chunk` tokens, so a reply arriving waits at most
+that piece.
 """
 from __future__ import annotations
 
-import time
-from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 from transformers import PreTrainedModel
 
 from cache_sessions.owner import CacheOwner
-from cache_sessions.session import common_prefix_length
+from cache_sessions.session import Landing, common_prefix_length
 from chat.guessing import StepGuesses
 from chat.prompt_fairness import PromptFairness
+from chat.request_stages import RequestStages
 from chat.request_table import RequestTable
 from chat.requests import GenerationRequest
-from chat.model_step.runner import Row
 from chat.step_budget import StepBudget
-from chat.request_stages import RequestStages
+from chat.step_plan import Counters, Owed, Piece, SchedulerStats, StepPlan
 
 PREFILL_ORDERS = ("shortest", "arrival")
-
-
-@dataclass
-class StepPlan:
-    """What one step runs, decided before it runs: the decode rows (each its inputs and its
-    guesses to verify) and the prompt pieces, in the runner's row order (decode rows first)."""
-
-    decoding: list[GenerationRequest]
-    guesses: list[list[int]]
-    pieces: list[tuple[GenerationRequest, list[int]]]
-    started: float  # when the step's own work began (its guesses proposed): what a guess costs counts from here
-    # each decode row's tokens before its guesses: its next input, after the tokens a step with
-    # guesses took and gave back (recurrent states go back to the step's start: chat/guessing.py),
-    # or, in its first step, after the rest of its prompt (`pieces`)
-    inputs: list[list[int]]
-    eager: bool = False  # run eagerly though a graph would take it: timed once for guesses (chat/drafting.py)
-
-    def rows(self) -> list[Row]:
-        return ([(request.session, fed + guess) for request, fed, guess in zip(self.decoding, self.inputs, self.guesses)]
-                + [(request.session, piece) for request, piece in self.pieces])
-
-    def tails(self) -> list[int]:
-        """How many logits each decode row wants: after its last input and after each guess
-        (not after inputs before its last: tokens fed again, or the rest of its prompt)."""
-        return [len(guess) + 1 for guess in self.guesses]
-
-    def extra_tokens(self) -> int:
-        """Tokens past one a decode row: what the prompt pieces, the guesses and the tokens fed
-        again add to the step."""
-        return (sum(len(piece) for _, piece in self.pieces) + sum(len(guess) for guess in self.guesses)
-                + sum(len(fed) - 1 for fed in self.inputs))
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    max_batch_size: int
-    decoding: int  # rows in the running batch
-    prefilling: int  # admitted, prefilling in chunks
-    waiting: int  # waiting for a free row
-    steps: int  # decode steps run so far
-    joined: int  # requests that reached the batch so far
-    largest_batch: int  # the most rows one decode step has run
-    join_wait_mean_s: float  # from submit to the first decode step, over the last 32
-    join_wait_max_s: float
-    packed: bool = False  # steps run packed, one forward for every row (else row by row: chat/model_step/runner.py)
-    prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/step_budget.py)
-    paused: int = 0  # decode rows given up for another client's share of the rows (chat/request_table.py)
-    preparing: int = 0  # texts being prepared ahead of their Send (`prepare`)
-    prepared: int = 0  # texts prepared to their end so far
-    guessed: int = 0  # tokens guessed and verified in decode steps (chat/drafting.py)
-    guesses_taken: int = 0  # of them, taken into replies
-    first_tokens_kept: int = 0  # first tokens chosen from logits a cache kept, with no step (a Retry, a prepared Send)
-    newcomers_apart: int = 0  # steps that ran newcomers' prompt ends without the other decode rows
-
-
-class _Counters:
-    """What the batch has done so far, for `stats` (read by other threads under the scheduler's lock)."""
-
-    def __init__(self) -> None:
-        self.steps = self.joined = self.largest_batch = self.prepared = self.guessed = self.guesses_taken = 0
-        self.first_tokens_kept = self.newcomers_apart = 0
-        self.join_waits: deque[float] = deque(maxlen=32)  # from submit to the first decode step
-
-    def step(self, rows: list[GenerationRequest], guesses: list[list[int]], taken: int) -> None:
-        """A step's decode rows were sampled: `taken` of their `guesses` went into replies."""
-        self.guessed += sum(len(guess) for guess in guesses)
-        self.guesses_taken += taken
-        now = time.perf_counter()
-        for request in rows:
-            if request.joined_at is None:
-                request.joined_at = now
-                self.joined += 1
-                self.join_waits.append(now - request.submitted_at)
-        self.steps += 1
-        self.largest_batch = max(self.largest_batch, len(rows))
 
 
 class StepPlanner:
@@ -131,11 +56,10 @@ class StepPlanner:
 
     def reset(self) -> None:
         self.requests = RequestTable()
-        self.stages = RequestStages(self.model, self.caches, self.guesses, self.requests)  # starts and ends them
+        self.stages = RequestStages(self.model, self.caches, self.guesses, self.requests)  # applies plans
         self.shares = PromptFairness()  # prompt tokens owed to each client with a request waiting to prefill
-        self.on_disk: set[GenerationRequest] = set()  # admitted, their states still being read
         self._rows_waited = False  # the last step ran newcomers apart: this one runs every row
-        self.counters = _Counters()
+        self.counters = Counters()
 
     def stats(self, packed: bool) -> SchedulerStats:
         with self.requests.lock:
@@ -151,123 +75,155 @@ class StepPlanner:
                 packed=packed,
                 prompt_tokens_per_step=self.step_budget.tokens(self.prefill_chunk, len(requests.decoding)))
 
+    # ---- the plan: reads, changes nothing ------------------------------------------------------
     def plan(self, clock: Callable[[], float], graph_ready: Callable[[int], bool]) -> StepPlan:
-        """Who leaves (stopped wherever they wait), who is admitted, this step's prompt pieces
-        and each decode row's guesses."""
-        for request in self.requests.admit(self.max_batch_size):
-            self.stages.finish(request)  # stopped while it waited (its cache untouched) or was paused
-        stopped = [request for request in self.requests.decoding if request.stop.is_set()]
-        if stopped:
-            self.stages.leave(stopped)  # its last chosen token stays unfed, as after `generate`
-        pieces = self.pieces()
-        kept = self.stages.first_tokens_kept()
-        if kept:
-            with self.requests.lock:
-                self.counters.first_tokens_kept += kept
-        decoding, started = self._rows_this_step(pieces), clock()
-        inputs = [request.unfed for request in decoding]
-        guesses, eager = self.guesses.propose(decoding, graph_ready(len(decoding)))
-        return StepPlan(decoding, guesses, pieces, started, inputs, eager)
+        """This step (see the module's docstring). `clock`: when its own work begins; `graph_ready`:
+        whether a compiled graph would take a step of that many decode rows."""
+        admission = self.requests.admission(self.max_batch_size)
+        everyone = self.requests.everyone()  # read after it: a request come meanwhile waits a step
+        texts = [request for request in everyone if request.ahead]
+        replies = {request.session for request in everyone if not request.ahead}
+        leaving: list[tuple[GenerationRequest, BaseException | None]] = [
+            (text, None) for text in texts if text.stop.is_set() or text.session in replies]
+        if not replies:  # no reply to work on: a piece of a text prepared ahead
+            ahead, on_disk, failed = self._ahead([text for text in texts if (text, None) not in leaving])
+            return StepPlan(admission, tuple(leaving + failed), ahead=ahead, on_disk=on_disk, started=clock())
+        decoding = [request for request in admission.decoding if not request.stop.is_set()]
+        leaving += [(request, None) for request in admission.decoding if request.stop.is_set()]
+        prefill, on_disk, failed, owed = self._prefill(admission.prefilling, len(decoding))
+        decoding += [piece.request for piece in prefill if piece.ends_prompt]
+        rows, apart = self._rows_this_step(decoding, prefill)
+        started = clock()
+        joining = {piece.request: piece for piece in prefill if piece.ends_prompt}
+        inputs = [len(request.unfed) if request not in joining else
+                  None if joining[request].held_whole else len(joining[request].fed()) for request in rows]
+        guesses, eager = self.guesses.propose(rows, inputs, graph_ready(len(rows)))
+        return StepPlan(admission, tuple(leaving + failed), tuple(prefill), tuple(rows),
+                        tuple(tuple(guess) for guess in guesses), None, on_disk, apart, eager, owed, started)
 
-    def pieces(self) -> list[tuple[GenerationRequest, list[int]]]:
-        """This step's prefill pieces within its budget, in the order `PromptFairness` gives (fair
-        by tokens owed, see chat/prompt_fairness.py); newcomers are rolled back first, and one with
-        only its last token left starts decoding now, as does one whose last piece can go with
-        that token in its first decode row (its cache keeps nothing at the generation start:
-        `CacheSession.feeds_with_first_step`), so its first token comes from this step. A
-        stopped request leaves here, whether or not the budget would have reached it (its turn at
-        the budget could come after another user's whole prompt, and its Stop would do nothing
-        meanwhile)."""
-        if self.requests.decoding:
-            budget = self.step_budget.tokens(self.prefill_chunk, len(self.requests.decoding))
-        else:
-            budget = self.step_budget.alone_tokens(self.prefill_chunk_alone)
-        full_budget, pieces = budget, []
+    def _prefill(self, prefilling: Sequence[GenerationRequest], decode_rows: int
+                 ) -> tuple[list[Piece], frozenset[GenerationRequest], list[tuple[GenerationRequest, BaseException | None]], Owed]:
+        """This step's prompt pieces within its budget, in the order `PromptFairness` gives (fair
+        by tokens owed), each from where its cache will stand. One with only its last token left
+        decodes from this step, as does one whose last piece can go with that token in its first
+        decode row (its cache keeps nothing at the generation start:
+        `CacheSession.feeds_with_first_step`) or one whose cache holds its whole prompt and the
+        logits after it. Returns the pieces, those whose states are still being read, those that
+        leave (stopped, whether or not the budget would have reached them, or failed), and what
+        the budget owes."""
+        budget = (self.step_budget.tokens(self.prefill_chunk, decode_rows) if decode_rows
+                  else self.step_budget.alone_tokens(self.prefill_chunk_alone))
+        full_budget, pieces, on_disk, leaving = budget, [], set(), []
         wanting: list[Hashable] = []  # the flows (clients) with prompt left that could go on
         given: dict[Hashable, int] = {}
-        self.on_disk = set()
-        self.shares.retain([request.flow for request in self.requests.prefilling])
-        for request in self._prefill_order(budget):
+        for request in self._prefill_order(prefilling, budget):
             if request.prefill is None and not self.caches.ready(request.session):
                 # its states are being read beside the loop: the others go on (a stopped one too:
                 # ending it now would wait for that read on the loop; it ends once the read is in)
-                self.on_disk.add(request)
+                on_disk.add(request)
                 continue
             if request.stop.is_set():
-                self.stages.leave_prefill(request)
+                leaving.append((request, None))
                 continue
             wanting.append(request.flow)
-            allowed = self._whole_or(request, budget, sum(given.values()))
+            allowed = self._whole_or(request, budget, sum(given.values()), decode_rows)
             if allowed == 0:
                 continue
-            work = request.work
             try:
-                self.stages.begin(request)
-                piece = self.caches.prefill_piece(request.session, request.prompt_ids, allowed, work.prefix_store,
-                                                  work.shared_prefix_length)
-                # nothing left (held whole: its first token from the logits kept), or its last piece
-                # with its first decode input: its first token this step, not the next
-                decodes_now = not piece or self.ends_prompt(request, piece)
+                piece = self._piece(request, allowed, for_reply=True)
             except BaseException as error:
-                self.stages.leave_prefill(request, error)
+                leaving.append((request, error))
                 continue
-            if piece:
-                budget = max(0, budget - len(piece))
-                given[request.flow] = given.get(request.flow, 0) + len(piece)
-            if decodes_now:
-                self.requests.start_decoding(request)
-            else:
-                pieces.append((request, piece))
-        self.shares.settle(wanting, given, full_budget)
-        return pieces
+            budget = max(0, budget - len(piece.tokens))
+            given[request.flow] = given.get(request.flow, 0) + len(piece.tokens)
+            pieces.append(piece)
+        return pieces, frozenset(on_disk), leaving, Owed(tuple(wanting), tuple(given.items()), full_budget)
 
-    def _whole_or(self, request: GenerationRequest, budget: int, carried: int) -> int:
+    def _ahead(self, texts: list[GenerationRequest]
+               ) -> tuple[Piece | None, frozenset[GenerationRequest], list[tuple[GenerationRequest, BaseException]]]:
+        """The oldest text whose states are at hand, and its next piece (with no tokens and not
+        ending its prompt: it was fed to its end and ends); its last piece takes the prompt's last
+        token where the cache crops anywhere (as a reply's does), and the logits after it are
+        kept: the Send then chooses its first token from them with no step."""
+        on_disk = set()
+        for text in texts:
+            if text.prefill is None and not self.caches.ready(text.session):
+                on_disk.add(text)  # read beside the loop; the loop is woken when it is in
+                continue
+            try:
+                return self._piece(text, self.prefill_chunk, for_reply=False), frozenset(on_disk), []
+            except BaseException as error:
+                return None, frozenset(on_disk), [(text, error)]
+        return None, frozenset(on_disk), []
+
+    def _piece(self, request: GenerationRequest, allowed: int, for_reply: bool) -> Piece:
+        """`request`'s next piece of at most `allowed` tokens, from where its cache stands (or will,
+        once rolled back); whether it ends the prompt (`ends_prompt`; a reply with nothing left
+        to feed ends it with no tokens)."""
+        work, begins = request.work, request.prefill is None
+        at = (self.caches.landing(request.session, request.prompt_ids, work.prefix_store) if begins
+              else request.session.here())
+        tokens = self.caches.prefill_piece(request.session, request.prompt_ids, allowed, work.prefix_store,
+                                           work.shared_prefix_length, at)
+        ends = self.ends_prompt(request, tokens, at) or (for_reply and not tokens)
+        return Piece(request, at, tuple(tokens), ends, begins)
+
+    def _whole_or(self, request: GenerationRequest, budget: int, carried: int, decode_rows: int) -> int:
         """This request's piece at most: `budget`, or its whole prompt where it has fed none of it
         yet and the whole fits one step beside the decode rows with the `carried` tokens this step
         already has (`StepBudget.whole_tokens`): split, a message pays a second step's fixed part
         and waits that step more for its first token."""
-        if not self.whole_messages or request.prefill is not None or not self.requests.decoding:
+        if not self.whole_messages or request.prefill is not None or not decode_rows:
             return budget
         remaining = _remaining_prefill(request)
-        room = self.step_budget.whole_tokens(self.prefill_chunk, len(self.requests.decoding)) - carried
+        room = self.step_budget.whole_tokens(self.prefill_chunk, decode_rows) - carried
         return remaining if budget < remaining <= room else budget
 
-    def _rows_this_step(self, pieces: list[tuple[GenerationRequest, list[int]]]) -> list[GenerationRequest]:
-        """The decode rows this step runs: all of them, or only newcomers whose prompt ends in
-        it (their first tokens from it) where a step of those and this step's `pieces` keeps the
-        other rows' gap within the step budget's bound (`StepBudget.apart_tokens`), never twice
-        in a row. Beside seven rows, a newcomer's short message took 1.6-1.8x its first token on
-        an idle engine: the step of its prompt's end carried every row (docs/performance.md)."""
-        decoding = list(self.requests.decoding)
-        newcomers = [request for request in decoding if request.token_count == 0 and len(request.unfed) > 1]
+    def _rows_this_step(self, decoding: list[GenerationRequest], prefill: list[Piece]
+                        ) -> tuple[list[GenerationRequest], bool]:
+        """The decode rows this step runs, and whether apart: all of them, or only newcomers
+        whose prompt ends in it (their first tokens from it) where a step of those and this
+        step's prompt rows keeps the other rows' gap within the step budget's bound
+        (`StepBudget.apart_tokens`), never twice in a row: beside many rows, the step of a
+        newcomer's prompt end would otherwise carry every row."""
+        newcomers = [piece for piece in prefill if piece.ends_prompt and piece.tokens]
         others = len(decoding) - len(newcomers)
-        tokens = sum(len(request.unfed) for request in newcomers) + sum(len(piece) for _, piece in pieces)
+        tokens = sum(len(piece.tokens) + (1 if piece.ends_prompt else 0) for piece in prefill)
         apart = (self.newcomers_apart and not self._rows_waited and bool(newcomers) and others > 0
                  and tokens <= self.step_budget.apart_tokens(others))
-        self._rows_waited = apart
-        if not apart:
-            return decoding
-        with self.requests.lock:
-            self.counters.newcomers_apart += 1
-        return newcomers
+        return ([piece.request for piece in newcomers] if apart else decoding), apart
 
-    def ends_prompt(self, request: GenerationRequest, piece: list[int]) -> bool:
-        """Whether `piece` (its next) may take its prompt's last token with it, the logits after
-        that read in the same step: it reaches the generation start where the cache keeps nothing
-        (`CacheSession.feeds_with_first_step`), within `last_piece_rows`."""
+    def ends_prompt(self, request: GenerationRequest, piece: list[int], at: Landing) -> bool:
+        """Whether `piece` (its next, from `at`) may take its prompt's last token with it, the
+        logits after that read in the same step: it reaches the generation start where the cache
+        keeps nothing (`CacheSession.feeds_with_first_step`), within `last_piece_rows`."""
         work = request.work
         fits = self.last_piece_rows is None or len(piece) + 1 <= self.last_piece_rows
         return fits and self.caches.feeds_with_first_step(request.session, request.prompt_ids, piece,
-                                                          work.prefix_store, work.shared_prefix_length)
+                                                          work.prefix_store, work.shared_prefix_length, at)
 
-    def _prefill_order(self, budget: int) -> list[GenerationRequest]:
+    def _prefill_order(self, prefilling: Sequence[GenerationRequest], budget: int) -> list[GenerationRequest]:
         """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_fairness.py);
         or in arrival order."""
         if self.prefill_order != "shortest":
-            return list(self.requests.prefilling)
-        prefilling = self.requests.prefilling
+            return list(prefilling)
         return self.shares.order({request: _remaining_prefill(request) for request in prefilling},
                                   {request: request.flow for request in prefilling}, budget)
+
+    # ---- applying it ---------------------------------------------------------------------------
+    def apply(self, plan: StepPlan) -> StepPlan:
+        """Carry `plan` out (`RequestStages.apply`) and keep the planner's own books (what each
+        client is owed, whether newcomers ran apart). Returns the plan that runs: without the
+        requests that ended meanwhile."""
+        running = self.stages.apply(plan)
+        if plan.owed is not None:
+            self.shares.retain([request.flow for request in plan.admission.prefilling])
+            self.shares.settle(plan.owed.wanting, dict(plan.owed.given), plan.owed.budget)
+        self._rows_waited = plan.apart
+        with self.requests.lock:
+            self.counters.newcomers_apart += plan.apart
+            self.counters.prepared += plan.ahead is not None and not plan.ahead.fed() and plan.ahead.request.error is None
+        return running
 
 
 def _remaining_prefill(request: GenerationRequest) -> int:

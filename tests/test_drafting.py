@@ -203,15 +203,15 @@ def test_recurrent_states_go_back_to_the_steps_start_and_feed_again_what_it_took
         return right[:-1] + [(right[-1] + 1) % len(tokenizer)] if right else right
 
     fed_again = []
-    own_plan = chat.step_planner.StepPlanner.plan
+    own_apply = chat.step_planner.StepPlanner.apply
 
-    def plan(self, *args):
-        step = own_plan(self, *args)
-        fed_again.extend(len(inputs) - 1 for inputs in step.inputs)
-        return step
+    def apply(self, plan):
+        running = own_apply(self, plan)
+        fed_again.extend(len(request.unfed) - 1 for request in running.decoding)
+        return running
 
     monkeypatch.setattr(chat.drafting.Drafter, "propose", propose)
-    monkeypatch.setattr(chat.step_planner.StepPlanner, "plan", plan)
+    monkeypatch.setattr(chat.step_planner.StepPlanner, "apply", apply)
     list(conversation.send("recurrent", **GREEDY))
     guessed, taken = guess_counts(engine)
     assert 0 < taken < guessed
