@@ -21,6 +21,8 @@ Module map:
   request_table.py the scheduler's one record of its requests: waiting, prefilling, decoding, paused
   step_plan.py     what a step does, as plain data (StepPlan): who leaves, who is admitted, pieces, rows
   step_planner.py  makes a step's plan from the table, changing nothing; a text being typed is its lowest priority
+  prompt_pieces.py which prompt pieces a step carries, from where each cache stands or will once rolled back
+  step_sampling.py the step's last phase: every token chosen (kept-logits first tokens too), ended rows leave
   request_stages.py   a plan applied over the cache owner: requests begun (rolled back), pieces noted, ended
   prompt_fairness.py  who gets a step's prompt budget: fair by tokens owed, per client
   drafting.py      guessed tokens to verify: where guesses come from, how many a row feeds (--draft)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+import torch
+
 from transformers import PreTrainedModel
 
 from cache_sessions.owner import CacheOwner
@@ -18,14 +20,15 @@ from chat.guessing import StepGuesses
 from chat.request_table import RequestTable
 from chat.requests import GenerationRequest
 from chat.sampling import TokenChooser
-from chat.step_plan import Piece, StepPlan
+from chat.step_plan import Counters, Piece, StepPlan
 
 
 class RequestStages:
     """Starts, advances and ends the requests of one table (made anew with the table)."""
 
-    def __init__(self, model: PreTrainedModel, caches: CacheOwner, guesses: StepGuesses, requests: RequestTable):
-        self.model, self.caches, self.guesses, self.requests = model, caches, guesses, requests
+    def __init__(self, model: PreTrainedModel, caches: CacheOwner, guesses: StepGuesses, requests: RequestTable,
+                 counters: Counters):
+        self.model, self.caches, self.guesses, self.requests, self.counters = model, caches, guesses, requests, counters
 
     def apply(self, plan: StepPlan) -> StepPlan:
         """Carry `plan` out, in its order (see `StepPlan`): the table's moves, who leaves, each
@@ -45,11 +48,27 @@ class RequestStages:
             elif piece.ends_prompt and not piece.request.ahead:
                 self.requests.start_decoding(piece.request)
         if plan.ahead is not None and plan.ahead.request not in gone and not plan.ahead.fed():
-            self.leave([plan.ahead.request])  # its prompt fed (whole, or all but the last token)
+            self.prepared(plan.ahead.request)  # its prompt fed (whole, or all but the last token)
             gone.add(plan.ahead.request)
         running = plan.without(gone)
         self.guesses.mark(running.decoding, running.guesses)
         return running
+
+    def text_fed(self, text: Piece, logits: torch.Tensor) -> None:
+        """A piece of a text prepared ahead ran: where it ended the prompt, the logits after it are
+        kept (its Send chooses its first token from them) and it is prepared; else noted (a
+        checkpoint, a shared prefix), its last token, if it takes one, next step."""
+        request = text.request
+        if text.ends_prompt:
+            self.caches.keep_next_logits(request.session, request.prompt_ids, logits[-1])
+            self.prepared(request)
+        else:
+            self.prefilled(request, lambda request, error: self.leave([request], error))
+
+    def prepared(self, text: GenerationRequest) -> None:
+        with self.requests.lock:
+            self.counters.prepared += 1
+        self.leave([text])
 
     def _began(self, piece: Piece) -> bool:
         """Its first turn begun where it `begins` (False: it failed, and left)."""

@@ -40,7 +40,6 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import replace
 from contextlib import contextmanager
 from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
@@ -53,13 +52,14 @@ from cache_sessions.owner import CacheOwner
 from cache_sessions.session import CacheSession
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ALONE
 from chat.drafting import DraftPolicy
-from chat.guessing import StepGuesses, choose_tokens
+from chat.guessing import StepGuesses
 from chat.loop import Loop
 from chat.options import GenerationOptions
 from chat.requests import CacheWork, GenerationRequest
 from chat.model_step.runner import ModelRunner, Row
 from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR, StepBudget
-from chat.step_plan import Piece, SchedulerStats, StepPlan
+from chat.step_plan import SchedulerStats, StepPlan
+from chat.step_sampling import StepSampler
 from chat.step_planner import StepPlanner
 from chat.worker import ModelWorker
 
@@ -94,6 +94,7 @@ class DecodeScheduler:
         self.planner = StepPlanner(model, self.caches, self.guesses, self.step_budget, max_batch_size=max_batch_size,
                                    prefill_chunk=prefill_chunk, prefill_chunk_alone=prefill_chunk_alone,
                                    prefill_order=prefill_order, last_piece_rows=self.runner.rows_apart)
+        self.sampler = StepSampler(self.caches, self.guesses, self.planner)
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a ZeroGPU worker starts with no batch
         atexit.register(_shut_down_at_exit, weakref.ref(self))  # before the worker's: atexit runs last first
@@ -181,35 +182,18 @@ class DecodeScheduler:
             graph_steps = self.runner.graph_steps
             plan = self.planner.plan(self.clock, self.runner.graph_ready)
             self._on_disk = plan.on_disk
-            plan = self._first_tokens_kept(self.planner.apply(plan))
+            plan = self.sampler.first_tokens_kept(self.planner.apply(plan))
             rows = plan.rows()
             extra = sum(len(fed) for _, fed in rows) - len(plan.decoding)  # past one token a decode row
             logits = self._run(plan, rows, extra)
             if logits is not None:
-                self._sample(plan, logits)
+                self.sampler.sample(plan, logits)
                 # the whole step, proposing, choosing and giving back included: what a guess really costs
                 self.guessing.record_step(self.clock() - plan.started, len(plan.decoding), extra,
                                           compiled=self.runner.graph_steps > graph_steps)
         except BaseException as error:  # a fault of the scheduler itself: end everyone, hang no one
             for request in self.planner.requests.take_everyone():
                 self.planner.stages.finish(request, error)
-
-    def _first_tokens_kept(self, plan: StepPlan) -> StepPlan:
-        """Rows that hold their whole prompt, the logits after it kept (a Retry, the Send of a
-        prepared message: `CacheSession.next_logits`), choose their first token from those now,
-        before the run, and feed it in this step as any decode row feeds its last token. Returns
-        the plan less the rows that ended with it."""
-        ready = plan.first_from_kept()
-        if not ready:
-            return plan
-        logits = torch.cat([self.caches.next_logits(request.session, request.prompt_ids) for request in ready])
-        ended, _ = choose_tokens(ready, logits, [[] for _ in ready])
-        with self.planner.requests.lock:
-            self.planner.counters.first_tokens_kept += len(ready)
-        self.planner.stages.leave(ended)
-        guesses = tuple(self.guesses.after_first(guess, request.sequence[-1]) if request in ready else guess
-                        for request, guess in zip(plan.decoding, plan.guesses))
-        return replace(plan, guesses=guesses).without(ended)
 
     def _run(self, plan: StepPlan, rows: list[Row], extra: int) -> torch.Tensor | None:
         """The plan's one model step (its `rows`, with `extra` tokens past one a decode row); the
@@ -231,38 +215,8 @@ class DecodeScheduler:
         for piece in plan.pieces:
             self.planner.stages.piece_fed(piece.request)
         if text is not None:
-            self._text_fed(text, logits)
+            self.planner.stages.text_fed(text, logits)
         return logits if plan.decoding else None
-
-    def _text_fed(self, text: Piece, logits: torch.Tensor) -> None:
-        """A piece of a text prepared ahead ran: where it ended the prompt, the logits after it are
-        kept (its Send chooses its first token from them) and it is prepared; else noted (a
-        checkpoint, a shared prefix), its last token, if it takes one, next step."""
-        request = text.request
-        if not text.ends_prompt:
-            self.planner.stages.prefilled(request, lambda request, error: self.planner.stages.leave([request], error))
-            return
-        self.caches.keep_next_logits(request.session, request.prompt_ids, logits[-1])
-        with self.planner.requests.lock:
-            self.planner.counters.prepared += 1
-        self.planner.stages.leave([request])
-
-    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
-        """Each decode row's tokens by its own sampler (its guesses taken while they match); the
-        caches give back guesses not taken; rows that ended leave. A row's first logits, after its
-        prompt's last token, are kept with its cache for a Retry (`CacheSession.keep_next_logits`)."""
-        offset = 0
-        for request, guess in zip(plan.decoding, plan.guesses):
-            if request.token_count == 0:
-                self.caches.keep_next_logits(request.session, request.prompt_ids, logits[offset])
-            offset += len(guess) + 1
-        ended, taken = choose_tokens(plan.decoding, logits, plan.guesses)
-        with self.planner.requests.lock:
-            self.planner.counters.step(plan.decoding, plan.guesses, taken)
-        ended += self.guesses.give_back(plan.decoding, plan.guesses, ended)
-        if ended:
-            self.planner.stages.leave(ended)
-
 
 def _shut_down_at_exit(scheduler: "weakref.ref[DecodeScheduler]") -> None:
     if (alive := scheduler()) is not None:
