@@ -39,6 +39,7 @@ from cache_sessions.cold import ColdStore
 from cache_sessions.session import CacheSession
 from cache_sessions.tensors import filled_bytes
 from chat.models import build_model, parameter_count
+from chat.model_step.feeding import rewind_and_prefill
 
 
 def run(model_name: str, tokens: int, repeats: int, folder: str) -> dict:
@@ -52,7 +53,7 @@ def run(model_name: str, tokens: int, repeats: int, folder: str) -> dict:
     for _ in range(repeats):
         session = CacheSession(model, max_checkpoints=0)
         started = time.perf_counter()
-        session.rewind_to(prompt)
+        rewind_and_prefill(model, session, prompt)
         runs["prefill_s"].append(time.perf_counter() - started)
         state_bytes = filled_bytes(session.tensors())  # without the room the buffers keep to grow
         written = [t.clone() for t in session.tensors()]

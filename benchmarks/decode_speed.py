@@ -38,6 +38,7 @@ from chat.models import build_model, parameter_count
 from chat.options import GenerationOptions
 from chat.scheduler import DecodeScheduler
 from chat.worker import ModelWorker
+from chat.model_step.feeding import rewind_and_prefill
 
 WAYS = ("before", "engine")
 VOCAB = 8192
@@ -61,7 +62,7 @@ def histories(model, worker: ModelWorker, length: int, rows: int) -> list[tuple[
         rng = random.Random(length * 100 + row)
         prompt = [rng.randrange(VOCAB) for _ in range(length - row * length // (4 * rows) + 1)]
         session = CacheSession(model, max_checkpoints=0)
-        session.rewind_to(prompt)
+        rewind_and_prefill(model, session, prompt)
         return prompt, session.cut_segment(0)
 
     with way("engine"):

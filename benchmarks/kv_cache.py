@@ -39,6 +39,7 @@ from chat.models import build_model, parameter_count
 from chat.options import GenerationOptions
 from chat.scheduler import DecodeScheduler
 from chat.worker import ModelWorker
+from chat.model_step.feeding import rewind_and_prefill
 
 KINDS = {"dynamic": KVCacheKind(), "quantized-8": KVCacheKind("quantized", 8),
          "quantized-4": KVCacheKind("quantized", 4)}
@@ -52,7 +53,7 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 def bytes_per_token(model, kind: KVCacheKind, tokens: int) -> float:
     session = CacheSession(model, max_checkpoints=0, kv_cache=kind)
-    session.rewind_to(prompt_of(tokens, 0))
+    rewind_and_prefill(model, session, prompt_of(tokens, 0))
     return filled_bytes(session.tensors()) / tokens
 
 

@@ -37,6 +37,7 @@ from cache_sessions import common_prefix_length
 from chat import ChatEngine
 from chat.loading import load_model_and_tokenizer
 from chat.worker import ModelWorker
+from chat.model_step.feeding import feed
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
 
@@ -102,10 +103,10 @@ class Bench:
         reused = min(common_prefix_length(session_before.token_ids, prompt_ids), len(prompt_ids) - 1)
         session = copy.deepcopy(session_before, memo={id(self.model): self.model})
         position = session.rollback_to(reused).position
-        session.extend(prompt_ids[position:reused])  # untimed: reach the session's starting point
-        feed = torch.tensor([prompt_ids[reused:]])
+        feed(self.model, session, prompt_ids[position:reused])  # untimed: reach the session's starting point
+        new = torch.tensor([prompt_ids[reused:]])
         started = time.perf_counter()
-        logits = self.model(input_ids=feed, past_key_values=session.cache, use_cache=True, logits_to_keep=1).logits
+        logits = self.model(input_ids=new, past_key_values=session.cache, use_cache=True, logits_to_keep=1).logits
         int(logits[0, -1].argmax())
         return Timing(time.perf_counter() - started, len(prompt_ids) - reused)
 

@@ -26,6 +26,7 @@ from benchmarks.models import SHAPE, Words, build_bench_model, build_bench_token
 from benchmarks.report import TokenClock, decode_rate, publish, target_table
 from chat import ChatEngine, Conversation
 from chat.worker import ModelWorker
+from chat.model_step.feeding import rewind_and_prefill
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
 
@@ -89,7 +90,7 @@ class Bench:
         model = self.engine.model
         session = copy.deepcopy(conv.session, memo={id(model): model})
         prompt = self.engine.template.render(conv.messages + [{"role": "user", "content": message}]).ids
-        session.rewind_to(prompt)
+        rewind_and_prefill(model, session, prompt)
         clock, ids = TokenClock(), torch.tensor([prompt])
         model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=session.cache,
                        max_new_tokens=self.max_new_tokens, do_sample=False, streamer=clock)

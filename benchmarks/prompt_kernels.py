@@ -7,7 +7,8 @@ piece's many rows go through `Int8Linear.prompt_product`, whose kernel the engin
 bf16, summed by the CPU's bf16 product). This prefills a `--prompt`-token prompt in one piece into
 an empty cache of `--model` (real-qwen3-0.6b: Qwen3-0.6B's shape) with each kernel forced, and the
 fp32 model as it is, alternated, `--repeats` times: milliseconds (median), prompt tokens a second,
-and what that is of a 2,048-square product's GFLOP/s in the same precision (the practical peak).
+and what that is of a square product's GFLOP/s in the same precision (the practical peak; 2,048
+rows by default, `--peak-size`: a host without bf16 products takes about a minute for each bf16 one).
 It also reports the largest difference of the last position's logits between the two kernels.
 
 `python -m benchmarks.prompt_kernels --help`; results go to benchmarks/results/prompt-kernels*.json.
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="real-qwen3-0.6b", help="a row of chat/models.py")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peak-size", type=int, default=2048, help="rows of the square product timed as the peak")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
             if repeat:
                 times[way].append(ms)
     medians = {way: statistics.median(values) for way, values in times.items()}
-    peaks = {"fp32": matmul_peak_gflops(torch.float32), "bf16": matmul_peak_gflops(torch.bfloat16)}
+    peaks = {dtype: matmul_peak_gflops(getattr(torch, name), args.peak_size)
+             for dtype, name in (("fp32", "float32"), ("bf16", "bfloat16"))}
     flops = 2 * parameter_count(full) * args.prompt  # the products' multiply-adds, attention aside
     result = {"args": vars(args), "model": args.model, "parameters": parameter_count(full),
               "cpu_flags": cpu_flags(), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
               "engine_chose": chosen, "prefill_ms": medians, "runs": times,
               "prompt_tokens_per_s": {way: args.prompt / (ms / 1000) for way, ms in medians.items()},
               "gflops": {way: flops / (ms / 1000) / 1e9 for way, ms in medians.items()},
-              "peak_gflops_2048_matmul": peaks,
+              "peak_gflops_square_matmul": peaks, "peak_size": args.peak_size,
               "bf16_over_fp32_kernel": medians["int8/fp32"] / medians["int8/bf16"],
               "kernels_logit_max_difference": float((last["int8/bf16"] - last["int8/fp32"]).abs().max())}
     print(f"{args.model}, a {args.prompt}-token prompt in one piece, medians of {args.repeats}; CPU flags: "
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     for way in ways:
         peak = peaks["bf16" if way == "int8/bf16" else "fp32"]
         print(f"  {way:11s} {medians[way]:8.0f} ms  {result['prompt_tokens_per_s'][way]:6.0f} tokens/s  "
-              f"{result['gflops'][way]:6.0f} GFLOP/s (products; {result['gflops'][way] / peak:.2f}x a 2,048-square "
+              f"{result['gflops'][way]:6.0f} GFLOP/s (products; {result['gflops'][way] / peak:.2f}x a {args.peak_size}-square "
               f"{'bf16' if way == 'int8/bf16' else 'fp32'} product's {peak:.0f})")
     print(f"  int8 prompt, bf16 kernel against fp32 kernel: {result['bf16_over_fp32_kernel']:.2f}x; "
           f"logits differ by {result['kernels_logit_max_difference']:.3g} at most")

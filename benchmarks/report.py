@@ -24,6 +24,7 @@ from chat import ChatEngine
 from chat.models import build_model
 from chat.model_step.weights import apply_weight_format
 from chat.worker import ModelWorker
+from chat.model_step.feeding import rewind_and_prefill
 
 
 class TokenClock(BaseStreamer):
@@ -51,7 +52,7 @@ def bare_generate_rate(model: torch.nn.Module, session: Any, prompt: list[int], 
     """Plain `generate` (greedy) on a copy of `session`'s cache, prepared as the session would (it
     then holds `prompt[:-1]`): the tokens/s a bare loop of the same model decodes at there."""
     copied = copy.deepcopy(session, memo={id(model): model})
-    copied.rewind_to(prompt)
+    rewind_and_prefill(model, copied, prompt)
     clock, ids = TokenClock(), torch.tensor([prompt])
     model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=copied.cache,
                    max_new_tokens=new_tokens, do_sample=False, streamer=clock)

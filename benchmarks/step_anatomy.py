@@ -38,6 +38,7 @@ from chat.model_step.plain_step import run_plain
 from cache_sessions.session import CacheSession
 from chat.models import build_model
 from chat.model_step.weights import WEIGHT_FORMATS, apply_weight_format
+from chat.model_step.feeding import feed, rewind_and_prefill
 
 VOCAB = 8192
 PLAIN_KINDS = ("one row", "four rows", "mixed")
@@ -59,8 +60,8 @@ def conversation(model, length: int, seed: int) -> tuple[CacheSession, int]:
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(100, VOCAB, (length,), generator=generator).tolist()
     session = CacheSession(model)
-    session.rewind_to(tokens)
-    session.extend(tokens[len(session.token_ids):-1])
+    rewind_and_prefill(model, session, tokens)
+    feed(model, session, tokens[len(session.token_ids):-1])
     return session, tokens[-1]
 
 

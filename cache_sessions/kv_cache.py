@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers import DynamicCache, PreTrainedModel
+import torch
+
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from cache_sessions.growing import GrowingLayer
@@ -31,6 +33,14 @@ REFUSED = {
     "offloaded": "it moves layers to the CPU during a forward on a GPU; between turns the engine already moves "
                  "idle caches off the GPU (offload_sessions) and to disk (--cache-dir)",
 }
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What a new cache is made for: a model's config and dtype (a session keeps only this)."""
+
+    config: PretrainedConfig
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,7 @@ class KVCacheKind:
             raise ValueError("--kv-cache quantized applies to full-attention layers, and this model has none "
                              "(sliding windows and linear attention keep bounded states in full precision)")
 
-    def new_cache(self, model: PreTrainedModel) -> DynamicCache:
+    def new_cache(self, model: PreTrainedModel | CacheShape) -> DynamicCache:
         """`DynamicCache(config=...)` with every plain full-attention layer of this kind (sliding
         windows, linear attention and mixed layers keep the library's classes)."""
         cache = DynamicCache(config=model.config)
@@ -62,7 +72,7 @@ class KVCacheKind:
                         for layer in cache.layers]
         return cache
 
-    def _full_attention_layer(self, model: PreTrainedModel) -> DynamicLayer:
+    def _full_attention_layer(self, model: PreTrainedModel | CacheShape) -> DynamicLayer:
         if self.name == "quantized":
             return QuantizedLayer(self.bits, dtype=model.dtype)
         return GrowingLayer()

@@ -49,7 +49,7 @@ class CacheOwner(CacheBooks):
         if keep is not None:
             keep_before_reply(session, keep, prompt_ids, whole=True)
         return session.rewind_to(prompt_ids, prefix_store=prefix_store, shared_prefix_length=shared_prefix_length,
-                               prefill=False, whole=True)
+                                 whole=True)
 
     def landing(self, session: CacheSession, prompt_ids: Sequence[int], prefix_store: PrefixStore | None
                 ) -> Landing:

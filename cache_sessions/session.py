@@ -1,9 +1,10 @@
 """A cache session: one `DynamicCache` plus the ledger of token ids whose states it holds.
 
 Invariant at rest: `cache.get_seq_length() == len(token_ids)` and the cached states are what a
-from-scratch forward over `token_ids` would give. Every change of the cache goes through this
-class and those it builds on: `rewind_to` (roll back + prefill), `commit` (after `generate`),
-`extend`, segments (cache_sessions/segmented.py) and `release` (cache_sessions/states.py).
+from-scratch forward over `token_ids` would give. Every change of the ledger goes through this
+class and those it builds on: `rewind_to` (roll back), `note_extended` (after the runner fed
+tokens on the cache in place: chat/model_step/), `commit`, segments (cache_sessions/segmented.py)
+and `release` (cache_sessions/states.py). A session holds no model and never runs one.
 """
 
 from __future__ import annotations
@@ -50,29 +51,24 @@ class CacheSession(SegmentedStates):
 
     # ---- the main path -----------------------------------------------------------------------
     def rewind_to(self, prompt_ids: Sequence[int], *, prefix_store: PrefixStore | None = None,
-                shared_prefix_length: int = 0, prefill: bool = True, whole: bool = False) -> PrefillResult:
-        """Roll the cache back to the longest exact prefix of `prompt_ids`, and prefill.
-
-        Afterwards the cache holds `prompt_ids[:-1]`, checkpointed there (the generation start,
-        where regenerate returns): the last token is the first one a decode step feeds. Given a
-        cache that covers the whole input, `generate` would re-feed all of it, so one is always
-        left. With `prefill=False` only the rollback happens; `prefill()` then goes on in chunks.
-        `shared_prefix_length` tokens of the prompt (a system prompt) are shared through
-        `prefix_store` with other sessions. With `whole` (and `prefill=False`), a prompt whose
-        `next_logits` the session kept is kept whole: its first token comes from them.
-        """
+                  shared_prefix_length: int = 0, whole: bool = False) -> PrefillResult:
+        """Roll the cache back to the longest exact prefix of `prompt_ids` (at most all but its
+        last token: the first one a decode step feeds; given a cache that covers the whole input,
+        `generate` would re-feed all of it). The prefill then goes on in pieces
+        (`prefill_piece`, fed by the runner, then `piece_fed`). An empty cache starts from the
+        longest shared prefix in `prefix_store` (a system prompt). With `whole`, a prompt whose
+        `next_logits` the session kept is kept whole: its first token comes from them. Where it
+        lands is `landing`, found beforehand without moving anything."""
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise ValueError("cannot rewind to an empty prompt")
         rebuilt, self._states_lost = self._states_lost, False
         copied = self._start_from_shared_prefix(prefix_store, prompt_ids)
-        target = self.rollback_target(prompt_ids, whole and not prefill)
+        target = self.rollback_target(prompt_ids, whole)
         result = self.rollback_to(target)
         self._checkpoint_here()  # a turn boundary: where this prompt starts to differ
         self._fork = target if result.position < target else None
         self._check_invariant()
-        if prefill:
-            self.prefill(prompt_ids, prefix_store=prefix_store, shared_prefix_length=shared_prefix_length)
         return PrefillResult(
             reused_tokens=result.position,
             prefilled_tokens=len(prompt_ids) - result.position,
@@ -83,7 +79,7 @@ class CacheSession(SegmentedStates):
 
     def landing(self, prompt_ids: Sequence[int], prefix_store: PrefixStore | None = None,
                 whole: bool = False) -> Landing:
-        """Where `rewind_to(prompt_ids, prefix_store=prefix_store, prefill=False, whole=whole)`
+        """Where `rewind_to(prompt_ids, prefix_store=prefix_store, whole=whole)`
         would leave the cache, found without moving anything (a step is planned from it before
         the rollback is applied)."""
         prompt_ids = list(prompt_ids)
@@ -123,28 +119,6 @@ class CacheSession(SegmentedStates):
         if kept is None or kept[0] != list(prompt_ids) or self.token_ids[:len(prompt_ids)] != kept[0]:
             return None
         return kept[1]
-
-    def prefill(self, prompt_ids: Sequence[int], *, budget: int | None = None,
-                prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0) -> bool:
-        """Feed at most `budget` more tokens of `prompt_ids[:-1]` (all, if None) after what the
-        cache holds, which must be a prefix of it. True once only the last token is left.
-
-        Chunks let a long prompt be prefilled between other conversations' decode steps; a
-        packed step (chat/model_step/resident.py) feeds `prefill_piece` itself, then calls
-        `piece_fed`, as this loop does on the session's own."""
-        prompt_ids = list(prompt_ids)
-        limit = None if budget is None else len(self.token_ids) + budget
-        try:
-            while True:
-                left = None if limit is None else limit - len(self.token_ids)
-                piece = self.prefill_piece(prompt_ids, left, prefix_store, shared_prefix_length)
-                self.extend(piece)
-                done = self.piece_fed(prompt_ids, prefix_store, shared_prefix_length)
-                if done or not piece or len(self.token_ids) == limit:
-                    return done
-        except BaseException:
-            self.release()  # a failure mid-update: the states cannot be trusted
-            raise
 
     def prefill_piece(self, prompt_ids: Sequence[int], budget: int | None = None,
                       prefix_store: PrefixStore | None = None, shared_prefix_length: int = 0,
@@ -219,12 +193,3 @@ class CacheSession(SegmentedStates):
             self.release()
             raise RuntimeError("generated sequence does not extend the cache ledger")
         self.token_ids = list(sequence_ids[:cached])
-
-    @torch.no_grad()
-    def extend(self, token_ids: Sequence[int]) -> None:
-        """Feed `token_ids` on top of what the cache holds, and add them to the ledger."""
-        if not token_ids:
-            return
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.model.device)
-        self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.note_extended(token_ids)

@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from cache_sessions.checkpoints import Checkpoint, CheckpointStore
-from cache_sessions.kv_cache import KVCacheKind
+from cache_sessions.kv_cache import CacheShape, KVCacheKind
 from cache_sessions.rollback import (
     LayerKind,
     RollbackResult,
@@ -33,8 +33,10 @@ DEFAULT_MAX_CHECKPOINTS = 16
 class CacheStates:
     def __init__(self, model: PreTrainedModel, *, max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS,
                  kv_cache: KVCacheKind = KVCacheKind()):
-        """`kv_cache`: the kind of cache the states live in (cache_sessions/kv_cache.py)."""
-        self.model = model
+        """`model`: only its shape is kept (its config and dtype: what a new cache is made for);
+        a session never runs the model (chat/model_step/ does). `kv_cache`: the kind of cache the
+        states live in (cache_sessions/kv_cache.py)."""
+        self.shape = CacheShape(model.config, model.dtype)
         self.max_checkpoints = max_checkpoints
         self.kv_cache = kv_cache
         self.token_ids: list[int] = []
@@ -47,7 +49,7 @@ class CacheStates:
         self._reset_cache()
 
     def _reset_cache(self) -> None:
-        self.cache = self.kv_cache.new_cache(self.model)
+        self.cache = self.kv_cache.new_cache(self.shape)
         self._kinds = layer_kinds(self.cache)
         for kind in self._kinds:
             kind.set_up()
@@ -66,16 +68,17 @@ class CacheStates:
         return tuple(self._kinds)
 
     def __getstate__(self) -> dict:
-        """Pickled without its model (a session crosses to a GPU worker process and back)."""
+        """Pickled without its shape (a session crosses to a GPU worker process and back, and to
+        the cold tier, whose reader takes only the classes states are made of)."""
         state = self.__dict__.copy()
-        state["model"] = None
+        state["shape"] = None
         return state
 
     def take_state_of(self, other: "CacheStates") -> None:
-        """Become `other` (this session, updated in a worker process), keeping this one's model."""
-        model = self.model
+        """Become `other` (this session, updated in a worker process), keeping this one's shape."""
+        shape = self.shape
         self.__dict__.update(other.__dict__)
-        self.model = model
+        self.shape = shape
 
     def rollback_to(self, target: int) -> RollbackResult:
         """Go back to `target` tokens, or to the closest exact point before it."""

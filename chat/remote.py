@@ -18,6 +18,7 @@ import threading
 from typing import Any, Callable, Iterator, Protocol
 
 from cache_sessions.branches import BranchMove
+from cache_sessions.kv_cache import CacheShape
 from cache_sessions.session import CacheSession
 from chat.local import LocalSource
 from chat.reasoning import Delta
@@ -41,7 +42,7 @@ STOP_POLL_S = 0.05
 def run_in_worker(session: CacheSession, request: ReplyRequest, stop_file: str) -> Iterator[tuple[str, Any]]:
     """In the worker: ("delta", Delta) while streaming, then ("reply", (Reply | None, the session))."""
     assert ENGINE is not None, "chat.remote.ENGINE is not set"
-    session.model = ENGINE.model
+    session.shape = CacheShape(ENGINE.model.config, ENGINE.model.dtype)  # pickled without it
     stop, finished = threading.Event(), threading.Event()
 
     def watch_stop() -> None:

@@ -339,9 +339,11 @@ def test_drafting_benchmark_writes_the_documented_fields(tmp_path):
 def test_prompt_kernels_benchmark_writes_the_documented_fields(tmp_path):
     from benchmarks.prompt_kernels import main as prompt_kernels
 
-    result = run_to_json(prompt_kernels, tmp_path, "--model", "tiny-full", "--prompt", "40", "--repeats", "1")
+    result = run_to_json(prompt_kernels, tmp_path, "--model", "tiny-full", "--prompt", "40", "--repeats", "1",
+                         "--peak-size", "256")
     assert set(result["prefill_ms"]) == {"fp32-model", "int8/fp32", "int8/bf16"}
     assert result["engine_chose"]["chosen"] in ("fp32", "bf16") and result["kernels_logit_max_difference"] >= 0
+    assert result["peak_size"] == 256 and set(result["peak_gflops_square_matmul"]) == {"fp32", "bf16"}
 
 
 def test_cold_start_benchmark_times_replies_while_the_graph_builds(tmp_path):

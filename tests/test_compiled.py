@@ -23,6 +23,7 @@ from cache_sessions.sealed import Sealer
 from chat import ChatEngine
 from chat.config import EngineConfig
 from chat.model_step.weights import apply_weight_format
+from chat.model_step.feeding import feed, rewind_and_prefill
 
 WAIT_S = 600  # compiling on a busy 2-core machine: minutes at worst
 
@@ -43,7 +44,7 @@ def test_each_compiled_step_gives_a_from_scratch_forwards_logits_with_one_graph_
     sessions = []
     for start in (30, 60, 90):
         sessions.append(CacheSession(model))
-        sessions[-1].extend(list(range(start, start + 17 + start // 10)))  # three lengths
+        feed(model, sessions[-1], list(range(start, start + 17 + start // 10)))  # three lengths
     tokens, capacities = [7, 8, 9], set()
     for step in range(40):
         rows = [(session, [token]) for session, token in zip(sessions, tokens)][: 1 if step < 10 else 3]
@@ -60,7 +61,7 @@ def test_each_compiled_step_gives_a_from_scratch_forwards_logits_with_one_graph_
     assert compiled.steps == 40 and compiled.error is None  # every length and capacity passed the guards
     # rolled back into what compiled steps wrote, the next step reads the kept part only
     session = sessions[0]
-    session.rewind_to(session.token_ids[:-25] + [11])  # the kept part; 11 is the next token fed
+    rewind_and_prefill(model, session, session.token_ids[:-25] + [11])  # the kept part; 11 is the next token fed
     logits = compiled.step([(session, [11])])
     session.note_extended([11])
     torch.testing.assert_close(logits[0], scratch_logits(model, session.token_ids), atol=LOGIT_TOLERANCE,
@@ -80,7 +81,7 @@ def test_a_compiled_step_with_int8_or_packed_weights_gives_a_from_scratch_forwar
     compiled.warm()
     assert compiled.ready and compiled.error is None
     session = CacheSession(model)
-    session.extend(list(range(30, 60)))
+    feed(model, session, list(range(30, 60)))
     token = 7
     for _ in range(12):
         logits = compiled.step([(session, [token])])
@@ -105,8 +106,8 @@ def test_a_restart_loads_the_saved_graphs_and_they_give_a_from_scratch_forwards_
     restarted.warm()
     assert restarted.ready and restarted.error is None and restarted.loaded == {1, 2} and restarted.graphs == 2
     sessions = [CacheSession(model), CacheSession(model)]
-    sessions[0].extend(list(range(30, 61)))
-    sessions[1].extend(list(range(40, 52)))
+    feed(model, sessions[0], list(range(30, 61)))
+    feed(model, sessions[1], list(range(40, 52)))
     tokens = [7, 8]
     for _ in range(6):
         rows = [(session, [token]) for session, token in zip(sessions, tokens)]
@@ -162,7 +163,7 @@ def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(bas
     compiled = CompiledDecode(model, "on")
     compiled.warm()
     session = CacheSession(model)
-    session.extend(list(range(30, 50)))
+    feed(model, session, list(range(30, 50)))
     for layer in session.cache.layers:  # states of another dtype: a guard of the graph fails
         layer.keys, layer.values = layer.keys.double(), layer.values.double()
     assert compiled.ready and compiled.error is None
@@ -183,7 +184,7 @@ def test_a_graph_that_fails_at_run_time_is_retired_for_eager_and_a_refused_file_
     compiled.warm()
     assert compiled.ready
     session = CacheSession(model)
-    session.extend(list(range(30, 50)))
+    feed(model, session, list(range(30, 50)))
 
     def fails(*args):
         raise RuntimeError("a kernel failed")
@@ -225,7 +226,7 @@ def test_a_ready_graph_serves_while_another_is_being_built(base_tokenizer):
     while not compiled_module._BUILDING.locked() and building.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)  # until the other build holds the lock
     session = CacheSession(model)
-    session.extend(list(range(30, 60)))
+    feed(model, session, list(range(30, 60)))
     token, during = 7, 0
     while True:
         was_building = compiled_module._BUILDING.locked()

@@ -144,7 +144,7 @@ def test_model_failure_leaves_history_and_rebuilds(conv, monkeypatch):
     def broken_forward(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    on_model_input(conv.session.model, monkeypatch, broken_forward)  # every step, however it runs
+    on_model_input(conv.source.runtime.model, monkeypatch, broken_forward)  # every step, however it runs
     with pytest.raises(RuntimeError, match="device lost"):
         list(conv.send("This one fails.", **OPTIONS))
     assert conv.messages == before_messages

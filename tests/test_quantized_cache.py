@@ -12,6 +12,7 @@ from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.quantized import dequantize, quantize
 from cache_sessions.tensors import filled_bytes
 from chat.config import EngineConfig
+from chat.model_step.feeding import rewind_and_prefill
 from conftest import THINKING_TEMPLATE
 from reference import check_exact, check_states, decode_together, scratch_greedy_reply
 from test_exactness import MAX_NEW, drain, every_operation
@@ -92,7 +93,7 @@ def test_batched_rows_decode_as_each_would_alone(models, arch):
         sessions = []
         for prompt in prompts:
             session = CacheSession(model, kv_cache=kind)
-            session.rewind_to(prompt)
+            rewind_and_prefill(model, session, prompt)
             sessions.append(session)
         replies = decode_together(model, sessions, [p[-1] for p in prompts], 8)
         for session, prompt, reply in zip(sessions, prompts, replies):
@@ -109,7 +110,7 @@ def test_the_states_take_the_bytes_the_format_says(models):
     sizes = {}
     for kind in (KVCacheKind(), *KINDS):
         session = CacheSession(model, kv_cache=kind)
-        session.rewind_to(prompt)
+        rewind_and_prefill(model, session, prompt)
         sizes[kind.name + str(kind.bits)] = filled_bytes(session.tensors())
     elements = 2 * 2 * 2 * 16 * (len(prompt) - 1)  # layers x (keys, values) x kv heads x head dim x tokens
     assert sizes["dynamic8"] == elements * 4

@@ -16,6 +16,7 @@ from chat.model_step.plain_step import run_plain, takes_states
 from chat.model_step.resident import forward_rows, packs, recurrent_mixers
 from cache_sessions.rollback import RecurrentState
 from chat.model_step.runner import ModelRunner
+from chat.model_step.feeding import feed, rewind_and_prefill
 from reference import (LOGIT_TOLERANCE, QUANTIZED_LOGIT_TOLERANCE, cached_vs_scratch_logit_error, fresh,
                        scratch_greedy_reply)
 
@@ -25,8 +26,8 @@ STEPS, CHUNK = 6, 7
 
 def ready(model, prompt: list[int], kv_cache: KVCacheKind) -> CacheSession:
     session = CacheSession(model, kv_cache=kv_cache)
-    session.rewind_to(prompt)
-    session.extend(prompt[len(session.token_ids):-1])
+    rewind_and_prefill(model, session, prompt)
+    feed(model, session, prompt[len(session.token_ids):-1])
     return session
 
 
@@ -75,8 +76,8 @@ def check_rows_against_scratch(model, arch: str, kv_cache: KVCacheKind, step=Non
     step = step or (lambda rows, logits_of: forward_rows(model, rows, logits_of))
     tolerance = QUANTIZED_LOGIT_TOLERANCE[kv_cache.bits] if kv_cache.name == "quantized" else LOGIT_TOLERANCE
     sessions = [ready(model, prompt, kv_cache) for prompt in PROMPTS[:2]] + [CacheSession(model, kv_cache=kv_cache)]
-    sessions[2].rewind_to(PROMPTS[2], prefill=False)
-    assert packs(sessions)
+    sessions[2].rewind_to(PROMPTS[2])
+    assert packs(model, sessions)
     sequences = [list(prompt) for prompt in PROMPTS]  # what each row has fed or will feed next
     decoding, worst, mixed_steps = [0, 1], 0.0, 0
     while any(len(sequences[row]) - len(PROMPTS[row]) < STEPS for row in decoding) or len(decoding) < 3:
@@ -101,7 +102,7 @@ def check_rows_against_scratch(model, arch: str, kv_cache: KVCacheKind, step=Non
         assert session.token_ids == sequence[:-1]  # the last chosen token is not fed yet
         assert cached_vs_scratch_logit_error(model, session.cache, session.token_ids, 7, kv_cache) < tolerance
     back = sessions[2]  # rolls back into the packed reply exactly
-    rolled = back.rewind_to(back.token_ids[:-3] + [5])
+    rolled = rewind_and_prefill(model, back, back.token_ids[:-3] + [5])
     # A recurrent state goes back only to a checkpoint, which the scheduler takes (none here).
     assert rolled.reused_tokens > 0 or (arch == "hybrid" and rolled.rebuilt)
     assert cached_vs_scratch_logit_error(model, back.cache, back.token_ids, 7, kv_cache) < tolerance
@@ -115,7 +116,7 @@ def test_linear_attention_packs_with_its_mixers_run_per_row_and_put_back(models)
     mixers = recurrent_mixers(model)
     recurrent = sum(isinstance(kind, RecurrentState) for kind in CacheSession(model).kinds)
     assert recurrent > 0 and len(mixers) == recurrent
-    assert packs([CacheSession(model)]) and packs([CacheSession(models["full"])])
+    assert packs(model, [CacheSession(model)]) and packs(models["full"], [CacheSession(models["full"])])
     with pytest.raises(IndexError):  # a token past the vocabulary: the embedding raises mid-forward
         forward_rows(model, [(ready(model, PROMPTS[0], KVCacheKind()), [model.config.vocab_size])], [0])
     assert all("forward" not in vars(mixer) for mixer in mixers)

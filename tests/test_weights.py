@@ -20,6 +20,7 @@ from chat import ChatEngine
 from chat.config import EngineConfig
 import chat.model_step.weights
 from chat.model_step.weights import AUTO_PROBE_ROWS, PROMPT_KERNELS, Int8Linear, PackedLinear, apply_weight_format, choose_weight_format
+from chat.model_step.feeding import rewind_and_prefill
 
 
 @pytest.mark.parametrize("in_features", [96, 36])  # 36: not a width the kernel takes (the prompt path only)
@@ -160,7 +161,7 @@ def test_batched_rows_decode_as_each_would_alone(tokenizers, arch):
     sessions = []
     for prompt in prompts:
         sessions.append(CacheSession(model))
-        sessions[-1].rewind_to(prompt)
+        rewind_and_prefill(model, sessions[-1], prompt)
     replies = decode_together(model, sessions, [p[-1] for p in prompts], 8)
     for session, prompt, reply in zip(sessions, prompts, replies):
         check_near_greedy(model, prompt, reply, int8_logit_tolerance(model))

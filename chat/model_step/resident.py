@@ -54,10 +54,10 @@ def recurrent_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return _MIXERS[model]
 
 
-def packs(sessions: Sequence[CacheSession]) -> bool:
+def packs(model: PreTrainedModel, sessions: Sequence[CacheSession]) -> bool:
     """Whether these sessions' layers can run packed: every recurrent state has a mixer to run
     per row (the rest packs as it is)."""
-    return all(sum(isinstance(kind, RecurrentState) for kind in session.kinds) <= len(recurrent_mixers(session.model))
+    return all(sum(isinstance(kind, RecurrentState) for kind in session.kinds) <= len(recurrent_mixers(model))
                for session in sessions)
 
 

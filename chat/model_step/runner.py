@@ -60,7 +60,7 @@ class ModelRunner:
                  kv_cache: KVCacheKind = KVCacheKind()):
         self.model, self.compiled = model, compiled
         # Whether steps run packed, each session on its own cache (a probe session of this kind).
-        self.packs = packs([CacheSession(model, kv_cache=kv_cache)])
+        self.packs = packs(model, [CacheSession(model, kv_cache=kv_cache)])
         # Why steps do not run as the plain step (None: they do, where the states allow).
         self.plain_refusal = plain_refusal(model) or (
             None if kv_cache.name == "dynamic" else f"the {kv_cache.name} cache's states are not buffers it writes")
