@@ -16,9 +16,11 @@ from typing import Any
 import gradio as gr
 from starlette.middleware import Middleware
 
-from chat import ChatEngine, ModelLoadError, remote, saved
-from chat.shares import Shares
-from chat.store import Quotas, Records, SignOuts, default_url, open_database
+from chat import ChatEngine, ModelLoadError
+from chat.backends import remote
+from chat.dialogue import saved
+from chat.storage.shares import Shares
+from chat.storage.store import Quotas, Records, SignOuts, default_url, open_database
 from ui.accounts import AccountCopy, AccountEvents, SignedOutSessions, sign_in_configured
 from ui.browser_copy import SCRIPT as BROWSER_COPY_SCRIPT, Book
 from ui.waiting import WaitingBodies, WaitingBook
@@ -208,9 +210,9 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def load_engine(config: AppConfig) -> Any:
-    """The embedded engine, or an OpenAI-compatible server behind the same face (chat/served.py)."""
+    """The embedded engine, or an OpenAI-compatible server behind the same face (chat/backends/served.py)."""
     if config.backend == "openai":
-        from chat.served import ServedEngine
+        from chat.backends.served import ServedEngine
 
         engine = ServedEngine(config.base_url, config.model, api_key=config.api_key, tokenizer=config.tokenizer,
                               prompt_format=config.prompt_format, warm_while_typing=config.warm_served)
@@ -229,7 +231,7 @@ def load_engine(config: AppConfig) -> Any:
                              kv_bits=config.kv_bits, weights=config.weights, compile=config.compile,
                              draft=config.draft,
                              **(dict(shared_prefixes=0) if ON_ZERO_GPU else {}))
-    if ON_ZERO_GPU:  # each reply runs in the worker process `spaces.GPU` forks (chat/remote.py)
+    if ON_ZERO_GPU:  # each reply runs in the worker process `spaces.GPU` forks (chat/backends/remote.py)
         remote.ENGINE = engine
         engine.run_replies_in(spaces.GPU(duration=120)(remote.run_in_worker))
     model = engine.model

@@ -32,10 +32,10 @@ import torch
 from benchmarks.models import Words, build_bench_tokenizer
 from benchmarks.report import bare_generate_rate, cpu_flags, publish, target_table
 from chat import ChatEngine
-from chat.drafting import DRAFT_MODES
+from chat.scheduling.drafting import DRAFT_MODES
 from chat.models import build_model
 from chat.model_step.weights import WEIGHT_FORMATS, apply_weight_format
-from chat.worker import ModelWorker
+from chat.scheduling.worker import ModelWorker
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 TARGET = 1.35  # issue #43: int8 decode at one user through the public API over a bare eager loop
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bench-full", help="a row of chat/models.py (bench-full, real-qwen3-0.6b)")
     parser.add_argument("--weights", default="int8", choices=WEIGHT_FORMATS)
-    parser.add_argument("--draft", default="off", choices=DRAFT_MODES, help="the engine's drafting (chat/drafting.py)")
+    parser.add_argument("--draft", default="off", choices=DRAFT_MODES, help="the engine's drafting (chat/scheduling/drafting.py)")
     parser.add_argument("--lengths", type=lambda text: [int(n) for n in text.split(",")], default=[800, 2200],
                         help="tokens of history, comma-separated")
     parser.add_argument("--message-words", type=int, default=150)

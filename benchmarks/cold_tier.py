@@ -88,7 +88,7 @@ def stall(model_name: str, tokens: int, folder: str, reply_tokens: int = 300) ->
     from benchmarks.fairness import Sender, message_of, session_id, token_clock
     from benchmarks.models import Words
     from chat import ChatEngine
-    from chat.worker import ModelWorker
+    from chat.scheduling.worker import ModelWorker
 
     tokenizer = build_bench_tokenizer()
     worker = ModelWorker()

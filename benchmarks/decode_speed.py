@@ -1,6 +1,6 @@
 """Decode speed against the length of the history, one row and a full batch, in one run (issue #23).
 
-Two ways, through the engine's own scheduler (chat/scheduler.py) and cache sessions:
+Two ways, through the engine's own scheduler (chat/scheduling/scheduler.py) and cache sessions:
 
   before   the library's `DynamicLayer`: a `torch.cat` of the whole history per token, every row
   engine   full-attention states written in place (cache_sessions/growing.py)
@@ -35,9 +35,9 @@ from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.segments import Segment
 from cache_sessions.session import CacheSession
 from chat.models import build_model, parameter_count
-from chat.options import GenerationOptions
-from chat.scheduler import DecodeScheduler
-from chat.worker import ModelWorker
+from chat.dialogue.options import GenerationOptions
+from chat.scheduling.scheduler import DecodeScheduler
+from chat.scheduling.worker import ModelWorker
 from chat.model_step.feeding import rewind_and_prefill
 
 WAYS = ("before", "engine")

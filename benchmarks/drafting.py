@@ -1,4 +1,4 @@
-"""Draft-and-verify decoding (issue #45 item 2, chat/drafting.py), in one run, through the library.
+"""Draft-and-verify decoding (issue #45 item 2, chat/scheduling/drafting.py), in one run, through the library.
 
 Each scenario is one reply of `--tokens` tokens (end token off, so every reply runs its length)
 in a conversation with one earlier turn, timed from its first token to its last, with
@@ -46,12 +46,12 @@ from typing import Iterator
 
 import torch
 
-import chat.drafting
+import chat.scheduling.drafting
 
 from benchmarks.models import Words, build_bench_tokenizer
 from benchmarks.report import cpu_flags
 from chat import ChatEngine
-from chat.drafting import DRAFT_MODES
+from chat.scheduling.drafting import DRAFT_MODES
 from chat.models import build_model, parameter_count, script_reply
 
 SCENARIOS = ("retry", "retry-sampled", "quote", "fresh", "right", "wrong")
@@ -70,7 +70,7 @@ def timed_reply(stream) -> tuple[float, int]:
 def guessing_from(truth: list[int], vocabulary: int, right: bool) -> Iterator[None]:
     """Every guess what `truth` has next (`right`), or a wrong first token (the one after the
     right one) then more of it."""
-    own = chat.drafting.Drafter.propose
+    own = chat.scheduling.drafting.Drafter.propose
 
     def from_truth(self, sequence, limit):
         if right:
@@ -78,11 +78,11 @@ def guessing_from(truth: list[int], vocabulary: int, right: bool) -> Iterator[No
         token = truth[len(sequence)] if len(sequence) < len(truth) else 0
         return [(token + 1) % vocabulary] * limit
 
-    chat.drafting.Drafter.propose = from_truth
+    chat.scheduling.drafting.Drafter.propose = from_truth
     try:
         yield
     finally:
-        chat.drafting.Drafter.propose = own
+        chat.scheduling.drafting.Drafter.propose = own
 
 
 def one_reply(model, tokenizer, mode: str, scenario: str, tokens: int, passage: str, compile: str,

@@ -37,7 +37,7 @@ from benchmarks.models import Words
 from benchmarks.peers import free_port, prepare, server
 from benchmarks.report import cpu_flags, publish, target_table
 from chat import ChatEngine
-from chat.served import ServedEngine
+from chat.backends.served import ServedEngine
 
 PEERS = ("engine-off", "engine-auto", "llama.cpp-none", "llama.cpp-ngram")
 SCENARIOS = ("retry", "fresh")

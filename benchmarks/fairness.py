@@ -39,10 +39,10 @@ from benchmarks.models import Words, build_bench_tokenizer
 from benchmarks.report import publish, target_table
 from chat import ChatEngine, Conversation
 from chat.models import build_model
-from chat.scheduler import GenerationRequest
-from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR
+from chat.scheduling.scheduler import GenerationRequest
+from chat.scheduling.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR
 from chat.model_step.weights import WEIGHT_FORMATS, apply_weight_format
-from chat.worker import ModelWorker
+from chat.scheduling.worker import ModelWorker
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
 
@@ -228,7 +228,7 @@ def engine_for(config: str, model, tokenizer, worker: ModelWorker,
     """`before`: the scheduler's choices before #30 (256 tokens a step while others decode, a whole
     prefill alone, oldest first); `fixed:A/B`:
     `A` prompt tokens a step while others decode; `A/B`: packed, at most `A` while others decode
-    and `B` alone, fewer when timed steps say so (chat/step_budget.py); `alone-fixed:A/B`: the
+    and `B` alone, fewer when timed steps say so (chat/scheduling/step_budget.py); `alone-fixed:A/B`: the
     same with `B` tokens alone always (as before the alone steps were timed)."""
     kind, _, sizes = config.rpartition(":")
     chunk, alone, order = (256, 10**9, "arrival") if sizes == "before" else (*map(int, sizes.split("/")), "shortest")

@@ -36,9 +36,9 @@ from cache_sessions.session import CacheSession
 from cache_sessions.tensors import filled_bytes
 from chat import ChatEngine
 from chat.models import build_model, parameter_count
-from chat.options import GenerationOptions
-from chat.scheduler import DecodeScheduler
-from chat.worker import ModelWorker
+from chat.dialogue.options import GenerationOptions
+from chat.scheduling.scheduler import DecodeScheduler
+from chat.scheduling.worker import ModelWorker
 from chat.model_step.feeding import rewind_and_prefill
 
 KINDS = {"dynamic": KVCacheKind(), "quantized-8": KVCacheKind("quantized", 8),

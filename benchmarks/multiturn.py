@@ -36,7 +36,7 @@ from benchmarks.report import TokenClock, bare_generate_rate, decode_rate, peak_
 from cache_sessions import common_prefix_length
 from chat import ChatEngine
 from chat.loading import load_model_and_tokenizer
-from chat.worker import ModelWorker
+from chat.scheduling.worker import ModelWorker
 from chat.model_step.feeding import feed
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.quick:
         args.turns, args.message_words, args.max_new_tokens, args.decode_tokens = 6, 40, 24, 64
-    worker = ModelWorker()  # all torch work on one thread (see chat/worker.py)
+    worker = ModelWorker()  # all torch work on one thread (see chat/scheduling/worker.py)
     if args.model:
         model, tokenizer = worker.run(load_model_and_tokenizer, args.model)
         arch = args.model

@@ -25,7 +25,7 @@ import torch
 from benchmarks.models import SHAPE, Words, build_bench_model, build_bench_tokenizer, parameter_count
 from benchmarks.report import TokenClock, decode_rate, publish, target_table
 from chat import ChatEngine, Conversation
-from chat.worker import ModelWorker
+from chat.scheduling.worker import ModelWorker
 from chat.model_step.feeding import rewind_and_prefill
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plot", dest="plot_path", default=None)
     args = parser.parse_args(argv)
     counts = [int(count) for count in args.counts.split(",")]
-    worker = ModelWorker()  # all torch work on one thread (see chat/worker.py)
+    worker = ModelWorker()  # all torch work on one thread (see chat/scheduling/worker.py)
     tokenizer = build_bench_tokenizer()
     model = worker.run(build_bench_model, args.arch, len(tokenizer), tokenizer.eos_token_id)
     model.generation_config.eos_token_id = None  # every reply is max_new_tokens long: equal work

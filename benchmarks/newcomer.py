@@ -31,7 +31,7 @@ from benchmarks.models import build_bench_tokenizer
 from benchmarks.report import alternated, arms_heading, arms_record
 from chat.models import build_model
 from chat.model_step.weights import WEIGHT_FORMATS, apply_weight_format
-from chat.worker import ModelWorker
+from chat.scheduling.worker import ModelWorker
 
 ARMS = ("whole", "apart", "beside")
 

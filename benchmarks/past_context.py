@@ -3,7 +3,7 @@ item 11, issue #45 item 3).
 
 Through the library (`send(..., fit_context=True)`, the page's path), greedy: `--turns` turns of
 `--message-tokens`-token messages and `--reply-tokens`-token replies at `--context`. For each
-`--shares` entry the fitting's `REFIT_SHARE` is set to it (chat/fitting.py): 1.0 drops only what
+`--shares` entry the fitting's `REFIT_SHARE` is set to it (chat/dialogue/fitting.py): 1.0 drops only what
 the next turn needs, so the prompt's start moves every turn past the context (the way it worked
 before the cut was kept: nearly the whole context prefilled every turn); 0.5, the default, drops
 down to half the room and keeps that cut while it fits. Reports, over the turns past the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-import chat.fitting
+import chat.dialogue.fitting
 from benchmarks.models import Words, build_bench_tokenizer
 from chat import ChatEngine
 from chat.models import build_model
@@ -37,7 +37,7 @@ def message_of(tokenizer, words: Words, tokens: int) -> str:
 
 
 def run(model, tokenizer, share: float, context: int, turns: int, message_tokens: int, reply_tokens: int) -> dict:
-    chat.fitting.REFIT_SHARE = share
+    chat.dialogue.fitting.REFIT_SHARE = share
     engine = ChatEngine(model, tokenizer, context_limit=context)
     conv = engine.conversation("You are a helpful assistant.")
     words, past = Words(seed=5), []
@@ -69,12 +69,12 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = build_bench_tokenizer()
     model = build_model(args.model, len(tokenizer), tokenizer.eos_token_id)
     model.generation_config.eos_token_id = None  # every reply runs to its length
-    kept = chat.fitting.REFIT_SHARE
+    kept = chat.dialogue.fitting.REFIT_SHARE
     try:
         runs = [run(model, tokenizer, float(share), args.context, args.turns, args.message_tokens, args.reply_tokens)
                 for share in args.shares.split(",")]
     finally:
-        chat.fitting.REFIT_SHARE = kept
+        chat.dialogue.fitting.REFIT_SHARE = kept
     result = {"args": vars(args), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "torch": torch.__version__, "runs": runs}
     for row in runs:

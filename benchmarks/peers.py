@@ -48,9 +48,9 @@ from benchmarks.models import VOCAB, Words, build_bench_tokenizer
 from benchmarks.report import cpu_flags, publish, target_table
 from chat.model_step.compiled import COMPILE_MODES
 from chat import ChatEngine
-from chat.drafting import DRAFT_MODES
+from chat.scheduling.drafting import DRAFT_MODES
 from chat.models import build_model, parameter_count
-from chat.served import ServedEngine
+from chat.backends.served import ServedEngine
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
 PEERS = ("engine", "engine-packed", "engine-bf16", "engine-int8", "llama.cpp-f32", "llama.cpp-q8_0", "transformers-cb")

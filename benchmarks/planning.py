@@ -2,7 +2,7 @@
 
 For histories of N turns (every message `--chars` characters) restored from saved data, one Send
 with the oldest turns left out to fit the context: the plan as the app makes it
-(chat/fitting.py) against the old way (drop one oldest turn, render and tokenize everything
+(chat/dialogue/fitting.py) against the old way (drop one oldest turn, render and tokenize everything
 again, until it fits), done here for the sizes it finishes in reasonable time. Then the issue's
 case: a restored 250-turn, 2,000,000-character history on the demo model, one Send, planned and
 answered. Medians of `--repeats`; the per-turn cost shows whether planning grows linearly.
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from chat import ChatEngine, GenerationOptions, Send
-from chat.fitting import REFIT_SHARE
-from chat.history import History, ReplyVersion
-from chat.plans import Planner
+from chat.dialogue.fitting import REFIT_SHARE
+from chat.dialogue.history import History, ReplyVersion
+from chat.dialogue.plans import Planner
 
 WORDS = "what is forty seven plus thirty eight the answer step by step is eighty five".split()
 
@@ -43,7 +43,7 @@ def history_of(turns: int, chars: int) -> History:
 
 def old_way(planner: Planner, history: History, question: str, options: GenerationOptions) -> int:
     """Drop the oldest turn and render everything again until it fits (what planning did before),
-    once any must go down to `REFIT_SHARE` of the room, as the app now cuts (chat/fitting.py)."""
+    once any must go down to `REFIT_SHARE` of the room, as the app now cuts (chat/dialogue/fitting.py)."""
     template, limit = planner.template, planner.context_limit
     messages = history.messages + [{"role": "user", "content": question}]
     room = limit - options.max_new_tokens

@@ -23,7 +23,7 @@ from benchmarks.models import build_bench_tokenizer
 from chat import ChatEngine
 from chat.models import build_model
 from chat.model_step.weights import apply_weight_format
-from chat.worker import ModelWorker
+from chat.scheduling.worker import ModelWorker
 from chat.model_step.feeding import rewind_and_prefill
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 
 from benchmarks.report import publish
-from chat.served import ServedEngine
+from chat.backends.served import ServedEngine
 
 QUESTIONS = ["What is 47 + 38?", "and plus 7?", "double it", "What is 7 * 46?", "and minus 9?", "What is 12 + 30?"]
 

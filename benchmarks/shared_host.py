@@ -49,10 +49,10 @@ def child(model_name: str, history: int, tokens: int, threads: int, weights: str
     import torch
 
     from chat.models import build_model
-    from chat.options import GenerationOptions
-    from chat.scheduler import DecodeScheduler
+    from chat.dialogue.options import GenerationOptions
+    from chat.scheduling.scheduler import DecodeScheduler
     from chat.model_step.weights import apply_weight_format
-    from chat.worker import ModelWorker
+    from chat.scheduling.worker import ModelWorker
 
     worker = ModelWorker()
     worker.run(torch.set_num_threads, threads)

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from benchmarks.models import build_bench_model, build_bench_tokenizer
 from chat import ChatEngine
-from chat.worker import ModelWorker
+from chat.scheduling.worker import ModelWorker
 from ui.outputs import Settings
 
 SYSTEM_PROMPT = "You are a helpful assistant."

@@ -30,7 +30,7 @@ from cache_sessions.tensors import filled_bytes
 from chat import ChatEngine
 from chat.models import build_model, parameter_count
 from chat.model_step.weights import apply_weight_format
-from chat.worker import ModelWorker
+from chat.scheduling.worker import ModelWorker
 
 # name: (dtype, weights) as `--dtype` and `--weights` take them; fp32 first (the reference).
 FORMATS = {"float32": ("float32", "full"), "packed": ("float32", "packed"), "bfloat16": ("bfloat16", "full"),

@@ -1,7 +1,7 @@
 """The one owner of every conversation's cache: each change to a session's states is applied
 here, on the engine's loop thread, and nowhere else.
 
-vLLM's split at this scale: the scheduler (chat/scheduler.py) decides what runs each step, this
+vLLM's split at this scale: the scheduler (chat/scheduling/scheduler.py) decides what runs each step, this
 owner applies it to the sessions (roll back, choose each prompt piece, note what a step fed,
 commit, keep and put back branches, move between devices, release), and the runner
 (chat/model_step/runner.py) runs the model: this owner imports no model code. Other threads never
@@ -99,7 +99,7 @@ class CacheOwner(CacheBooks):
             self._measure(session)
 
     def take_back(self, session: CacheSession, count: int, point: Checkpoint | None = None) -> None:
-        """Its last `count` fed tokens out again (guesses a step refused, chat/drafting.py): a
+        """Its last `count` fed tokens out again (guesses a step refused, chat/scheduling/drafting.py): a
         crop, or, for recurrent states, back to the step's start `point` (the tokens it took are
         fed again next step); if it cannot be exact the session is released and this raises."""
         self._on_loop()

@@ -315,7 +315,7 @@ def needs_checkpoints(kinds: list[LayerKind]) -> bool:
 
 def takes_back_recent(kinds: list[LayerKind]) -> bool:
     """Whether tokens fed since the last checkpoint can always be taken back by a crop (a decode
-    step's verified guesses, chat/drafting.py): full attention and quantized codes crop anywhere;
+    step's verified guesses, chat/scheduling/drafting.py): full attention and quantized codes crop anywhere;
     a sliding window records what it was fed since its last trim, which happens only at a
     checkpoint; a recurrent state folded the tokens in and cannot give them back."""
     return all(kind.crops_anywhere or (isinstance(kind, SlidingWindow) and kind.layer.record_past) for kind in kinds)

@@ -170,7 +170,7 @@ class CacheSession(SegmentedStates):
         (as vLLM samples after a prompt's last piece): only where `piece_fed` would keep nothing
         at its end, i.e. it reaches the generation start and every layer crops anywhere (no
         checkpoint there: regenerate crops back to it), and no shared prefix is stored there. A
-        sliding window needs its checkpoint there: a crop (a refused guess, chat/drafting.py) keeps
+        sliding window needs its checkpoint there: a crop (a refused guess, chat/scheduling/drafting.py) keeps
         only a window of what it recorded, so a Regenerate could not crop back that far."""
         held = (at or self.here()).position + len(piece)
         stores_prefix = prefix_store is not None and held == shared_prefix_length < len(prompt_ids)

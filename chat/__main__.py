@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 from chat import ChatEngine, ChatError, Conversation, Delta, GenerationOptions, ModelLoadError, TurnStats
 from chat.config import EngineConfig
-from chat.drafting import DRAFT_MODES
+from chat.scheduling.drafting import DRAFT_MODES
 from chat.typing_ahead import line_reader
 
 COMMANDS = {

@@ -8,12 +8,12 @@ from chat.model_step.compiled import check_compile_mode
 from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.prefixes import DEFAULT_MAX_ENTRIES
 from cache_sessions.states import DEFAULT_MAX_CHECKPOINTS
-from chat.drafting import check_draft_mode
-from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR
+from chat.scheduling.drafting import check_draft_mode
+from chat.scheduling.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR
 from chat.model_step.weights import check_weight_format
 
 DEFAULT_MAX_BATCH_SIZE = 8
-# A cap under the timed step budget (chat/step_budget.py), which decides on a real model's shape; on
+# A cap under the timed step budget (chat/scheduling/step_budget.py), which decides on a real model's shape; on
 # the 33.6 M benchmark model the cap decides, and 128 took a newcomer's message beside 8 streams
 # from 2.0-2.4x an idle engine's first token to 1.6-1.8x with the streams' worst gap unchanged
 # (docs/performance.md, "Fairness"; 64 before).
@@ -31,11 +31,11 @@ class EngineConfig:
     does not survive between calls). `max_batch_size`: replies decoded together in one forward
     per step; more wait for a free row. `prefill_chunk`: prompt tokens prefilled per step while
     others decode (what a long prompt can delay them by, per step); `prefill_chunk_alone`: per
-    step while none decodes (what a newcomer can wait behind; chat/scheduler.py says why both);
+    step while none decodes (what a newcomer can wait behind; chat/scheduling/scheduler.py says why both);
     `prefill_order`: who gets a step's prefill budget first, "shortest" remaining or "arrival".
     `step_gap_factor`: while others decode, a step carries at most `prefill_chunk` prompt tokens
     and no more than keep it within this many decode steps, as timed on this machine
-    (chat/step_budget.py); None: always `prefill_chunk`. `alone_step_s`: while none decodes, a
+    (chat/scheduling/step_budget.py); None: always `prefill_chunk`. `alone_step_s`: while none decodes, a
     step carries at most `prefill_chunk_alone` prompt tokens and no more than fit in this many
     seconds, timed the same way (None, or `step_gap_factor` None: always `prefill_chunk_alone`).
     `cache_budget_bytes`: every cache together (None: no limit); over it, kept branches of idle
@@ -53,7 +53,7 @@ class EngineConfig:
     compiled graphs (chat/model_step/compiled.py; a graph per 1, 2, 4, 8 rows up to
     `max_batch_size`), compiled on a thread of their own while steps run eager, for the plain
     decoders on the CPU. `draft`: "auto", "ngram" or "off": decode steps verify tokens guessed
-    from the conversation and the reply's earlier versions (chat/drafting.py: replies as without;
+    from the conversation and the reply's earlier versions (chat/scheduling/drafting.py: replies as without;
     "auto" guesses only where its measured acceptance pays for what a token adds to a step)."""
 
     max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS

@@ -13,20 +13,20 @@ from cache_sessions.cold import ColdStore
 from chat.model_step.compiled import CompiledDecode
 from cache_sessions.owner import CacheOwner
 from cache_sessions.prefixes import PrefixStore
-from chat import saved
+from chat.dialogue import saved
 from chat.config import EngineConfig
-from chat.conversation import Conversation
+from chat.dialogue.conversation import Conversation
 from chat.loading import load_model_and_tokenizer
-from chat.local import LocalSource
-from chat.plans import Planner
-from chat.remote import RemoteSource
+from chat.backends.local import LocalSource
+from chat.dialogue.plans import Planner
+from chat.backends.remote import RemoteSource
 from chat.runtime import Runtime
-from chat.scheduler import DecodeScheduler
-from chat.step_plan import SchedulerStats
-from chat.sources import ReplySource
-from chat.templates import ChatTemplate
+from chat.scheduling.scheduler import DecodeScheduler
+from chat.scheduling.step_plan import SchedulerStats
+from chat.backends.sources import ReplySource
+from chat.dialogue.templates import ChatTemplate
 from chat.model_step.weights import Int8Linear, apply_weight_format, choose_weight_format, prompt_kernel_choice
-from chat.worker import ModelWorker
+from chat.scheduling.worker import ModelWorker
 
 
 class ChatEngine:
@@ -38,7 +38,7 @@ class ChatEngine:
         self.config = config
         worker = worker or ModelWorker()
         # Timed and converted on the compute thread, as every torch operation of the engine:
-        # on the caller's thread they slowed every later step (chat/worker.py says why).
+        # on the caller's thread they slowed every later step (chat/scheduling/worker.py says why).
         # "auto": full or packed, as this host multiplies faster (timed once on the model's own
         # layer: `apply_weight_format` reads the same choice)
         self.weight_choice = worker.run(choose_weight_format, model) if config.weights == "auto" else None
@@ -86,7 +86,7 @@ class ChatEngine:
 
     def run_replies_in(self, runner: Any) -> None:
         """On ZeroGPU: replies of conversations made from now on run through `runner`
-        (`spaces.GPU(chat.remote.run_in_worker)`), in its worker process (chat/remote.py)."""
+        (`spaces.GPU(chat.backends.remote.run_in_worker)`), in its worker process (chat/backends/remote.py)."""
         self._remote_runner = runner
 
     def conversation(self, system_prompt: str | None = None, client: Hashable | None = None) -> Conversation:

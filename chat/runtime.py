@@ -11,8 +11,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from cache_sessions.owner import CacheOwner
 from cache_sessions.prefixes import PrefixStore
 from chat.config import EngineConfig
-from chat.scheduler import DecodeScheduler
-from chat.templates import ChatTemplate
+from chat.scheduling.scheduler import DecodeScheduler
+from chat.dialogue.templates import ChatTemplate
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def count_forwards(model, monkeypatch) -> list:
 def forwards_before_first_token(model, monkeypatch) -> Callable[[Callable[[], Any]], list[int]]:
     """`measure(action)` runs `action` and returns, for each reply's first token emitted meanwhile,
     how many forward passes of `model` (`count_forwards`) had run since `action` began."""
-    from chat.requests import GenerationRequest
+    from chat.scheduling.requests import GenerationRequest
 
     forwards, at_first = count_forwards(model, monkeypatch), []
     emit = GenerationRequest._emit

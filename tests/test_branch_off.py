@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from chat import saved
+from chat.dialogue import saved
 from conftest import ARCHS, THINKING_TEMPLATE
 from reference import check_exact
 

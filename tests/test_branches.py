@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chat import ConversationError, SavedConversationError
-from chat.history import MAX_NODES, MAX_SIBLINGS
-from chat.saved import MAX_DEPTH, MAX_MESSAGE_CHARS
+from chat.dialogue.history import MAX_NODES, MAX_SIBLINGS
+from chat.dialogue.saved import MAX_DEPTH, MAX_MESSAGE_CHARS
 from conftest import PLAIN_TEMPLATE, THINKING_TEMPLATE, count_forwards
 from reference import (LOGIT_TOLERANCE, cached_vs_scratch_logit_error, check_exact, render_ids,
                        scratch_greedy_reply)

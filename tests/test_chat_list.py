@@ -11,7 +11,7 @@ import gradio as gr
 import threading
 import time
 
-from chat import saved
+from chat.dialogue import saved
 from ui import browser_copy
 from ui.browser_copy import MAX_TITLE_CHARS, Book, checked_index, checked_probe, checked_record
 from ui.chat_list import ChatList
@@ -379,7 +379,7 @@ def test_a_snapshot_as_a_reply_is_recorded_shows_it_once(make_engine, monkeypatc
     snapshot in between recorded it again on its copy (2 replies where there is 1), and the
     page's draft kept a spurious version. Forced: a snapshot is asked for from another thread
     right after the reply is recorded."""
-    from chat.history import History
+    from chat.dialogue.history import History
 
     engine = make_engine("full")
     conversation = engine.conversation("Be brief.")

@@ -1,4 +1,4 @@
-"""Draft-and-verify decoding (chat/drafting.py, issue #45 item 2): decode rows feed guessed tokens,
+"""Draft-and-verify decoding (chat/scheduling/drafting.py, issue #45 item 2): decode rows feed guessed tokens,
 the step verifies them, the cache gives back the ones refused; replies are what they are without.
 
 References are independent of the drafting code: greedy `generate` from scratch on the rendered
@@ -19,10 +19,10 @@ from reference import check_exact, render_ids, scratch_greedy_reply
 from test_prepare import wait_until
 from tiny_models import SLIDING_WINDOW, scripted_reply_model
 
-import chat.drafting
-import chat.scheduler
-import chat.step_planner
-from chat.drafting import DraftPolicy, Drafter, NgramIndex, expected_tokens
+import chat.scheduling.drafting
+import chat.scheduling.scheduler
+import chat.scheduling.step_planner
+from chat.scheduling.drafting import DraftPolicy, Drafter, NgramIndex, expected_tokens
 from chat.engine import ChatEngine
 
 GREEDY = dict(max_new_tokens=3 * SLIDING_WINDOW, do_sample=False)  # replies cross the tiny window three times
@@ -87,7 +87,7 @@ def test_guesses_taken_in_part_leave_the_reply_and_the_cache_as_without(models, 
             right = right[:wrong_at] + [(right[wrong_at] + 1) % len(tokenizer)] + right[wrong_at + 1:]
         return right
 
-    monkeypatch.setattr(chat.drafting.Drafter, "propose", propose)
+    monkeypatch.setattr(chat.scheduling.drafting.Drafter, "propose", propose)
     list(conversation.send("guess this", **GREEDY))
     guessed, taken = guess_counts(engine)
     assert 0 < taken < guessed  # some taken, some given back
@@ -121,7 +121,7 @@ def test_a_replys_first_step_guesses_only_from_an_earlier_version(make_engine, m
     engine = make_engine("sliding", draft="ngram")
     conversation = engine.conversation()
     steps: list[list[int]] = []  # each step's count of guesses, per decode row
-    run, proposed = ModelRunner.run, chat.drafting.Drafter.propose
+    run, proposed = ModelRunner.run, chat.scheduling.drafting.Drafter.propose
 
     def recorded(runner, rows, logits_of, tails=None, eager=False):
         steps.append([tail - 1 for tail in tails or ()])  # logits after its last input and each guess
@@ -132,14 +132,14 @@ def test_a_replys_first_step_guesses_only_from_an_earlier_version(make_engine, m
         return [7] * limit
 
     monkeypatch.setattr(ModelRunner, "run", recorded)
-    monkeypatch.setattr(chat.drafting.Drafter, "propose", always)
+    monkeypatch.setattr(chat.scheduling.drafting.Drafter, "propose", always)
     assert conversation.prepare("first", **GREEDY)  # so the reply's first step feeds one token, as a Retry's
     wait_until(lambda: engine.batch_stats().preparing == 0)
     steps.clear()
     list(conversation.send("first", **GREEDY))
     assert conversation.stats.prefilled_tokens == 1
     assert steps[0] == [0] and any(guessed and guessed[0] > 0 for guessed in steps[1:])
-    monkeypatch.setattr(chat.drafting.Drafter, "propose", proposed)
+    monkeypatch.setattr(chat.scheduling.drafting.Drafter, "propose", proposed)
     steps.clear()
     list(conversation.regenerate(**GREEDY))
     assert steps[0][0] > 0  # a Retry: the earlier version's first tokens, fed at once
@@ -203,15 +203,15 @@ def test_recurrent_states_go_back_to_the_steps_start_and_feed_again_what_it_took
         return right[:-1] + [(right[-1] + 1) % len(tokenizer)] if right else right
 
     fed_again = []
-    own_apply = chat.step_planner.StepPlanner.apply
+    own_apply = chat.scheduling.step_planner.StepPlanner.apply
 
     def apply(self, plan):
         running = own_apply(self, plan)
         fed_again.extend(len(request.unfed) - 1 for request in running.decoding)
         return running
 
-    monkeypatch.setattr(chat.drafting.Drafter, "propose", propose)
-    monkeypatch.setattr(chat.step_planner.StepPlanner, "apply", apply)
+    monkeypatch.setattr(chat.scheduling.drafting.Drafter, "propose", propose)
+    monkeypatch.setattr(chat.scheduling.step_planner.StepPlanner, "apply", apply)
     list(conversation.send("recurrent", **GREEDY))
     guessed, taken = guess_counts(engine)
     assert 0 < taken < guessed
@@ -227,14 +227,14 @@ def test_a_stop_in_a_step_with_guesses_leaves_the_cache_at_the_reply(make_engine
     engine = make_engine("sliding", draft="ngram")
     conversation = engine.conversation()
     list(conversation.send("stop me", **GREEDY))
-    emit = chat.scheduler.GenerationRequest._emit
+    emit = chat.scheduling.scheduler.GenerationRequest._emit
 
     def emit_then_stop(request, token_id):
         emit(request, token_id)
         if request.token_count == 3:
             request.stop.set()
 
-    monkeypatch.setattr(chat.scheduler.GenerationRequest, "_emit", emit_then_stop)
+    monkeypatch.setattr(chat.scheduling.scheduler.GenerationRequest, "_emit", emit_then_stop)
     list(conversation.regenerate(**GREEDY))
     assert len(conversation.reply_ids) == 3 and guess_counts(engine)[0] > 0
     check_exact(conversation, models["sliding"], tokenizers[THINKING_TEMPLATE], max_new_tokens=3, stopped=True)

@@ -117,8 +117,8 @@ def test_second_operation_while_streaming_is_refused(conv, read_first):
 
 def test_stale_plan_is_refused(conv):
     """A plan overtaken by another operation before it runs must not run on the new history."""
-    from chat.operations import Send
-    from chat.options import GenerationOptions
+    from chat.dialogue.operations import Send
+    from chat.dialogue.options import GenerationOptions
 
     plan = conv.plan(Send("planned first"), GenerationOptions.from_kwargs(**OPTIONS))
     conv.undo()

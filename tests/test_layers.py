@@ -81,7 +81,7 @@ def test_the_cache_owner_imports_no_model_step():
     edges = graph()
     for owner in ("cache_sessions.owner", "cache_sessions.books"):  # the owner and its books
         assert owner in edges and not edges[owner] & MODEL_STEP
-    assert "chat.model_step.runner" in edges["chat.scheduler"]  # the one place the step is run from
+    assert "chat.model_step.runner" in edges["chat.scheduling.scheduler"]  # the one place the step is run from
 
 
 def test_the_ui_reaches_the_caches_only_through_chat():

@@ -1,5 +1,5 @@
 """A conversation that outgrows the model's context goes on for ever (issue #44, item 11), and
-its turns past the context mostly reuse the cache (chat/fitting.py: the cut is kept while it fits).
+its turns past the context mostly reuse the cache (chat/dialogue/fitting.py: the cut is kept while it fits).
 
 Before, each trimmed turn copied the kept turns under the system prompt as a new branch, and the
 32nd was refused ("this message already has 32 versions"). Every reply here is checked against
@@ -12,7 +12,7 @@ import pytest
 from reference import check_states, render_ids, scratch_greedy_reply, without_oldest_turns
 
 from chat import Regenerate
-from chat.options import GenerationOptions
+from chat.dialogue.options import GenerationOptions
 
 CONTEXT, MAX_NEW = 1024, 24
 WORDS = "the cache rolls back to where the prompt parts from it and prefills only the rest".split()

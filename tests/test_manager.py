@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cache_sessions import CacheSession
-from chat.sessions import SessionManager, TooManySessions
+from chat.storage.sessions import SessionManager, TooManySessions
 from conftest import THINKING_TEMPLATE
 from reference import LOGIT_TOLERANCE, cached_vs_scratch_logit_error, check_exact
 

@@ -84,7 +84,7 @@ def test_the_plain_step_gives_every_row_what_a_forward_from_scratch_gives(famili
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma2", "mistral-window", "qwen2-window"])
 def test_every_position_of_a_row_is_kept_where_asked(families, name):
-    """A decoding row fed its next input and four guesses (chat/drafting.py) beside a decode row
+    """A decoding row fed its next input and four guesses (chat/scheduling/drafting.py) beside a decode row
     and a prompt piece: the logits after each of its tokens are the scratch forward's at that
     length, and the cache then holds all five (a sliding window's masks cover the guesses too)."""
     model = families[name]

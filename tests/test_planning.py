@@ -1,4 +1,4 @@
-"""Planning a reply to a history too long for the context (chat/fitting.py): the prompt is the
+"""Planning a reply to a history too long for the context (chat/dialogue/fitting.py): the prompt is the
 template's own rendering of the kept messages, the turns left out are the fewest that bring the
 prompt within `REFIT_SHARE` of the room once any must go (the same as dropping one oldest turn at
 a time and rendering everything again, the old quadratic way, done here from scratch with
@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-import chat.fitting
+import chat.dialogue.fitting
 from chat import ChatEngine, ContextOverflowError, GenerationOptions, Send
 from chat.errors import PlanningCancelled
-from chat.history import History, ReplyVersion
-from chat.plans import Planner
-from chat.templates import ChatTemplate
+from chat.dialogue.history import History, ReplyVersion
+from chat.dialogue.plans import Planner
+from chat.dialogue.templates import ChatTemplate
 from conftest import tokenizer_with_template
 from reference import render_ids
 
@@ -44,7 +44,7 @@ def quadratic_reference(tokenizer, messages: list[dict], limit: int, max_new: in
     if not dropped:
         return kept, ids, dropped
     try:
-        return quadratic_fewest(tokenizer, messages, max_new + int((limit - max_new) * chat.fitting.REFIT_SHARE),
+        return quadratic_fewest(tokenizer, messages, max_new + int((limit - max_new) * chat.dialogue.fitting.REFIT_SHARE),
                                 max_new)
     except ContextOverflowError:
         return kept, ids, dropped
@@ -67,7 +67,7 @@ def quadratic_fewest(tokenizer, messages: list[dict], limit: int, max_new: int) 
 @pytest.mark.parametrize("template_name", TEMPLATES)
 def test_the_fewest_oldest_turns_are_dropped_and_the_prompt_is_the_templates_own(base_tokenizer, template_name, way,
                                                                                   monkeypatch):
-    monkeypatch.setattr(chat.fitting, "QUICK_CHARS_PER_TOKEN", 0 if way == "estimate" else 10**9)
+    monkeypatch.setattr(chat.dialogue.fitting, "QUICK_CHARS_PER_TOKEN", 0 if way == "estimate" else 10**9)
     tokenizer = tokenizer_with_template(base_tokenizer, template_name)
     template = ChatTemplate(tokenizer)
     rng = random.Random(template_name)
@@ -142,7 +142,7 @@ def test_a_two_million_character_history_costs_what_the_context_holds(models, to
     assert plan.request.prompt_ids == render_ids(tokenizers["qwen3"], plan.request.messages)
     k = plan.dropped_turns  # turns 0..k-1 left out: the one before the kept ones is messages[2k-2:2k]
     wider = render_ids(tokenizers["qwen3"], conv.messages[2 * k - 2:2 * k] + plan.request.messages)
-    share = int((engine.context_limit - 8) * chat.fitting.REFIT_SHARE)  # once any must go: the fewest for this
+    share = int((engine.context_limit - 8) * chat.dialogue.fitting.REFIT_SHARE)  # once any must go: the fewest for this
     assert len(wider) > share >= len(plan.request.prompt_ids)
     assert plan.request.messages[-1] == question
     stream = conv.start(Send("And now a short question?", fit_context=True), GenerationOptions(max_new_tokens=8))
@@ -205,5 +205,5 @@ def test_many_short_turns_are_planned_in_a_few_renders(models, tokenizers, monke
     assert plan.request.prompt_ids == render_ids(tokenizers["qwen3"], plan.request.messages)
     k = plan.dropped_turns
     wider = render_ids(tokenizers["qwen3"], conv.messages[2 * k - 2:2 * k] + plan.request.messages)
-    share = int((engine.context_limit - 8) * chat.fitting.REFIT_SHARE)  # once any must go: the fewest for this
+    share = int((engine.context_limit - 8) * chat.dialogue.fitting.REFIT_SHARE)  # once any must go: the fewest for this
     assert len(wider) > share >= len(plan.request.prompt_ids)

@@ -1,8 +1,8 @@
-"""Fair by tokens owed, per client (chat/prompt_fairness.py, issue #43 item 2), on made-up steps: the
+"""Fair by tokens owed, per client (chat/scheduling/prompt_fairness.py, issue #43 item 2), on made-up steps: the
 budget is handed out as the scheduler hands it (in `order`, each taking what it still needs up to
 what is left), and requests arrive and leave between steps."""
 
-from chat.prompt_fairness import PromptFairness
+from chat.scheduling.prompt_fairness import PromptFairness
 
 
 def run_steps(arrivals: dict[int, list[tuple[str, int]]], budget: int, watch: str, clients: dict[str, str] | None = None,

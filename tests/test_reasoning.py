@@ -2,8 +2,8 @@
 
 import pytest
 
-from chat.reasoning import ReasoningSplitter
-from chat.templates import ChatTemplate
+from chat.dialogue.reasoning import ReasoningSplitter
+from chat.dialogue.templates import ChatTemplate
 from conftest import THINKING_TEMPLATE, tokenizer_with_template
 from reference import cached_vs_scratch_logit_error, check_exact, render_ids, scratch_greedy_reply
 from tiny_models import ARCHS

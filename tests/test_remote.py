@@ -13,7 +13,7 @@ import torch
 
 from chat import (ChatEngine, Continue, Edit, EmptyMessageError, GenerationOptions, NothingToRegenerateError,
                   Regenerate, Send)
-from chat import remote
+from chat.backends import remote
 from conftest import THINKING_TEMPLATE
 from reference import check_exact
 

@@ -29,12 +29,12 @@ from transformers import (
 )
 
 import chat.model_step.runner
-import chat.scheduler
-import chat.request_stages
+import chat.scheduling.scheduler
+import chat.scheduling.request_stages
 from chat import ChatEngine, ConversationBusyError, ConversationError
 from chat.model_step.runner import ModelRunner
-from chat.sampling import TokenChooser
-from chat.step_budget import StepBudget
+from chat.scheduling.sampling import TokenChooser
+from chat.scheduling.step_budget import StepBudget
 
 MAX_NEW = 10
 GREEDY = dict(max_new_tokens=MAX_NEW, do_sample=False)
@@ -123,7 +123,7 @@ def hooks(monkeypatch):
             elif options.max_new_tokens == PAUSES_AT_THIRD_TOKEN:
                 self.processors.append(_Pauses(**pause))
 
-    monkeypatch.setattr(chat.request_stages, "TokenChooser", HookedChooser)
+    monkeypatch.setattr(chat.scheduling.request_stages, "TokenChooser", HookedChooser)
     yield pause
     pause["release"].set()
 
@@ -340,7 +340,7 @@ def test_a_first_token_comes_from_the_step_that_feeds_the_prompts_end(make_engin
     conv = engine.conversation()
     steps: list[tuple[list[int], list[int]]] = []  # per step: tokens of each decode row, of each piece
     first_token_after: list[int] = []  # steps run when the reply's first token came
-    run, emit = ModelRunner.run, chat.scheduler.GenerationRequest._emit
+    run, emit = ModelRunner.run, chat.scheduling.scheduler.GenerationRequest._emit
 
     def recorded(runner, rows, logits_of, tails=None, eager=False):
         rows, logits_of = list(rows), list(logits_of)
@@ -354,7 +354,7 @@ def test_a_first_token_comes_from_the_step_that_feeds_the_prompts_end(make_engin
         emit(request, token_id)
 
     monkeypatch.setattr(ModelRunner, "run", recorded)
-    monkeypatch.setattr(chat.scheduler.GenerationRequest, "_emit", noted)
+    monkeypatch.setattr(chat.scheduling.scheduler.GenerationRequest, "_emit", noted)
     list(conv.send("Tell me about the cache, please.", **GREEDY))
     prompt = conv.stats.prompt_tokens
     assert conv.stats.reused_tokens == 0 and prompt > 8
@@ -473,14 +473,14 @@ def test_a_short_message_behind_a_long_one_is_prefilled_first(make_engine, model
     engine = make_engine("full", prefill_chunk=8, prefill_chunk_alone=32, prefill_order=order)
     long_conv, short_conv = engine.conversation("You are terse."), engine.conversation("You are terse.")
     first_tokens: list = []
-    emit = chat.scheduler.GenerationRequest._emit
+    emit = chat.scheduling.scheduler.GenerationRequest._emit
 
     def noted(request, token_id):
         if request.token_count == 0:
             first_tokens.append(request.session)
         emit(request, token_id)
 
-    monkeypatch.setattr(chat.scheduler.GenerationRequest, "_emit", noted)
+    monkeypatch.setattr(chat.scheduling.scheduler.GenerationRequest, "_emit", noted)
     widths: list[int] = []  # tokens per row of every forward pass
     on_model_input(models["full"], monkeypatch, lambda input_ids: widths.append(input_ids.numel()))
     long_text = " ".join(f"word{i}" for i in range(80))
@@ -604,7 +604,7 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
             release.wait(60)
         return packed(model, rows, logits_of, plain, tails, alone)
 
-    end = chat.scheduler.GenerationRequest._end
+    end = chat.scheduling.scheduler.GenerationRequest._end
 
     def noted(request, error=None):
         if request.session is second.session:
@@ -612,7 +612,7 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
         end(request, error)
 
     monkeypatch.setattr(chat.model_step.runner, "packed_step", held)
-    monkeypatch.setattr(chat.scheduler.GenerationRequest, "_end", noted)
+    monkeypatch.setattr(chat.scheduling.scheduler.GenerationRequest, "_end", noted)
     with HeldScheduler(engine):
         shorter = Consumer(first, first.send(" ".join(f"word{i}" for i in range(60)), **GREEDY))
         wait_until(lambda: engine.batch_stats().waiting == 1)
@@ -642,7 +642,7 @@ def test_a_client_holding_every_row_gives_one_to_another_client_at_once(make_eng
     wait_until(lambda: engine.batch_stats().decoding == 4)
     other = engine.conversation("You are terse.", client="203.0.113.9")
     seen: dict = {}
-    emit = chat.scheduler.GenerationRequest._emit
+    emit = chat.scheduling.scheduler.GenerationRequest._emit
 
     def noted(request, token_id):
         if request.session is other.session and not seen:
@@ -650,7 +650,7 @@ def test_a_client_holding_every_row_gives_one_to_another_client_at_once(make_eng
                         hog_running=[stream.is_alive() for stream in streams])
         emit(request, token_id)
 
-    monkeypatch.setattr(chat.scheduler.GenerationRequest, "_emit", noted)
+    monkeypatch.setattr(chat.scheduling.scheduler.GenerationRequest, "_emit", noted)
     submitted = engine.batch_stats().steps
     newcomer = Consumer(other, other.send("Hi?", **GREEDY))
     newcomer.join(120)

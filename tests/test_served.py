@@ -14,7 +14,7 @@ from gradio_client.exceptions import AppError
 
 from chat import ConversationError
 from chat.demo import demo_folder
-from chat.served import ServedEngine, ServerError
+from chat.backends.served import ServedEngine, ServerError
 
 SERVE = shutil.which("transformers")
 GREEDY = dict(max_new_tokens=40, do_sample=False)
@@ -275,7 +275,7 @@ def test_the_app_talks_to_the_server(server, tmp_path):
 
 
 def test_with_the_prompt_rendered_here_continue_works_and_the_prompt_is_the_local_one(server):
-    from chat.templates import ChatTemplate
+    from chat.dialogue.templates import ChatTemplate
 
     engine = ServedEngine(server.url, server.model, timeout_s=30, max_retries=0, prompt_format="text")
     conv = engine.conversation("You are a helpful assistant.")

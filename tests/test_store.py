@@ -1,4 +1,4 @@
-"""The server store (chat/store.py, chat/shares.py), on SQLite always and on a real PostgreSQL
+"""The server store (chat/storage/store.py, chat/storage/shares.py), on SQLite always and on a real PostgreSQL
 server started for these tests (skipped, with the reason, where it cannot start)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from chat.shares import Shares
-from chat.store import Quotas, Records, StoreError, open_database
+from chat.storage.shares import Shares
+from chat.storage.store import Quotas, Records, StoreError, open_database
 from postgres import PostgresServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,7 +168,7 @@ KILLED_WRITER = """
 import os, signal, sys, time
 import sqlalchemy as sa
 sys.path.insert(0, {root!r})
-from chat.store import Records, open_database
+from chat.storage.store import Records, open_database
 engine = open_database({url!r})
 @sa.event.listens_for(engine, "commit")
 def hold(connection):  # the write is made, not committed: say so, and wait to be killed
@@ -246,7 +246,7 @@ def test_a_signed_in_load_gets_only_its_own_accounts_records_it_lacks(engine):
 
 
 def test_settings_changed_at_once_on_two_devices_both_stay(engine):
-    from chat.store import Preferences
+    from chat.storage.store import Preferences
 
     preferences = Preferences(engine)
     names = [f"setting_{i}" for i in range(20)]
@@ -267,7 +267,7 @@ def test_an_sqlite_store_is_its_owners_alone_from_the_first_write(tmp_path):
     and its files (the database, its -wal and -shm) 0600, whatever the umask, from the first write."""
     import stat
 
-    from chat.store import default_url
+    from chat.storage.store import default_url
 
     old = os.umask(0o022)
     try:
@@ -306,20 +306,20 @@ def test_one_anonymous_client_cannot_take_every_clients_share_budget(engine):
 def test_anonymous_links_expire_and_their_bytes_come_back(engine, monkeypatch):
     import time as clock
 
-    import chat.shares
+    import chat.storage.shares
 
     shares = Shares(engine, Quotas(anonymous_share_days=30, max_anonymous_share_bytes=20_000))
     kept, _ = shares.create(owner="hf:a", client="hf:a", title="mine", snapshot=conversation("signed in"))
     old, _ = shares.create(owner=None, client="addr:1", title="old", snapshot=conversation("x" * 9_000))
     assert shares.get(old) is not None
     later = clock.time() + 31 * 86_400
-    monkeypatch.setattr(chat.shares.time, "time", lambda: later)
+    monkeypatch.setattr(chat.storage.shares.time, "time", lambda: later)
     assert shares.get(old) is None and shares.get(kept) is not None  # an account's link lasts
     shares.create(owner=None, client="addr:2", title="new", snapshot=conversation("y" * 9_000))
     shares.create(owner=None, client="addr:3", title="new", snapshot=conversation("z" * 9_000))  # the old one's room
     with engine.connect() as connection:
-        assert connection.execute(sa.select(sa.func.count()).select_from(chat.shares.SHARES)
-                                  .where(chat.shares.SHARES.c.id == old)).scalar_one() == 0
+        assert connection.execute(sa.select(sa.func.count()).select_from(chat.storage.shares.SHARES)
+                                  .where(chat.storage.shares.SHARES.c.id == old)).scalar_one() == 0
 
 
 def test_how_long_an_anonymous_link_lasts_is_a_setting():

@@ -78,7 +78,7 @@ def test_the_stats_line_speaks_plainly_and_keeps_details_a_click_away():
 
 
 def test_a_reply_says_which_version_it_is_and_whether_it_was_stopped():
-    from chat.history import History, ReplyVersion
+    from chat.dialogue.history import History, ReplyVersion
     from ui import views
 
     tree = History()

@@ -332,7 +332,7 @@ def test_auto_leaves_a_head_tied_to_the_embedding_shared(tokenizers, monkeypatch
 
 @pytest.mark.parametrize("weights", ["auto", "int8"])
 def test_the_engine_times_and_converts_its_weights_on_its_compute_thread(tokenizers, monkeypatch, weights):
-    """Every torch operation of an engine runs on its compute thread (chat/worker.py), the weights'
+    """Every torch operation of an engine runs on its compute thread (chat/scheduling/worker.py), the weights'
     timing and conversion too: run on the caller's thread, their parallel products left that thread
     an OpenMP pool for the life of the process, and with more pooled threads than cores libgomp
     stops spinning between parallel regions, which made the model thread's steps 1.5-2x slower."""

@@ -5,7 +5,7 @@ Module map:
   directory.py  which conversation each browser has (server-made keys), per-client limits, tab close
   shared.py     what every handler shares: the engine, the directory, limits, drawing a conversation
   actions.py    what a control asks of the conversation, as plain data (Undo, SwitchBranch... and
-                chat.operations' Send, Regenerate, Edit, Continue)
+                chat.dialogue.operations' Send, Regenerate, Edit, Continue)
   handlers.py   ChatHandlers: each event's inputs made into an action, and `act`, the one way from
                 an action to the conversation; the Chatbot's own events, translated to actions
   replies.py    the actions that make a reply: plan, then stream it as ChatOutputs

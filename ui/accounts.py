@@ -3,7 +3,7 @@
 Signing in is Gradio's OAuth with Hugging Face (a Space with `hf_oauth: true`): the account is
 the OAuth session's subject, read from the session cookie Gradio signs, never from anything the
 page sends. A signed-in page writes every record it gives the browser (a conversation's latest
-state, a rename, a tombstone) to the account's records in the store as well (chat/store.py merges
+state, a rename, a tombstone) to the account's records in the store as well (chat/storage/store.py merges
 them as the browser does); at its load it gets the account's records its browser lacks or holds
 older. The browser's copy stays: it is the page's cache and its offline view. Anonymous use is
 unchanged.
@@ -20,11 +20,11 @@ from typing import Any, Awaitable, Callable
 
 import gradio as gr
 
-from chat import saved
+from chat.dialogue import saved
 from chat.errors import ChatError
 from ui.inputs import Limits
 from ui.outputs import Settings
-from chat.store import Preferences, Records, SignOuts, StoreError
+from chat.storage.store import Preferences, Records, SignOuts, StoreError
 from ui.browser_copy import Book, checked_book, checked_record
 
 MAX_SENT_AT_LOAD = 50  # as many as a browser keeps (ui/browser_copy.py MAX_CHATS), newest first

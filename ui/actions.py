@@ -4,7 +4,7 @@ Every control of the page and every API endpoint makes one action from its check
 event methods of `ChatHandlers`), and `ChatHandlers.act` is the one way from an action to the
 conversation: UI event → action → conversation operation → cache session → model. Indices are
 the history's (the shown path's message index), never the Chatbot's: `PageEvents` translates
-the Chatbot's own events once. The reply-making actions are `chat.operations`' own values.
+the Chatbot's own events once. The reply-making actions are `chat.dialogue.operations`' own values.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from chat import saved
-from chat.shares import is_share_id
+from chat.dialogue import saved
+from chat.storage.shares import is_share_id
 
 MAX_CHATS = 50
 MAX_TITLE_CHARS = 80

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from chat import ChatError
-from chat import saved
+from chat.dialogue import saved
 from ui import browser_copy, views
 from ui.accounts import AccountCopy, account_of
 from ui.browser_copy import Book, Probe, checked_book, checked_probe, checked_record, outbox, said_anything

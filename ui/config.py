@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from chat.config import EngineConfig
-from chat.store import Quotas
+from chat.storage.store import Quotas
 
 
 def _setting(default: Any, env: str | tuple[str, ...], help: str = "") -> Any:

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from chat.sessions import SessionManager, TooManySessions
+from chat.storage.sessions import SessionManager, TooManySessions
 from chat import Conversation, ServerBusyError
 from chat.in_flight import InFlight
 

@@ -1,6 +1,6 @@
 """Share by link: a read-only snapshot of the path on screen at `/share/<id>`.
 
-The Share button stores the shown path alone (chat/shares.py) and gives the page the link's id
+The Share button stores the shown path alone (chat/storage/shares.py) and gives the page the link's id
 and the key that revokes it; the browser keeps both in its list of shared links (`SCRIPT`), and
 its Revoke sends them back. The share page is made here, on the server, as plain HTML: every text
 of the conversation is escaped, and its Content-Security-Policy allows no script at all and no
@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
-from chat import saved
+from chat.dialogue import saved
 from chat.errors import ChatError
-from chat.shares import Shares, is_share_id
+from chat.storage.shares import Shares, is_share_id
 from ui import browser_copy
 from ui.accounts import account_of
 from ui.chat_list import checked_book

@@ -228,7 +228,7 @@ def forward_rows(model: PreTrainedModel, rows: Sequence[tuple[CacheSession, Sequ
                  logits_of: Sequence[int], tails: Sequence[int] | None = None) -> torch.Tensor:
     """Feed each session its tokens in one forward; the logits after every token of the rows
     `logits_of` (indices into `rows`; a decode row feeds its next input and any guesses to
-    verify, chat/drafting.py), in that order, or only after their last `tails` tokens
+    verify, chat/scheduling/drafting.py), in that order, or only after their last `tails` tokens
     (`logit_places`). The ledgers are not
     touched: the caller notes what was fed (`note_extended`) or, if this raises, releases the
     sessions (their caches may hold part of the step)."""

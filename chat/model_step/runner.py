@@ -1,6 +1,6 @@
 """The runner: the one place a reply's model step runs (vLLM v1's model runner, at this scale).
 
-The scheduler (chat/scheduler.py) decides a step; the cache owner (cache_sessions/owner.py)
+The scheduler (chat/scheduling/scheduler.py) decides a step; the cache owner (cache_sessions/owner.py)
 applies it to the sessions (rollback, what each feeds, commit) and imports no model code; this
 executes it: every row's tokens through one model step, each row on its own cache, and returns
 the logits the step's sampling needs. One entry point for decode rows and prompt pieces alike:
@@ -67,7 +67,7 @@ class ModelRunner:
         # Up to how many rows every product gives a row the bits it gets alone (int8 weights;
         # None: no such bound). Then a decode row's last input and its guesses attend one by one,
         # so a greedy reply with guesses is the one without, and a prompt's last piece goes with
-        # its last token only within that many rows (chat/step_planner.py). Only where every
+        # its last token only within that many rows (chat/scheduling/step_planner.py). Only where every
         # step is the plain one, eager: the model's own forward attends a row in one call, and a
         # compiled one-row step sums its products in a loop of its own (chat/model_step/compiled.py),
         # so there no other step gives their bits and keeping rows apart would buy nothing.

@@ -1,5 +1,5 @@
 """Sampling, the step's last phase: every token is chosen here, by each reply's own sampler
-(chat/sampling.py, through `choose_tokens`): a first token from the logits a cache kept (before
+(chat/scheduling/sampling.py, through `choose_tokens`): a first token from the logits a cache kept (before
 the run, so the row feeds it in the same step), then each decode row's tokens from the step's
 logits, its guesses taken while they match; the caches give back guesses not taken, and rows
 that ended leave.
@@ -11,9 +11,9 @@ from dataclasses import replace
 import torch
 
 from cache_sessions.owner import CacheOwner
-from chat.guessing import StepGuesses, choose_tokens
-from chat.step_plan import StepPlan
-from chat.step_planner import StepPlanner
+from chat.scheduling.guessing import StepGuesses, choose_tokens
+from chat.scheduling.step_plan import StepPlan
+from chat.scheduling.step_planner import StepPlanner
 
 
 class StepSampler:

@@ -202,7 +202,7 @@ class DraftPolicy:
         decode rows of this step, `compiled`: a compiled graph would take this step if it carried
         single tokens (guesses send it to the eager forward: they must beat the graph, as timed).
         `feeds_again`: a refusal makes the row feed again what the step took (recurrent states,
-        chat/guessing.py), a cost counted with the chance that some guess is refused."""
+        chat/scheduling/guessing.py), a cost counted with the chance that some guess is refused."""
         if self.mode == "off":
             return 0
         if self.mode == "ngram":

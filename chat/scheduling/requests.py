@@ -1,6 +1,6 @@
-"""One reply being made, as the scheduler serves it (chat/scheduler.py): the request a turn
+"""One reply being made, as the scheduler serves it (chat/scheduling/scheduler.py): the request a turn
 submits and the cache work it asks for. Plain records, read by the scheduler, its request table
-(chat/request_table.py) and the token choosing (chat/guessing.py), so none of them imports another
+(chat/scheduling/request_table.py) and the token choosing (chat/scheduling/guessing.py), so none of them imports another
 for it."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from cache_sessions.branches import BranchKeep
 from cache_sessions.checkpoints import Checkpoint
 from cache_sessions.prefixes import PrefixStore
 from cache_sessions.session import CacheSession, PrefillResult
-from chat.drafting import Drafter
-from chat.options import GenerationOptions
-from chat.sampling import TokenChooser
+from chat.scheduling.drafting import Drafter
+from chat.dialogue.options import GenerationOptions
+from chat.scheduling.sampling import TokenChooser
 
 _END = object()
 
@@ -41,7 +41,7 @@ class GenerationRequest:
     def __init__(self, session: CacheSession, prompt_ids: Sequence[int], options: GenerationOptions,
                  stop: threading.Event, work: CacheWork, client: Hashable | None = None, ahead: bool = False):
         """`client`: who asked (the app's key for an address or a person; None: unknown), so one
-        client's requests share one client's part of the prompt budget (chat/prompt_fairness.py).
+        client's requests share one client's part of the prompt budget (chat/scheduling/prompt_fairness.py).
         `ahead`: a prompt prepared ahead (the message being typed), prefilled at idle priority and
         never decoded (see `DecodeScheduler.prepare`)."""
         self.session, self.options, self.stop, self.work, self.ahead = session, options, stop, work, ahead
@@ -50,7 +50,7 @@ class GenerationRequest:
         self.sequence = list(prompt_ids)  # prompt, then each token as it is chosen
         self.prefill: PrefillResult | None = None  # set once it was admitted and rolled back
         self.chooser: TokenChooser | None = None
-        self.drafter: Drafter | None = None  # its guesses, where its rows are drafted (chat/drafting.py)
+        self.drafter: Drafter | None = None  # its guesses, where its rows are drafted (chat/scheduling/drafting.py)
         self.guess_point: Checkpoint | None = None  # where this step with guesses began (recurrent states)
         self.error: BaseException | None = None
         self.submitted_at = time.perf_counter()
@@ -71,8 +71,8 @@ class GenerationRequest:
     @property
     def unfed(self) -> list[int]:
         """What its next decode step feeds before any guess: the last chosen token, after what a
-        step with guesses took and its recurrent states gave back (chat/guessing.py); in its
-        first, the prompt's last token after what is left of the prompt (chat/step_planner.py)."""
+        step with guesses took and its recurrent states gave back (chat/scheduling/guessing.py); in its
+        first, the prompt's last token after what is left of the prompt (chat/scheduling/step_planner.py)."""
         return self.sequence[len(self.session.token_ids):]
 
     def tokens(self) -> Iterator[int]:

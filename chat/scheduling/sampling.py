@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from chat.options import GenerationOptions
+from chat.dialogue.options import GenerationOptions
 
 
 class TokenChooser:

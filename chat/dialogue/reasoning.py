@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from chat.templates import THINK_CLOSE, THINK_OPEN
+from chat.dialogue.templates import THINK_CLOSE, THINK_OPEN
 
 DeltaKind = Literal["reasoning", "answer"]
 

@@ -21,7 +21,7 @@ import json
 from typing import Any, NoReturn
 
 from chat.errors import ConversationError
-from chat.history import MAX_NODES, MAX_SIBLINGS, History, Node, ReplyVersion
+from chat.dialogue.history import MAX_NODES, MAX_SIBLINGS, History, Node, ReplyVersion
 
 FORMAT = "rewind-chat.conversation"
 VERSION = 1

@@ -1,4 +1,4 @@
-"""The scheduler's side of draft-and-verify decoding (chat/drafting.py says what and why): which
+"""The scheduler's side of draft-and-verify decoding (chat/scheduling/drafting.py says what and why): which
 rows guess and how many tokens, how a row's logits turn into tokens (each chosen by the reply's
 own sampler, guessed or not), and the cache giving back what was not taken."""
 
@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from chat.drafting import EARLIER_VERSION, Drafter, DraftPolicy
-from chat.requests import GenerationRequest
+from chat.scheduling.drafting import EARLIER_VERSION, Drafter, DraftPolicy
+from chat.scheduling.requests import GenerationRequest
 
 if TYPE_CHECKING:
     from cache_sessions.owner import CacheOwner

@@ -1,9 +1,9 @@
 """A conversation: the canonical history (a tree of branches) and the reply source that serves it.
 
-Every operation is planned first (validated, prompt rendered, context fitted: chat/plans.py) and
+Every operation is planned first (validated, prompt rendered, context fitted: chat/dialogue/plans.py) and
 only then run, so bad input raises before anything changes. Running means: the source makes the
-reply (chat/sources.py: the embedded engine, a model server, a ZeroGPU worker) and the reply is
-recorded in the history (chat/history.py). A branch switch, an undo or a hand-edited reply tells
+reply (chat/backends/sources.py: the embedded engine, a model server, a ZeroGPU worker) and the reply is
+recorded in the history (chat/dialogue/history.py). A branch switch, an undo or a hand-edited reply tells
 the source how the shown path changes, so it can keep and put back its states.
 
 Three classes by role, each on the one before: `ConversationView` (the state and what any thread
@@ -20,14 +20,14 @@ from typing import Any, Callable, Iterator
 
 from cache_sessions.branches import BranchMove
 from cache_sessions.session import CacheSession
-from chat import saved
+from chat.dialogue import saved
 from chat.errors import ChatError, ConversationBusyError, ConversationError, StalePlanError
-from chat.history import History, Message, Node, ReplyVersion, system_text
-from chat.operations import Continue, Edit, Operation, Regenerate, Send, checked_text
-from chat.options import GenerationOptions
-from chat.plans import Plan, Planner
-from chat.reasoning import Delta
-from chat.sources import ReplySource, ReplyStream, TurnStats
+from chat.dialogue.history import History, Message, Node, ReplyVersion, system_text
+from chat.dialogue.operations import Continue, Edit, Operation, Regenerate, Send, checked_text
+from chat.dialogue.options import GenerationOptions
+from chat.dialogue.plans import Plan, Planner
+from chat.dialogue.reasoning import Delta
+from chat.backends.sources import ReplySource, ReplyStream, TurnStats
 
 Cancelled = Callable[[], bool]  # True once whoever asked for the operation went away
 
@@ -136,7 +136,7 @@ class ConversationView:
 
     def exclusive(self) -> "_Exclusive":
         """Hold the conversation for one operation (its states are in use while the scheduler
-        holds a request of it: chat/scheduler.py keeps that record); refused while a reply runs."""
+        holds a request of it: chat/scheduling/scheduler.py keeps that record); refused while a reply runs."""
         return _Exclusive(self._lock, lambda: self._running is not None)
 
 

@@ -14,12 +14,12 @@ from typing import Hashable, Iterator
 
 from cache_sessions.branches import BranchMove
 from cache_sessions.session import CacheSession, PrefillResult
-from chat.detokenizer import IncrementalDecoder
-from chat.history import ReplyVersion
-from chat.reasoning import Delta, ReasoningSplitter
+from chat.dialogue.detokenizer import IncrementalDecoder
+from chat.dialogue.history import ReplyVersion
+from chat.dialogue.reasoning import Delta, ReasoningSplitter
 from chat.runtime import Runtime
-from chat.requests import CacheWork, GenerationRequest
-from chat.sources import Reply, ReplyRequest, TurnStats
+from chat.scheduling.requests import CacheWork, GenerationRequest
+from chat.backends.sources import Reply, ReplyRequest, TurnStats
 
 
 class LocalSource:

@@ -1,8 +1,8 @@
 """Which prompt pieces a step carries, read from where each cache stands or will stand once
 rolled back (`CacheSession.landing`): the replies' within the step's timed budget
-(chat/step_budget.py), in the order fairness gives (chat/prompt_fairness.py), shortest remaining
+(chat/scheduling/step_budget.py), in the order fairness gives (chat/scheduling/prompt_fairness.py), shortest remaining
 prefill first; or, in a step no reply wants, one piece of a text prepared while typed. Reads
-only: the planner (chat/step_planner.py) puts what this finds into its plan.
+only: the planner (chat/scheduling/step_planner.py) puts what this finds into its plan.
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Hashable, Sequence
 
 from cache_sessions.owner import CacheOwner
 from cache_sessions.session import Landing, common_prefix_length
-from chat.prompt_fairness import PromptFairness
-from chat.requests import GenerationRequest
-from chat.step_budget import StepBudget
-from chat.step_plan import Owed, Piece
+from chat.scheduling.prompt_fairness import PromptFairness
+from chat.scheduling.requests import GenerationRequest
+from chat.scheduling.step_budget import StepBudget
+from chat.scheduling.step_plan import Owed, Piece
 
 PREFILL_ORDERS = ("shortest", "arrival")
 Leaving = list[tuple[GenerationRequest, BaseException | None]]
@@ -120,7 +120,7 @@ class PromptPieces:
                                                           work.prefix_store, work.shared_prefix_length, at)
 
     def _order(self, prefilling: Sequence[GenerationRequest], budget: int) -> list[GenerationRequest]:
-        """Fair by tokens owed, shortest remaining prefill first otherwise (chat/prompt_fairness.py);
+        """Fair by tokens owed, shortest remaining prefill first otherwise (chat/scheduling/prompt_fairness.py);
         or in arrival order."""
         if self.prefill_order != "shortest":
             return list(prefilling)

@@ -1,9 +1,9 @@
 """Where a conversation's replies come from: a small protocol, three implementations.
 
-A `Conversation` plans (chat/plans.py) and records (chat/history.py); a `ReplySource` makes the
-reply and keeps whatever states it has: the embedded engine (chat/local.py: the scheduler and
-the cache owner), an OpenAI-compatible server (chat/served.py: no states here), or a ZeroGPU
-worker process (chat/remote.py: the engine's, in another process). What crosses between them is
+A `Conversation` plans (chat/dialogue/plans.py) and records (chat/dialogue/history.py); a `ReplySource` makes the
+reply and keeps whatever states it has: the embedded engine (chat/backends/local.py: the scheduler and
+the cache owner), an OpenAI-compatible server (chat/backends/served.py: no states here), or a ZeroGPU
+worker process (chat/backends/remote.py: the engine's, in another process). What crosses between them is
 plain data: a `ReplyRequest` in, text deltas and a `Reply` out.
 """
 
@@ -16,9 +16,9 @@ from typing import Iterator, Literal, Protocol
 from cache_sessions.branches import BranchKeep, BranchMove
 from cache_sessions.rollback import RollbackHow
 from cache_sessions.session import CacheSession
-from chat.history import Message, ReplyVersion
-from chat.options import GenerationOptions
-from chat.reasoning import Delta
+from chat.dialogue.history import Message, ReplyVersion
+from chat.dialogue.options import GenerationOptions
+from chat.dialogue.reasoning import Delta
 
 ReplyKind = Literal["reply", "continue"]
 
@@ -36,7 +36,7 @@ class ReplyRequest:
     earlier_ids: list[int] = field(default_factory=list)  # "continue": the reply's tokens so far
     keep: BranchKeep | None = None  # the shown branch this reply replaces: its states are kept
     # the tokens of earlier versions of this reply (a Retry's, an edited message's old answer):
-    # the best guesses there are for draft-and-verify decoding (chat/drafting.py)
+    # the best guesses there are for draft-and-verify decoding (chat/scheduling/drafting.py)
     references: tuple[tuple[int, ...], ...] = ()
 
 

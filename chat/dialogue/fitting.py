@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from chat.errors import ContextOverflowError, PlanningCancelled
-from chat.history import Message
-from chat.templates import ChatTemplate, RenderedPrompt
+from chat.dialogue.history import Message
+from chat.dialogue.templates import ChatTemplate, RenderedPrompt
 
 _MARK = re.compile("\ue000([0-9]+)([cr])\ue001")  # private-use characters: in no real text
 CLEAR_MARGIN = 2  # a history measured at twice the room is refused without rendering it all

@@ -20,10 +20,10 @@ from typing import Any, Callable, Iterator, Protocol
 from cache_sessions.branches import BranchMove
 from cache_sessions.kv_cache import CacheShape
 from cache_sessions.session import CacheSession
-from chat.local import LocalSource
-from chat.reasoning import Delta
+from chat.backends.local import LocalSource
+from chat.dialogue.reasoning import Delta
 from chat.runtime import Runtime
-from chat.sources import Reply, ReplyRequest
+from chat.backends.sources import Reply, ReplyRequest
 
 
 class Engine(Protocol):
@@ -41,7 +41,7 @@ STOP_POLL_S = 0.05
 
 def run_in_worker(session: CacheSession, request: ReplyRequest, stop_file: str) -> Iterator[tuple[str, Any]]:
     """In the worker: ("delta", Delta) while streaming, then ("reply", (Reply | None, the session))."""
-    assert ENGINE is not None, "chat.remote.ENGINE is not set"
+    assert ENGINE is not None, "chat.backends.remote.ENGINE is not set"
     session.shape = CacheShape(ENGINE.model.config, ENGINE.model.dtype)  # pickled without it
     stop, finished = threading.Event(), threading.Event()
 

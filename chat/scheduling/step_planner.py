@@ -1,13 +1,13 @@
 """What one step runs, decided before it runs, as plain data (vLLM v1's scheduler, at this
 scale): `StepPlanner.plan` reads the table of requests and the caches and returns a `StepPlan`
-(chat/step_plan.py); making it changes nothing. `StepPlanner.apply` carries it out (the request
-stages, chat/request_stages.py, over the cache owner).
+(chat/scheduling/step_plan.py); making it changes nothing. `StepPlanner.apply` carries it out (the request
+stages, chat/scheduling/request_stages.py, over the cache owner).
 
 Each step: requests stopped wherever they wait leave (waiting, prefilling, decoding, a text being
 prepared: a Stop is read before any budget); waiting requests are admitted while rows are free (a
 client below its share of the rows takes one from the client holding the most:
-chat/request_table.py); this step's prompt budget goes in pieces, fair by tokens owed
-(chat/prompt_fairness.py), shortest remaining prefill first, each newcomer's piece read from where
+chat/scheduling/request_table.py); this step's prompt budget goes in pieces, fair by tokens owed
+(chat/scheduling/prompt_fairness.py), shortest remaining prefill first, each newcomer's piece read from where
 its rollback will land (`CacheSession.landing`); each decode row's guesses are asked. A text
 prepared while the person types is a prompt piece of the lowest priority: it runs only in a step
 no reply wants, one piece of at most `prefill_chunk` tokens, so a reply arriving waits at most
@@ -20,14 +20,14 @@ from typing import Callable
 from transformers import PreTrainedModel
 
 from cache_sessions.owner import CacheOwner
-from chat.guessing import StepGuesses
-from chat.prompt_fairness import PromptFairness
-from chat.prompt_pieces import PromptPieces
-from chat.request_stages import RequestStages
-from chat.request_table import RequestTable
-from chat.requests import GenerationRequest
-from chat.step_budget import StepBudget
-from chat.step_plan import Counters, Piece, SchedulerStats, StepPlan
+from chat.scheduling.guessing import StepGuesses
+from chat.scheduling.prompt_fairness import PromptFairness
+from chat.scheduling.prompt_pieces import PromptPieces
+from chat.scheduling.request_stages import RequestStages
+from chat.scheduling.request_table import RequestTable
+from chat.scheduling.requests import GenerationRequest
+from chat.scheduling.step_budget import StepBudget
+from chat.scheduling.step_plan import Counters, Piece, SchedulerStats, StepPlan
 
 
 class StepPlanner:

@@ -2,7 +2,7 @@
 cache rolled back to where the prompt parts from it), each prompt piece noted, and its end (the
 cache owner checks and rests its session, then its reader is told).
 
-The planner (chat/step_planner.py) decides, as plain data (chat/step_plan.py); this carries it
+The planner (chat/scheduling/step_planner.py) decides, as plain data (chat/scheduling/step_plan.py); this carries it
 out over the cache owner, for replies and texts prepared ahead alike, so no second copy of how a
 request starts or ends exists.
 """
@@ -16,11 +16,11 @@ import torch
 from transformers import PreTrainedModel
 
 from cache_sessions.owner import CacheOwner
-from chat.guessing import StepGuesses
-from chat.request_table import RequestTable
-from chat.requests import GenerationRequest
-from chat.sampling import TokenChooser
-from chat.step_plan import Counters, Piece, StepPlan
+from chat.scheduling.guessing import StepGuesses
+from chat.scheduling.request_table import RequestTable
+from chat.scheduling.requests import GenerationRequest
+from chat.scheduling.sampling import TokenChooser
+from chat.scheduling.step_plan import Counters, Piece, StepPlan
 
 
 class RequestStages:

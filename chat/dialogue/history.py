@@ -37,7 +37,7 @@ class ReplyVersion:
     ended: bool = False  # the model ended it (an end-of-turn token): a Continue would add nothing
     thought_s: float | None = None  # how long it thought before answering (shown on its Thinking bubble)
     # the oldest user turns its prompt left out to fit the context (they stay in the tree); the
-    # next turn keeps that cut while it fits (chat/fitting.py). Not saved: a restored one refits.
+    # next turn keeps that cut while it fits (chat/dialogue/fitting.py). Not saved: a restored one refits.
     dropped_turns: int = 0
 
 

@@ -1,4 +1,4 @@
-"""The scheduler's one record of its requests (chat/scheduler.py): what waits, what prefills, what
+"""The scheduler's one record of its requests (chat/scheduling/scheduler.py): what waits, what prefills, what
 decodes, what was paused to give another client its share of the rows, and which replies are
 being made in another process (a ZeroGPU worker).
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Collection, Iterator, Sequence
 
 from cache_sessions.session import CacheSession
-from chat.requests import GenerationRequest
+from chat.scheduling.requests import GenerationRequest
 
 
 @dataclass(frozen=True)

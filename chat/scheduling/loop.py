@@ -13,7 +13,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
-from chat.worker import ModelWorker
+from chat.scheduling.worker import ModelWorker
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ but the ids new messages draw from the tree.
 A plan holds the path the reply answers (existing nodes, and new ones made here), the node the
 reply will be, and the `ReplyRequest` a reply source takes (plain data). Planning runs on the
 request's thread, costs what the context holds rather than what the history holds
-(chat/fitting.py), is counted while it runs (`Planner.planning`, shown in /status) and stops
+(chat/dialogue/fitting.py), is counted while it runs (`Planner.planning`, shown in /status) and stops
 when its caller says it went away.
 """
 
@@ -16,13 +16,13 @@ from typing import Callable
 from cache_sessions.branches import BranchKeep
 from cache_sessions.session import common_prefix_length
 from chat.errors import ContextOverflowError, NotAUserMessageError, NothingToRegenerateError, ReplyEndedError
-from chat.fitting import fit_to_context
-from chat.history import History, Node
+from chat.dialogue.fitting import fit_to_context
+from chat.dialogue.history import History, Node
 from chat.in_flight import InFlight
-from chat.operations import Continue, Edit, Operation, Regenerate, Send
-from chat.options import GenerationOptions
-from chat.sources import ReplyKind, ReplyRequest
-from chat.templates import ChatTemplate
+from chat.dialogue.operations import Continue, Edit, Operation, Regenerate, Send
+from chat.dialogue.options import GenerationOptions
+from chat.backends.sources import ReplyKind, ReplyRequest
+from chat.dialogue.templates import ChatTemplate
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Planner:
         """The reply to `path`. Turns left out to fit the context stay where they are in the tree
         (the person still sees and can branch from them); only the prompt leaves them out, and
         the reply records how many (`ReplyVersion.dropped_turns`) so the next turn keeps the same
-        cut while it fits (chat/fitting.py). Before, the kept turns were copied under the system
+        cut while it fits (chat/dialogue/fitting.py). Before, the kept turns were copied under the system
         prompt as a new branch at every trimmed turn, and the 32nd such turn was refused
         ("already has 32 versions"): a long chat could never go on."""
         fitted = fit_to_context(self.template, [node.message() for node in path], context_limit=self.context_limit,

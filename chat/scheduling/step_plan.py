@@ -1,7 +1,7 @@
-"""What one step does, as plain data: made by the planner (chat/step_planner.py) from the table
-of requests without changing anything, applied by the request stages (chat/request_stages.py)
+"""What one step does, as plain data: made by the planner (chat/scheduling/step_planner.py) from the table
+of requests without changing anything, applied by the request stages (chat/scheduling/request_stages.py)
 over the cache owner, run by the runner (chat/model_step/runner.py), its tokens chosen by the
-sampling (chat/guessing.py). Also what the batch has done so far, for `/status`.
+sampling (chat/scheduling/guessing.py). Also what the batch has done so far, for `/status`.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Collection, Hashable
 
 from cache_sessions.session import Landing
 from chat.model_step.runner import Row
-from chat.request_table import Admission
-from chat.requests import GenerationRequest
+from chat.scheduling.request_table import Admission
+from chat.scheduling.requests import GenerationRequest
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class Owed:
-    """A step's prompt budget as fairness settles it (chat/prompt_fairness.py): the flows that
+    """A step's prompt budget as fairness settles it (chat/scheduling/prompt_fairness.py): the flows that
     wanted some of `budget`, and what each was given."""
 
     wanting: tuple[Hashable, ...]
@@ -69,7 +69,7 @@ class StepPlan:
     ahead: Piece | None = None  # with no tokens and not ending its prompt: fed to its end, it ends
     on_disk: frozenset[GenerationRequest] = frozenset()  # their states being read beside the loop
     apart: bool = False  # only newcomers whose prompt ends here decode (the other rows wait a step)
-    eager: bool = False  # run eagerly though a graph would take it: timed once for guesses (chat/drafting.py)
+    eager: bool = False  # run eagerly though a graph would take it: timed once for guesses (chat/scheduling/drafting.py)
     owed: Owed | None = None
     started: float = 0.0  # when the step's own work began: what a guess costs counts from here
 
@@ -133,11 +133,11 @@ class SchedulerStats:
     join_wait_mean_s: float  # from submit to the first decode step, over the last 32
     join_wait_max_s: float
     packed: bool = False  # steps run packed, one forward for every row (else row by row: chat/model_step/runner.py)
-    prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/step_budget.py)
-    paused: int = 0  # decode rows given up for another client's share of the rows (chat/request_table.py)
+    prompt_tokens_per_step: int = 0  # the measured budget while rows decode (chat/scheduling/step_budget.py)
+    paused: int = 0  # decode rows given up for another client's share of the rows (chat/scheduling/request_table.py)
     preparing: int = 0  # texts being prepared ahead of their Send (`prepare`)
     prepared: int = 0  # texts prepared to their end so far
-    guessed: int = 0  # tokens guessed and verified in decode steps (chat/drafting.py)
+    guessed: int = 0  # tokens guessed and verified in decode steps (chat/scheduling/drafting.py)
     guesses_taken: int = 0  # of them, taken into replies
     first_tokens_kept: int = 0  # first tokens chosen from logits a cache kept, with no step (a Retry, a prepared Send)
     newcomers_apart: int = 0  # steps that ran newcomers' prompt ends without the other decode rows

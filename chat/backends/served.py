@@ -26,15 +26,15 @@ import openai
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from cache_sessions.branches import BranchMove
-from chat import saved
-from chat.conversation import Conversation
+from chat.dialogue import saved
+from chat.dialogue.conversation import Conversation
 from chat.errors import ChatError, ConversationError, ModelLoadError
-from chat.history import ReplyVersion
-from chat.options import GenerationOptions
-from chat.plans import Planner
-from chat.reasoning import Delta, ReasoningSplitter
-from chat.sources import Reply, ReplyRequest, TurnStats
-from chat.templates import ChatTemplate
+from chat.dialogue.history import ReplyVersion
+from chat.dialogue.options import GenerationOptions
+from chat.dialogue.plans import Planner
+from chat.dialogue.reasoning import Delta, ReasoningSplitter
+from chat.backends.sources import Reply, ReplyRequest, TurnStats
+from chat.dialogue.templates import ChatTemplate
 
 AFFINITY_HEADER = "X-Session-Affinity"
 MAX_WARMING = 8  # one-token requests warming the server's prefix cache in flight, for the whole app

@@ -1,6 +1,6 @@
 """Shared snapshots: a read-only copy of the path a person had on screen, found by an unguessable id.
 
-A snapshot is saved-format data (chat/saved.py) of that one path, nothing else of its owner: a
+A snapshot is saved-format data (chat/dialogue/saved.py) of that one path, nothing else of its owner: a
 link reaches it and only it. Whoever made it revokes it with the key given back at its making
 (the browser keeps it); a signed-in owner also through their account. A revoked link is gone from
 the store (it answers 404), not hidden. Shares made without signing in are bounded per client a
@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from chat.store import SHARES, AccountLock, Quotas, StoreError
+from chat.storage.store import SHARES, AccountLock, Quotas, StoreError
 
 ANONYMOUS = "anonymous"  # the row anonymous shares lock while they are counted (no account is named so)
 DAY_S = 86_400

@@ -1,7 +1,7 @@
-"""Continuous batching on the engine's loop (chat/loop.py): every reply being generated advances in
+"""Continuous batching on the engine's loop (chat/scheduling/loop.py): every reply being generated advances in
 one model step per step; every other change to a cache runs between steps.
 
-Three roles (vLLM v1, nano-vllm): the scheduler decides (its planner, chat/step_planner.py, over
+Three roles (vLLM v1, nano-vllm): the scheduler decides (its planner, chat/scheduling/step_planner.py, over
 the table of requests), the cache owner (cache_sessions/owner.py) applies, the runner
 (chat/model_step/runner.py) executes. One step, after the commands other threads posted (a
 branch switch, a close, a worker's result), reads in that order: **plan** (a `StepPlan`, plain
@@ -22,7 +22,7 @@ weights and the whole history again, so small ones would slow a lone long prompt
 newcomer still waits at most one such chunk). The budget goes to the request with the shortest
 remaining prefill first, so a one-line message sent just after a 4,000-token one is answered
 after a chunk, not after the long prompt; a request owed a whole budget (its fair share of past
-steps, less what it got: chat/prompt_fairness.py) goes before them, so a stream of short messages
+steps, less what it got: chat/scheduling/prompt_fairness.py) goes before them, so a stream of short messages
 cannot starve a long one. The
 scheduler decides; the cache owner (cache_sessions/owner.py) applies every change to the
 sessions. A request joins the decode rows once only its last prompt token is left to feed, or
@@ -51,17 +51,17 @@ from cache_sessions.kv_cache import KVCacheKind
 from cache_sessions.owner import CacheOwner
 from cache_sessions.session import CacheSession
 from chat.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ALONE
-from chat.drafting import DraftPolicy
-from chat.guessing import StepGuesses
-from chat.loop import Loop
-from chat.options import GenerationOptions
-from chat.requests import CacheWork, GenerationRequest
+from chat.scheduling.drafting import DraftPolicy
+from chat.scheduling.guessing import StepGuesses
+from chat.scheduling.loop import Loop
+from chat.dialogue.options import GenerationOptions
+from chat.scheduling.requests import CacheWork, GenerationRequest
 from chat.model_step.runner import ModelRunner, Row
-from chat.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR, StepBudget
-from chat.step_plan import SchedulerStats, StepPlan
-from chat.step_sampling import StepSampler
-from chat.step_planner import StepPlanner
-from chat.worker import ModelWorker
+from chat.scheduling.step_budget import DEFAULT_ALONE_STEP_S, DEFAULT_GAP_FACTOR, StepBudget
+from chat.scheduling.step_plan import SchedulerStats, StepPlan
+from chat.scheduling.step_sampling import StepSampler
+from chat.scheduling.step_planner import StepPlanner
+from chat.scheduling.worker import ModelWorker
 
 T = TypeVar("T")
 
@@ -78,10 +78,10 @@ class DecodeScheduler:
         takes a step of decode rows alone to, once built (chat/model_step/compiled.py). `kv_cache`:
         the kind of cache every session's states live in (the owner's, and the runner's probe). `step_gap_factor`:
         while rows decode, a step's prompt tokens are at most `prefill_chunk` and as many as keep
-        it within that many decode steps, measured (chat/step_budget.py; None: `prefill_chunk`
+        it within that many decode steps, measured (chat/scheduling/step_budget.py; None: `prefill_chunk`
         always); `alone_step_s`: the same while none decodes, in seconds a step (None:
         `prefill_chunk_alone` always). `draft`: "auto", "ngram" or "off": how decode rows feed
-        guessed tokens to verify (chat/drafting.py). `cache_settings`:
+        guessed tokens to verify (chat/scheduling/drafting.py). `cache_settings`:
         the cache owner's (budget_bytes, max_checkpoints, prefix_store, offload)."""
         self.model, self.worker, self.max_batch_size = model, worker, max_batch_size
         self.loop = Loop(worker, self._step, self._has_work, lambda: self.caches.settle())
@@ -159,7 +159,7 @@ class DecodeScheduler:
             request._done.wait(max(0.0, deadline - time.monotonic()))
 
     def in_use(self) -> set[CacheSession]:
-        """The one record of what is in use (chat/request_table.py)."""
+        """The one record of what is in use (chat/scheduling/request_table.py)."""
         return self.planner.requests.in_use()
 
     def call(self, function: Callable[..., T], *args: Any) -> T:

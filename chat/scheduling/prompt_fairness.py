@@ -1,4 +1,4 @@
-"""Who gets a step's prompt budget (chat/scheduler.py): fair by tokens owed, per client.
+"""Who gets a step's prompt budget (chat/scheduling/scheduler.py): fair by tokens owed, per client.
 
 Shortest remaining prefill first is what makes a one-line message answered after one chunk, not
 after a 4,000-token prompt sent just before it. Alone, it starves the long prompt whenever short

@@ -1,0 +1,1 @@
+"""A conversation and its history: operations planned into prompts (the chat template, the context fitted), the branch tree, what is saved, and a reply's text as it streams (whole characters, reasoning apart)."""

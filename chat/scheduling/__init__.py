@@ -1,0 +1,1 @@
+"""The engine that schedules and runs steps: the loop on the compute thread, the table of requests, each step's plan (plain data), its application over the cache owner, guessed tokens and sampling. The model step itself is chat/model_step/."""
