@@ -134,17 +134,9 @@ def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Te
     masks = _causal_masks(spans, tokens.device)
     window_masks: dict[tuple[int, int], torch.Tensor | None] = {}  # by row and first token of a call
     softcap = getattr(config, "attn_logit_softcapping", None)
-    count = tokens.shape[0]
     for index, layer in enumerate(core.layers):
         attention, window = layer.self_attn, windowed[index]
-        rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
-        normed = layer.input_layernorm(hidden)
-        shape = (1, count, -1, attention.head_dim)
-        query, key = attention.q_proj(normed).view(shape), attention.k_proj(normed).view(shape)
-        if hasattr(attention, "q_norm"):
-            query, key = attention.q_norm(query), attention.k_norm(key)
-        value = attention.v_proj(normed).view(shape).transpose(1, 2)
-        query, key = rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        query, key, value = _projections(layer, hidden, cos, sin)
         heads, kv_heads = query.shape[1], key.shape[1]
         groups = heads // kv_heads
         outputs = []
@@ -171,16 +163,36 @@ def plain_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Te
                 output = _attend(stacked, row_keys[:, :, since:seen], row_values[:, :, since:seen],
                                  None if mask is None else mask.repeat(groups, 1), attention.scaling, softcap)
                 outputs.append(output.reshape(heads, width, -1).transpose(0, 1).reshape(width, -1))
-        mixed = attention.o_proj(torch.cat(outputs)[None])
-        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma2: a norm after attention, two around the MLP
-            hidden = hidden + layer.post_attention_layernorm(mixed)
-            hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
-        else:
-            hidden = hidden + mixed
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = _feed_forward(layer, hidden, attention.o_proj(torch.cat(outputs)[None]))
     logits = model.lm_head(core.norm(hidden[:, logits_at]))[0]
     final_cap = getattr(config, "final_logit_softcapping", None)
     return logits if final_cap is None else torch.tanh(logits / final_cap) * final_cap
+
+
+def _projections(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer's queries, keys (both rotated) and values for `hidden`, (1, heads, tokens,
+    head_dim) each, as its attention's own forward makes them (Qwen3's q/k norms included)."""
+    attention = layer.self_attn
+    rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+    normed = layer.input_layernorm(hidden)
+    shape = (1, hidden.shape[1], -1, attention.head_dim)
+    query, key = attention.q_proj(normed).view(shape), attention.k_proj(normed).view(shape)
+    if hasattr(attention, "q_norm"):
+        query, key = attention.q_norm(query), attention.k_norm(key)
+    value = attention.v_proj(normed).view(shape).transpose(1, 2)
+    query, key = rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    return query, key, value
+
+
+def _feed_forward(layer: torch.nn.Module, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer after its attention's output `mixed`: the residuals and the MLP
+    (Gemma2: a norm after attention, two around the MLP)."""
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        hidden = hidden + layer.post_attention_layernorm(mixed)
+        return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+    hidden = hidden + mixed
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
 def _attention_calls(length: int, alone: int) -> list[tuple[int, int]]:
