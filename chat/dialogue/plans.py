@@ -68,9 +68,8 @@ class Planner:
         """The reply to `path`. Turns left out to fit the context stay where they are in the tree
         (the person still sees and can branch from them); only the prompt leaves them out, and
         the reply records how many (`ReplyVersion.dropped_turns`) so the next turn keeps the same
-        cut while it fits (chat/dialogue/fitting.py). Before, the kept turns were copied under the system
-        prompt as a new branch at every trimmed turn, and the 32nd such turn was refused
-        ("already has 32 versions"): a long chat could never go on."""
+        cut while it fits (chat/dialogue/fitting.py). No branch is made for a cut: however many
+        turns a long chat is cut at, it goes on."""
         fitted = fit_to_context(self.template, [node.message() for node in path], context_limit=self.context_limit,
                                 max_new_tokens=options.max_new_tokens, enable_thinking=options.enable_thinking,
                                 may_drop=fit_context, dropped_before=dropped_before, cancelled=cancelled)

@@ -8,7 +8,7 @@ paused) request whose client holds the fewest rows; with none free, a client bel
 (the rows over the clients with requests) takes a decode row from the client holding the most,
 which is paused: its states stay in its session, its reader simply waits, and it goes on, exact,
 once a row is free for it again. A request with no client is a client of its own, so without
-clients this is arrival order, as before.
+clients this is arrival order.
 
 It is the only meaning of "in use": the cache owner never frees, spills or releases a session
 this table holds (cache_sessions/owner.py reads `in_use`). Any thread reads it under its lock; the

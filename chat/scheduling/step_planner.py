@@ -45,7 +45,7 @@ class StepPlanner:
         self._pieces = dict(prefill_chunk=prefill_chunk, prefill_chunk_alone=prefill_chunk_alone,
                             prefill_order=prefill_order, last_piece_rows=last_piece_rows)
         PromptPieces(caches, step_budget, PromptFairness(), **self._pieces)  # its settings checked now
-        # (False: every row in every step; a message cut to the budget: as before, a benchmark's "before")
+        # (False: every row in every step; a message cut to the budget: a benchmark's other arm)
         self.newcomers_apart = self.whole_messages = True
         self.reset()
 
