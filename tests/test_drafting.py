@@ -359,13 +359,14 @@ PROMPTS = ["Tell me about caches.", "What rolls back?", "A branch, then another.
            "Undo twice, then retry.", "Why does the window slide?", "Count to twelve slowly.", "Stop here and go on."]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_guesses_never_change_a_greedy_reply_at_real_head_width(tokenizers, dtype):
+@pytest.mark.parametrize("dtype,kv_cache", [(torch.float32, "dynamic"), (torch.bfloat16, "dynamic"),
+                                            (torch.float32, "quantized")])
+def test_guesses_never_change_a_greedy_reply_at_real_head_width(tokenizers, dtype, kv_cache):
     """A two-layer Qwen3 with heads 128 wide: a greedy Retry with guesses ("auto", and "ngram",
-    which guesses whenever it can) is the reply without them, for eight prompts. In bf16 a row of
-    several guessed tokens sums its products in another order than a token alone (2-3 of 8
-    Retries went another way), so there no guess is fed and /status says why; in fp32 guesses are
-    fed and taken."""
+    which guesses whenever it can) is the reply without them, for eight prompts, with full-precision
+    states and with the quantized cache. In bf16 a row of several guessed tokens sums its products
+    in another order than a token alone (2-3 of 8 Retries went another way), so there no guess is
+    fed and /status says why; in fp32 guesses are fed and taken."""
     from tiny_models import wide_heads_model
 
     tokenizer = tokenizers[THINKING_TEMPLATE]
@@ -373,7 +374,7 @@ def test_guesses_never_change_a_greedy_reply_at_real_head_width(tokenizers, dtyp
     model = model.to(dtype)
     replies: dict[str, list[list[int]]] = {}
     for draft in ("off", "auto", "ngram"):
-        engine = ChatEngine(model, tokenizer, draft=draft, compile="off")
+        engine = ChatEngine(model, tokenizer, draft=draft, compile="off", kv_cache=kv_cache)
         replies[draft] = []
         for prompt in PROMPTS:
             conversation = engine.conversation()
