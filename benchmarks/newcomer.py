@@ -6,7 +6,7 @@ time to first token against the same message on an idle engine, the arms alterna
 process (`--arms`):
 
 - "whole" (now): a message that fits one step within `StepBudget.whole_tokens` goes whole
-  (`StepPlanner._whole_or`), and its prompt's end runs apart from the rows where their gap allows;
+  (`PromptPieces._whole_or`), and its prompt's end runs apart from the rows where their gap allows;
 - "apart": cut to the step budget as any prompt, its prompt's end apart where the gap allows
   (`StepPlanner._rows_this_step`);
 - "beside": cut to the budget, every row in every step (the code before both).
