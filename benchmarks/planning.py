@@ -88,7 +88,7 @@ def sizes_run(engine: ChatEngine, turn_counts: list[int], chars: int, old_up_to:
 def restored_send(engine: ChatEngine, repeats: int) -> dict:
     """The issue's case: 250 turns, 2,000,000 characters, restored, then one Send."""
     data = history_of(250, 4000)
-    from chat import saved
+    from chat.dialogue import saved
 
     saved_data = json.loads(json.dumps(saved.to_dict(data)))
     restore_s, conv = timed(lambda: engine.restore(saved_data), repeats)

@@ -190,7 +190,7 @@ def test_a_message_being_typed_warms_the_servers_prefix_cache_with_the_sends_own
 def test_a_conversations_warm_ups_start_at_most_every_warm_every_s(base_tokenizer, tmp_path):
     """The page asks at each keystroke (#45); behind a model server that would be a request a
     keystroke. Asks within `WARM_EVERY_S` of a conversation's last warm-up start none."""
-    from chat import served
+    from chat.backends import served
 
     engine, wire = wired_engine(base_tokenizer, tmp_path, "qwen2_5", "ignored", "ignored", "It is 85")
     conv = engine.conversation("Be brief.")
@@ -213,7 +213,7 @@ def test_a_conversations_warm_ups_start_at_most_every_warm_every_s(base_tokenize
 
 
 def test_warming_a_server_can_be_turned_off(base_tokenizer, tmp_path):
-    from chat import served
+    from chat.backends import served
 
     engine, wire = wired_engine(base_tokenizer, tmp_path, "qwen2_5", "It is 85")
     engine.runtime.warm_while_typing = False

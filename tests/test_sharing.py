@@ -88,7 +88,7 @@ def test_a_share_page_escapes_everything(tmp_path):
 
 
 def test_a_snapshot_holds_the_path_on_screen_and_nothing_else():
-    from chat import saved
+    from chat.dialogue import saved
 
     def reply(text):
         return {"role": "assistant", "content": text, "reasoning_content": "", "stopped": False, "edited": False}
@@ -111,7 +111,7 @@ def test_a_snapshot_holds_the_path_on_screen_and_nothing_else():
 def test_a_share_is_titled_from_the_path_it_publishes_unless_the_chat_was_named():
     """The list's title is the chat's first message, which may have been edited away: a share
     titled so published a message it does not hold."""
-    from chat import saved
+    from chat.dialogue import saved
     from ui.browser_copy import Book
 
     data = {"format": saved.FORMAT, "version": 1, "shown": 1, "system_prompt": None, "path": [1],

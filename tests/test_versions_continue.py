@@ -114,7 +114,8 @@ def test_continue_on_a_reply_the_model_ended_is_refused_and_changes_nothing():
     A reply cut off by its length goes on."""
     from chat.demo import demo_folder
     from chat.loading import load_model_and_tokenizer
-    from chat import ReplyEndedError, saved
+    from chat import ReplyEndedError
+    from chat.dialogue import saved
 
     model, tokenizer = load_model_and_tokenizer(str(demo_folder()), device="cpu")
     conv = ChatEngine(model, tokenizer).conversation()
