@@ -37,14 +37,13 @@ class StepPlanner:
     def __init__(self, model: PreTrainedModel, caches: CacheOwner, guesses: StepGuesses, step_budget: StepBudget, *,
                  max_batch_size: int, prefill_chunk: int, prefill_chunk_alone: int, prefill_order: str,
                  last_piece_rows: int | None = None):
-        """The prompt settings are `PromptPieces`'."""
+        """The prompt settings are `PromptPieces`' (checked as `reset` makes it)."""
         if max_batch_size < 1 or prefill_chunk < 1 or prefill_chunk_alone < 1:
             raise ValueError("max_batch_size, prefill_chunk and prefill_chunk_alone must be at least 1")
         self.model, self.caches, self.guesses, self.step_budget = model, caches, guesses, step_budget
         self.max_batch_size, self.prefill_chunk = max_batch_size, prefill_chunk
         self._pieces = dict(prefill_chunk=prefill_chunk, prefill_chunk_alone=prefill_chunk_alone,
                             prefill_order=prefill_order, last_piece_rows=last_piece_rows)
-        PromptPieces(caches, step_budget, PromptFairness(), **self._pieces)  # its settings checked now
         # (False: every row in every step; a message cut to the budget: a benchmark's other arm)
         self.newcomers_apart = self.whole_messages = True
         self.reset()
