@@ -111,8 +111,7 @@ class History:
 
     def node(self, role: Literal["system", "user", "assistant"], content: str = "",
              reply: ReplyVersion | None = None) -> Node:
-        """A new, unattached message with the next id of this tree (a planned path's new nodes
-        draw theirs too, recorded or not: an id is never given twice)."""
+        """A new, unattached message with the tree's next id (never given twice, recorded or not)."""
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         return Node(role, uid, content, reply)
 
