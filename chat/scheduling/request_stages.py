@@ -9,7 +9,7 @@ request starts or ends exists.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -63,7 +63,7 @@ class RequestStages:
             self.caches.keep_next_logits(request.session, request.prompt_ids, logits[-1])
             self.prepared(request)
         else:
-            self.prefilled(request, lambda request, error: self.leave([request], error))
+            self.prefilled(request)
 
     def prepared(self, text: GenerationRequest) -> None:
         with self.requests.lock:
@@ -96,19 +96,18 @@ class RequestStages:
 
     def piece_fed(self, request: GenerationRequest) -> None:
         """A prompt piece ran: the request decodes from the next step once only its last token is left."""
-        if self.prefilled(request, lambda request, error: self.leave([request], error)):
+        if self.prefilled(request):
             self.requests.start_decoding(request)
 
-    def prefilled(self, request: GenerationRequest, fail: Callable[[GenerationRequest, BaseException], None]
-                  ) -> bool:
+    def prefilled(self, request: GenerationRequest) -> bool:
         """Whether all of its prompt but the last token is in its cache now (the owner notes the
-        piece: a shared prefix kept, a checkpoint); if that fails, `fail` ends it with the error."""
+        piece: a shared prefix kept, a checkpoint); if that fails, it leaves with the error."""
         work = request.work
         try:
             return self.caches.piece_fed(request.session, request.prompt_ids, work.prefix_store,
                                          work.shared_prefix_length)
         except BaseException as error:
-            fail(request, error)
+            self.leave([request], error)
             return False
 
     def leave(self, requests: Sequence[GenerationRequest], error: BaseException | None = None) -> None:

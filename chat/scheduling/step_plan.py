@@ -103,11 +103,12 @@ class StepPlan:
     def rows(self) -> list[Row]:
         """The runner's rows: each decode row's next inputs and guesses, then the prompt rows
         (read before the run: a row's inputs are what its cache does not hold yet)."""
-        prompt_rows = [*self.pieces, *([self.ahead] if self.ahead is not None and self.ahead_runs() else [])]
+        prompt_rows = [*self.pieces, *([self.ahead] if self.ahead_runs() else [])]
         return ([(request.session, request.unfed + list(guess)) for request, guess in zip(self.decoding, self.guesses)]
                 + [(piece.request.session, piece.fed()) for piece in prompt_rows])
 
     def ahead_runs(self) -> bool:
+        """Whether a text prepared ahead feeds tokens this step (one fed to its end ends instead)."""
         return self.ahead is not None and bool(self.ahead.fed())
 
     def logits_wanted(self) -> tuple[list[int], list[int]]:
