@@ -17,6 +17,7 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 from chat import ChatEngine, ModelLoadError
+from chat.api import ApiRuns, api_routes
 from chat.backends import remote
 from chat.dialogue import saved
 from chat.storage.shares import Shares
@@ -285,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
                  **(dict(placeholder=DEMO_PLACEHOLDER) if is_demo else {}))
     # signed in: a sign-out holds on every replica (inside Gradio's session middleware: it sees the session)
     middleware = [Middleware(SignedOutSessions, sign_outs=SignOuts(database))] if account_copy is not None else []
-    return serve(demo, config, routes(directory, metrics) + sharing.routes(), middleware)
+    api = ApiRuns(engine, max_new_tokens=config.max_new_tokens) \
+        if config.serve_api and config.backend == "local" and not ON_ZERO_GPU else None
+    served_api = api_routes(api, api_key=config.serve_api_key, max_body_bytes=int(config.max_request_mb * 2**20)) \
+        if api is not None else []
+    return serve(demo, config, routes(directory, metrics, api) + sharing.routes() + served_api, middleware)
 
 
 def serve(demo: gr.Blocks, config: AppConfig, extra_routes: list[Any], middleware: list[Middleware]) -> int:

@@ -134,18 +134,21 @@ class CacheOwner(CacheBooks):
         self._measure(session)
         return moved
 
-    def start_from(self, session: CacheSession, source: CacheSession) -> bool:
-        """A new, empty `session` starts from a copy of `source`'s states (a conversation branched
-        off into a new chat: its first turn rolls the copy back to what it shares, as any turn
-        does). False (nothing copied; its first turn computes everything) when `source` holds
-        nothing, `session` already does, or `source` has layers that keep earlier states only at
-        checkpoints (sliding windows, recurrent states), which a copy does not carry: cut back,
-        it would start from nothing, where a new session starts from the shared prefix."""
+    def start_from(self, session: CacheSession, source: CacheSession, length: int | None = None) -> bool:
+        """A new, empty `session` starts from a copy of `source`'s states, its first `length`
+        positions (None: all it holds; more than it holds: all) (a conversation branched off into
+        a new chat: its first turn rolls the copy back to what it shares, as any turn does; an API
+        request sharing a prefix with another's conversation). False (nothing copied; its first
+        turn computes everything) when `source` holds nothing, `session` already does, or `source`
+        has layers that keep earlier states only at checkpoints (sliding windows, recurrent
+        states), which a copy does not carry: cut back, it would start from nothing, where a new
+        session starts from the shared prefix."""
         self._on_loop(source)
         self._on_loop(session)
-        if session.token_ids or not source.token_ids or not source.crops_anywhere():
+        if session.token_ids or not source.token_ids or not source.crops_anywhere() or length == 0:
             return False
-        copied = session.append_segment(source.cut_segment(0))
+        end = len(source.token_ids) if length is None else min(length, len(source.token_ids))
+        copied = session.append_segment(source.cut_segment(0, end))
         self._measure(session)
         return copied
 

@@ -47,11 +47,16 @@ class SegmentedStates(CacheStates):
     def oldest_segment_age(self) -> int | None:
         return self._segments.oldest_age()
 
-    def cut_segment(self, start: int) -> Segment:
-        """The states for positions [start, now), as a copy that later changes do not touch."""
-        end = len(self.token_ids)
-        if not 0 <= start <= end:
-            raise ValueError(f"segment start {start} outside the cache (0..{end})")
+    def cut_segment(self, start: int, end: int | None = None) -> Segment:
+        """The states for positions [start, end) (`end` None: now), as a copy that later changes do
+        not touch. An `end` before now is only for layers that crop anywhere (`crops_anywhere`):
+        the others keep one state, the one at now."""
+        now = len(self.token_ids)
+        end = now if end is None else end
+        if not 0 <= start <= end <= now:
+            raise ValueError(f"segment [{start}, {end}) outside the cache (0..{now})")
+        if end < now and not self.crops_anywhere():
+            raise ValueError("only a cache whose layers crop anywhere gives a segment that ends before now")
         return Segment(start, self.token_ids[start:end], [kind.cut_segment(start, end) for kind in self._kinds])
 
     def append_segment(self, segment: Segment) -> bool:

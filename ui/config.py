@@ -47,6 +47,11 @@ class AppConfig:
     warm_served: bool = _setting(True, "WARM_SERVED", "with --backend openai: while a message is typed, send the "
                                  "request its Send will make for one token, so a prefix-caching server (vLLM, "
                                  "SGLang) has the prompt ready; off for a server without a prefix cache")
+    serve_api: bool = _setting(True, "SERVE_API", "serve the OpenAI API (/v1/chat/completions, /v1/completions, "
+                               "/v1/models) beside the page, from the same engine and its caches (local backend; "
+                               "not on ZeroGPU)")
+    serve_api_key: str | None = _setting(None, "SERVE_API_KEY", "a key every /v1 request must send as Authorization: "
+                                         "Bearer; default none: open to whoever reaches the page")
     host: str = _setting("127.0.0.1", ("HOST", "GRADIO_SERVER_NAME"))
     port: int = _setting(7860, ("PORT", "GRADIO_SERVER_PORT"))
     device: str | None = _setting(None, "DEVICE", "cuda, mps or cpu; automatic by default")

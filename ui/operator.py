@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from chat import TurnStats, __version__
+from chat.api import ApiRuns
 from ui.directory import ChatDirectory
 
 
@@ -46,14 +47,16 @@ def memory() -> dict[str, int | None]:
     return {"rss_bytes": resident, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def server_status(directory: ChatDirectory) -> dict:
+def server_status(directory: ChatDirectory, api: ApiRuns | None = None) -> dict:
     """Which app and model, since when; the conversations held, and what the engine says of itself
-    (its batch and caches, or its model server). `busy`: conversations with an operation running."""
+    (its batch and caches, or its model server). `busy`: conversations with an operation running.
+    `openai_api`: the API's requests in flight and kept states, where it is served."""
     stats = directory.manager.stats()
+    served = {"openai_api": api.stats()} if api is not None else {}
     return {"version": VERSION, "started_at": datetime.fromtimestamp(STARTED, timezone.utc).isoformat(),
             "uptime_s": round(time.time() - STARTED), "conversations": stats.sessions, "busy": stats.busy,
             "generating": stats.busy, "expired": stats.expired, "closed_for_room": stats.closed_for_room,
-            "memory": memory(), **directory.engine.status()}
+            "memory": memory(), **directory.engine.status(), **served}
 
 
 class Metrics:
@@ -123,14 +126,14 @@ class _Gauges:
             yield CounterMetricFamily(name, text, value=value)
 
 
-def routes(directory: ChatDirectory, metrics: Metrics) -> list[Route]:
+def routes(directory: ChatDirectory, metrics: Metrics, api: ApiRuns | None = None) -> list[Route]:
     """Plain HTTP routes; given to the app before Gradio's own, so they are found first."""
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True})
 
     async def status(request: Request) -> Response:
-        return JSONResponse(server_status(directory))
+        return JSONResponse(server_status(directory, api))
 
     async def prometheus(request: Request) -> Response:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Hashable, Iterator
+from typing import Hashable, Iterator, Sequence
 
 from cache_sessions.branches import BranchMove
 from cache_sessions.session import CacheSession, PrefillResult
 from chat.dialogue.detokenizer import IncrementalDecoder
-from chat.dialogue.history import ReplyVersion
+from chat.dialogue.history import Message, ReplyVersion
 from chat.dialogue.reasoning import Delta, ReasoningSplitter
 from chat.runtime import Runtime
 from chat.scheduling.requests import CacheWork, GenerationRequest
@@ -129,10 +129,14 @@ class LocalReply:
 
 def shared_prefix_length(runtime: Runtime, request: ReplyRequest) -> int:
     """Tokens of the system prompt turn, when the template renders it as a prompt prefix."""
-    messages, prompt_ids = request.messages, request.prompt_ids
+    return system_prefix_length(runtime, request.messages, request.prompt_ids)
+
+
+def system_prefix_length(runtime: Runtime, messages: Sequence[Message], prompt_ids: Sequence[int]) -> int:
+    """Tokens of `messages`' system turn, when the template renders it as a prefix of `prompt_ids`."""
     if runtime.prefix_store is None or not runtime.template.accepts_system:
         return 0
     if not messages or messages[0]["role"] != "system":
         return 0
     prefix = runtime.template.render_history(messages[:1])
-    return len(prefix) if prompt_ids[: len(prefix)] == prefix else 0
+    return len(prefix) if list(prompt_ids[: len(prefix)]) == prefix else 0

@@ -1,0 +1,212 @@
+"""API requests run on the engine: a prompt rendered (or taken as given), its kept state claimed
+(chat/api/kept_states.py), its reply made by the same scheduler as the page's (one step for all,
+fair between clients), streamed as reasoning and answer text, cut at a stop string, and its usage.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Hashable, Iterator, Literal
+
+from chat.api.kept_states import Claim, How, KeptStates
+from chat.api.protocol import ApiError, Call, ChatCall, invalid
+from chat.backends.local import system_prefix_length
+from chat.dialogue.detokenizer import IncrementalDecoder
+from chat.dialogue.reasoning import Delta, ReasoningSplitter
+from chat.engine import ChatEngine
+from chat.errors import ConversationError
+from chat.scheduling.requests import CacheWork, GenerationRequest
+
+DEFAULT_MAX_PER_CLIENT = 16  # requests one client may have running or waiting
+DEFAULT_MAX_IN_FLIGHT = 256  # requests of every client together
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a reply ended and what it cost."""
+
+    finish_reason: Literal["stop", "length"]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose states were kept (none computed for them)
+    found: How  # how its kept state was found
+    content: str
+    reasoning: str
+
+    def usage(self) -> dict[str, object]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class StopStrings:
+    """Text in, the text before the first stop string out; what could still become one is held."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops, self.hit = stops, False
+        self._held = ""
+        self._hold = max((len(stop) for stop in stops), default=1) - 1
+
+    def feed(self, text: str) -> str:
+        if self.hit or not self.stops:
+            return "" if self.hit else text
+        self._held += text
+        found = [index for index in (self._held.find(stop) for stop in self.stops) if index >= 0]
+        if found:
+            self.hit = True
+            out, self._held = self._held[: min(found)], ""
+            return out
+        cut = max(0, len(self._held) - self._hold)
+        out, self._held = self._held[:cut], self._held[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self._held = ("" if self.hit else self._held), ""
+        return out
+
+
+class ApiRuns:
+    """The API's face of one engine: its model's name, its kept states, the requests in flight."""
+
+    def __init__(self, engine: ChatEngine, *, max_new_tokens: int, max_per_client: int = DEFAULT_MAX_PER_CLIENT,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, states: KeptStates | None = None):
+        self.engine, self.max_new_tokens = engine, max_new_tokens
+        self.max_per_client, self.max_in_flight = max_per_client, max_in_flight
+        self.states = states or KeptStates(engine.caches, engine.scheduler.call)
+        self.vocab_size = len(engine.tokenizer)
+        self._lock = threading.Lock()
+        self._in_flight: dict[Hashable, int] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.name
+
+    def stats(self) -> dict[str, object]:
+        """For `/status`: requests running or waiting, and the kept states."""
+        with self._lock:
+            in_flight = sum(self._in_flight.values())
+        return {"in_flight": in_flight, "states": self.states.stats()}
+
+    @contextmanager
+    def admitted(self, client: Hashable) -> Iterator[None]:
+        """Counts the request while it runs; 429 past the client's share, 503 past everyone's."""
+        with self._lock:
+            if sum(self._in_flight.values()) >= self.max_in_flight:
+                raise ApiError(503, "the server is at its limit of requests; try again shortly", "server_error",
+                               code="server_busy")
+            if self._in_flight.get(client, 0) >= self.max_per_client:
+                raise ApiError(429, f"at most {self.max_per_client} requests of one client run at once",
+                               "rate_limit_exceeded", code="rate_limit_exceeded")
+            self._in_flight[client] = self._in_flight.get(client, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight[client] -= 1
+                if not self._in_flight[client]:
+                    del self._in_flight[client]
+
+    def start(self, call: Call, client: Hashable, stop: threading.Event) -> "ApiRun":
+        """Render and check the prompt, claim its state and submit it; raises `ApiError` first."""
+        runtime = self.engine.runtime
+        opens_reasoning, shared_prefix = False, 0
+        if isinstance(call, ChatCall):
+            try:
+                rendered = runtime.template.render(call.messages,
+                                                   enable_thinking=call.sampling.options.enable_thinking)
+            except ConversationError as error:
+                raise invalid(str(error), "messages") from error
+            prompt_ids, opens_reasoning = rendered.ids, rendered.opens_reasoning
+            shared_prefix = system_prefix_length(runtime, call.messages, prompt_ids)
+        else:
+            prompt_ids = call.token_ids if call.token_ids is not None else runtime.template.encode(call.text or "")
+        if not prompt_ids:
+            raise invalid("the prompt has no tokens", "prompt")
+        limit = self.engine.context_limit
+        options = call.sampling.options
+        if limit is not None:
+            if len(prompt_ids) >= limit:
+                raise invalid(f"the prompt has {len(prompt_ids)} tokens; this model's context holds {limit}",
+                              "messages" if isinstance(call, ChatCall) else "prompt", "context_length_exceeded")
+            options = replace(options, max_new_tokens=min(options.max_new_tokens, limit - len(prompt_ids)))
+        claim = self.states.claim(client, prompt_ids)
+        try:
+            work = CacheWork(runtime.prefix_store, shared_prefix,
+                             references=(claim.earlier_reply,) if claim.earlier_reply else ())
+            generation = runtime.scheduler.submit(claim.session, prompt_ids, options, stop, work, client)
+        except BaseException:
+            self.states.give_back(claim, [], 0)
+            raise
+        return ApiRun(self, claim, generation, call, opens_reasoning, stop)
+
+
+class ApiRun:
+    """One request's reply: iterate `pieces()`, then `end()` (which also stops it if it still runs)."""
+
+    def __init__(self, runs: ApiRuns, claim: Claim, generation: GenerationRequest, call: Call,
+                 opens_reasoning: bool, stop: threading.Event):
+        self.runs, self.claim, self.generation, self.call, self.stop = runs, claim, generation, call, stop
+        self.chat = isinstance(call, ChatCall)
+        self.splitter = ReasoningSplitter(starts_in_reasoning=opens_reasoning) if self.chat else None
+        self.stops = StopStrings(call.sampling.stops)
+        self.content = self.reasoning = ""
+        self._ended: Ending | None = None
+
+    def pieces(self) -> Iterator[Delta]:
+        """The reply's text as it comes: reasoning and answer (a completion's text is all answer)."""
+        runtime = self.runs.engine.runtime
+        decoder = IncrementalDecoder(runtime.tokenizer, runtime.eos_token_ids)
+        for token_id in self.generation.tokens():
+            yield from self._text(decoder.push(token_id))
+            if self.stops.hit:
+                self.stop.set()
+                break
+        else:
+            yield from self._text(decoder.flush())
+        if self.splitter is not None:
+            for delta in self.splitter.finish():
+                yield from self._kept(delta)
+        yield from self._kept(Delta("answer", self.stops.flush()), flushed=True)
+
+    def _text(self, text: str) -> Iterator[Delta]:
+        deltas = self.splitter.feed(text) if self.splitter is not None else [Delta("answer", text)]
+        for delta in deltas:
+            yield from self._kept(delta)
+
+    def _kept(self, delta: Delta, flushed: bool = False) -> Iterator[Delta]:
+        """A delta after the stop strings: reasoning passes, the answer is cut at a stop."""
+        text = delta.text if delta.kind == "reasoning" or flushed else self.stops.feed(delta.text)
+        if delta.kind == "reasoning" and not self.reasoning:
+            text = text.lstrip("\n")  # as the history keeps it (`ReasoningSplitter.message_fields`)
+        elif delta.kind == "answer" and self.reasoning and not self.content:
+            text = text.lstrip()
+        if not text:
+            return
+        if delta.kind == "reasoning":
+            self.reasoning += text
+        else:
+            self.content += text
+        yield Delta(delta.kind, text)
+
+    def end(self) -> Ending:
+        """Wait for the reply to leave the batch (stopping it first if it still runs), give its
+        session back, and say how it ended. Raises what generation raised."""
+        if self._ended is not None:
+            return self._ended
+        prompt_length = len(self.generation.prompt_ids)
+        try:
+            sequence = self.generation.finish()
+        except BaseException:
+            self.runs.states.give_back(self.claim, [], 0)
+            raise
+        self.runs.states.give_back(self.claim, sequence, prompt_length)
+        generated = sequence[prompt_length:]
+        eos = self.runs.engine.eos_token_ids
+        ran_out = len(generated) >= self.generation.options.max_new_tokens and not (generated and generated[-1] in eos)
+        prefill = self.generation.prefill
+        self._ended = Ending("length" if ran_out and not self.stops.hit else "stop", prompt_length, len(generated),
+                             prefill.reused_tokens if prefill is not None else 0, self.claim.how, self.content,
+                             self.reasoning.rstrip("\n"))
+        return self._ended
