@@ -10,7 +10,7 @@ import sys
 
 from chat.api.kept_states import DEFAULT_MAX_PER_CLIENT, DEFAULT_MAX_STATES, KeptStates
 from chat.api.routes import DEFAULT_MAX_BODY_BYTES, api_routes
-from chat.api.runs import ApiRuns
+from chat.api.runs import DEFAULT_MAX_PER_CLIENT as DEFAULT_REQUESTS_PER_CLIENT, ApiRuns
 from chat.config import EngineConfig
 from chat.engine import ChatEngine
 from chat.errors import ModelLoadError
@@ -19,6 +19,8 @@ from chat.errors import ModelLoadError
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m chat.api", description=__doc__)
     parser.add_argument("--model", default="demo", help='hub id, local folder, or "demo" (a toy trained here)')
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model's name in /v1/models and in requests (default: --model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("REWIND_API_KEY"),
@@ -36,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-states", type=int, default=DEFAULT_MAX_STATES,
                         help="conversations' states kept for every client together")
     parser.add_argument("--max-states-per-client", type=int, default=DEFAULT_MAX_PER_CLIENT)
+    parser.add_argument("--max-requests-per-client", type=int, default=DEFAULT_REQUESTS_PER_CLIENT,
+                        help="requests one client (an address) may have running or waiting; more get 429")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20)
     return parser
 
@@ -54,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     states = KeptStates(engine.caches, engine.scheduler.call, max_states=args.max_states,
                         max_per_client=args.max_states_per_client)
-    runs = ApiRuns(engine, max_new_tokens=args.max_new_tokens, states=states)
+    runs = ApiRuns(engine, max_new_tokens=args.max_new_tokens, states=states, model_name=args.served_model_name,
+                   max_per_client=args.max_requests_per_client)
     app = Starlette(routes=api_routes(runs, api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20)))
     print(f"rewind-chat: the OpenAI API of {args.model} at http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

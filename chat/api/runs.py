@@ -19,7 +19,9 @@ from chat.engine import ChatEngine
 from chat.errors import ConversationError
 from chat.scheduling.requests import CacheWork, GenerationRequest
 
-DEFAULT_MAX_PER_CLIENT = 16  # requests one client may have running or waiting
+# Requests one client may have running or waiting (past the batch they wait in the scheduler,
+# fairly): one address can be a whole chat UI's server, as Open WebUI's is.
+DEFAULT_MAX_PER_CLIENT = 64
 DEFAULT_MAX_IN_FLIGHT = 256  # requests of every client together
 
 
@@ -71,17 +73,16 @@ class ApiRuns:
     """The API's face of one engine: its model's name, its kept states, the requests in flight."""
 
     def __init__(self, engine: ChatEngine, *, max_new_tokens: int, max_per_client: int = DEFAULT_MAX_PER_CLIENT,
-                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, states: KeptStates | None = None):
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, states: KeptStates | None = None,
+                 model_name: str | None = None):
+        """`model_name`: what /v1/models lists and requests name (default: the engine's model)."""
         self.engine, self.max_new_tokens = engine, max_new_tokens
+        self.model_name = model_name or engine.name
         self.max_per_client, self.max_in_flight = max_per_client, max_in_flight
         self.states = states or KeptStates(engine.caches, engine.scheduler.call)
         self.vocab_size = len(engine.tokenizer)
         self._lock = threading.Lock()
         self._in_flight: dict[Hashable, int] = {}
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.name
 
     def stats(self) -> dict[str, object]:
         """For `/status`: requests running or waiting, and the kept states."""
