@@ -324,3 +324,36 @@ def test_the_app_serves_the_api_beside_its_page(engine, tmp_path):
     assert status["states"]["kept"] == 1 and status["in_flight"] == 0
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     assert page.status_code == 200  # the page, on the same port
+
+
+def test_a_reply_sent_back_as_text_is_read_as_the_tokens_the_model_chose(make_engine):
+    """A plain template renders the reply verbatim: its text re-encoded splits otherwise than the
+    random model's tokens, and the next turn still finds all of it kept and reads it as chosen."""
+    from conftest import PLAIN_TEMPLATE
+
+    engine = make_engine("full", PLAIN_TEMPLATE)
+    served = Served(ApiRuns(engine, max_new_tokens=24, model_name="demo"))
+    try:
+        first = [{"role": "user", "content": "Say something."}]
+        reply, _ = ask(served.client(), first, 24)
+        said = reply.choices[0].message.content
+        second = first + [{"role": "assistant", "content": said}, {"role": "user", "content": "And again."}]
+        again, how = ask(served.client(), second, 24)
+    finally:
+        served.close()
+    prompt = engine.template.render(first).ids
+    with torch.no_grad():
+        output = engine.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0].tolist()
+    chosen = prompt + [token for token in output[len(prompt):] if token not in engine.eos_token_ids]
+    text = engine.template.render(second).text
+    assert engine.template.render(second).ids[: len(chosen)] != chosen  # re-encoded, the reply splits otherwise
+    held = engine.tokenizer.decode(chosen, skip_special_tokens=False)
+    assert text.startswith(held)
+    expected = chosen + engine.template.encode(text[len(held):])  # the prompt as the model wrote its part
+    with torch.no_grad():
+        output = engine.model.generate(torch.tensor([expected]), max_new_tokens=24, do_sample=False)[0].tolist()
+    new = [token for token in output[len(expected):] if token not in engine.eos_token_ids]
+    assert how == "continues"
+    assert again.choices[0].message.content == engine.tokenizer.decode(new, skip_special_tokens=False)
+    assert again.usage.prompt_tokens == len(expected)
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(chosen) - 1  # all it held (the last is unfed)

@@ -125,6 +125,12 @@ class KeptStates:
             self.copies_refused += not copied
         return Claim(kept, "copies", shared) if copied else Claim(kept, "new", 0)
 
+    def nearest(self, client: Hashable, prompt_ids: Sequence[int]) -> list[int]:
+        """The ids held by the idle session sharing the most with `prompt_ids` (none: [])."""
+        with self._lock:
+            best, _ = self._best(client, np.asarray(prompt_ids, dtype=np.int64))
+            return best.ids[: len(best.session.token_ids)].tolist() if best is not None else []
+
     def give_back(self, claim: Claim, sequence: Sequence[int], reply_start: int) -> None:
         """The request ended: `sequence` is its prompt and the tokens chosen, of which the
         session holds what it holds (all but the last, or nothing after a failure)."""

@@ -109,6 +109,22 @@ class ApiRuns:
                 if not self._in_flight[client]:
                     del self._in_flight[client]
 
+    def own_tokens(self, client: Hashable, text: str, prompt_ids: list[int]) -> list[int]:
+        """The prompt with an earlier reply as the tokens the model chose for it. A client sends a
+        reply back as text, which the tokenizer may split otherwise than the model's own tokens
+        (the kept states would then part from the prompt inside it, and the model would read its
+        reply in a form it never wrote); the page keeps a reply's tokens for the same reason.
+        Where what a kept session holds decodes to the start of `text`, those ids stand for it and
+        only the rest is encoded; elsewhere the prompt is as encoded."""
+        held = self.states.nearest(client, prompt_ids)
+        if len(held) <= len(prompt_ids) and held == prompt_ids[: len(held)]:
+            return prompt_ids  # nothing to gain: it holds a prefix of the prompt as encoded
+        template = self.engine.runtime.template
+        said = self.engine.tokenizer.decode(held, skip_special_tokens=False)
+        if not held or not text.startswith(said):
+            return prompt_ids
+        return held + template.encode(text[len(said):])
+
     def start(self, call: Call, client: Hashable, stop: threading.Event) -> "ApiRun":
         """Render and check the prompt, claim its state and submit it; raises `ApiError` first."""
         runtime = self.engine.runtime
@@ -119,7 +135,8 @@ class ApiRuns:
                                                    enable_thinking=call.sampling.options.enable_thinking)
             except ConversationError as error:
                 raise invalid(str(error), "messages") from error
-            prompt_ids, opens_reasoning = rendered.ids, rendered.opens_reasoning
+            prompt_ids = self.own_tokens(client, rendered.text, rendered.ids)
+            opens_reasoning = rendered.opens_reasoning
             shared_prefix = system_prefix_length(runtime, call.messages, prompt_ids)
         else:
             prompt_ids = call.token_ids if call.token_ids is not None else runtime.template.encode(call.text or "")
