@@ -5,6 +5,7 @@ nothing changed, and a client that goes away stops its reply."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -209,7 +210,11 @@ def test_a_text_completion_takes_text_or_token_ids(served, engine):
 
 @pytest.mark.parametrize("request_body, status, param", [
     ({"model": "demo", "messages": []}, 400, "messages"),
-    ({"model": "demo", "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ({"model": "demo", "messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role"),
+    ({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
+     "tools[0]"),
     ({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
     ({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ({"model": "demo", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
@@ -357,3 +362,69 @@ def test_a_reply_sent_back_as_text_is_read_as_the_tokens_the_model_chose(make_en
     assert again.choices[0].message.content == engine.tokenizer.decode(new, skip_special_tokens=False)
     assert again.usage.prompt_tokens == len(expected)
     assert again.usage.prompt_tokens_details.cached_tokens >= len(chosen) - 1  # all it held (the last is unfed)
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tools_are_offered_by_the_template_and_a_call_comes_back_as_tool_calls(base_tokenizer, tokenizers):
+    from chat.models import script_reply
+    from conftest import THINKING_TEMPLATE
+    from tiny_models import build_model
+
+    tokenizer = tokenizers[THINKING_TEMPLATE]
+    model = build_model("full", len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    script_reply(model, tokenizer, 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                                   '\n</tool_call>')
+    engine = ChatEngine(model, tokenizer)
+    served = Served(ApiRuns(engine, max_new_tokens=256, model_name="demo"))
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    try:
+        client = served.client()
+        whole = client.chat.completions.create(model="demo", messages=messages, tools=WEATHER, temperature=0,
+                                               max_tokens=256)
+        chunks = list(client.chat.completions.create(model="demo", messages=messages, tools=WEATHER, temperature=0,
+                                                     max_tokens=256, stream=True))
+        call = whole.choices[0].message.tool_calls[0]
+        answered = messages + [{"role": "assistant", "content": "Let me look.",
+                                "tool_calls": [{"id": call.id, "type": "function",
+                                                "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+                               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+        after = client.chat.completions.create(model="demo", messages=answered, tools=WEATHER, temperature=0,
+                                               max_tokens=4)
+    finally:
+        served.close()
+    expected = tokenizer.apply_chat_template(messages, tools=WEATHER, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    assert whole.usage.prompt_tokens == len(expected)  # the tools were written into the prompt by the template
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert whole.choices[0].message.content == "Let me look."
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(delta.content or "" for delta in deltas) == "Let me look."
+    streamed = [tool for delta in deltas for tool in delta.tool_calls or ()]
+    assert [(tool.function.name, json.loads(tool.function.arguments)) for tool in streamed] == \
+        [("get_weather", {"city": "Paris"})]
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "tool_calls"
+    template_messages = [{**message, "reasoning_content": ""} if message["role"] == "assistant" else message
+                         for message in answered]
+    rendered = tokenizer.apply_chat_template(template_messages, tools=WEATHER, add_generation_prompt=True,
+                                             tokenize=False)
+    assert "<tool_response>\nSunny, 21 C\n</tool_response>" in rendered
+    assert after.usage.prompt_tokens == len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+def test_tools_for_a_template_without_a_call_format_are_refused(models, base_tokenizer):
+    from conftest import tokenizer_with_template
+
+    engine = ChatEngine(models["full"], tokenizer_with_template(base_tokenizer, "gemma"))
+    served = Served(ApiRuns(engine, max_new_tokens=8, model_name="demo"))
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            served.client().chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                                    tools=WEATHER)
+    finally:
+        served.close()
+    assert refused.value.body["param"] == "tools"

@@ -1,7 +1,7 @@
 """The OpenAI API's requests as plain data, checked whole before any work, and its error shape.
 
-What a request asks that this server cannot honour (several choices, log probabilities, tools,
-images, penalties other than `repetition_penalty`) is refused with a 400 naming the field, never
+What a request asks that this server cannot honour (several choices, log probabilities, a forced
+tool call, images, penalties other than `repetition_penalty`) is refused with a 400 naming the field, never
 ignored; fields this server does not know (`user`, `metadata`, `store`, other servers' extensions)
 change nothing and are accepted, as vLLM's server accepts them. `max_tokens` above the server's largest reply is lowered to it (the reply then ends
 with `finish_reason` "length"), as llama.cpp's server does with its own limit.
@@ -18,7 +18,7 @@ from chat.dialogue.options import GenerationOptions
 
 MAX_STOPS = 4  # as OpenAI's
 MAX_STOP_CHARS = 200
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 class ApiError(Exception):
     """A refused request, in the API's own shape (`body`), with its HTTP status."""
 
@@ -48,10 +48,12 @@ class Sampling:
 
 @dataclass(frozen=True)
 class ChatCall:
-    """`POST /v1/chat/completions`: the conversation, as the chat template takes it."""
+    """`POST /v1/chat/completions`: the conversation, as the chat template takes it, and the
+    tools the model is offered (none: none offered, `tool_choice` "none" included)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     sampling: Sampling
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ def parse(body: Any, endpoint: Endpoint, model_name: str, max_new_tokens: int, v
     sampling = _sampling(body, max_new_tokens, default_tokens=max_new_tokens if endpoint == "chat" else 16)
     _refuse_unsupported(body)
     if endpoint == "chat":
-        return ChatCall(_messages(body.get("messages")), sampling)
+        return ChatCall(_messages(body.get("messages")), sampling, _tools(body.get("tools"), body.get("tool_choice")))
+    if body.get("tools"):
+        raise invalid("tools are for chat completions", "tools")
     if body.get("echo"):
         raise invalid("echo is not supported", "echo")
     if body.get("suffix"):
@@ -92,8 +96,8 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise invalid("only n = 1 is supported", "n")
     if body.get("logprobs") not in (None, False, 0):
         raise invalid("log probabilities are not supported", "logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise invalid("tools are not supported", "tools")
+    if body.get("functions") or body.get("function_call"):
+        raise invalid("functions are not supported: use tools", "functions")
     response_format = body.get("response_format")
     if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
         raise invalid("only a text response_format is supported", "response_format")
@@ -178,11 +182,15 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise invalid("each message must be an object", param)
         role = message.get("role")
         if role not in ROLES:
-            raise invalid(f"role must be one of {', '.join(ROLES)} (tools are not supported)", f"{param}.role")
-        if message.get("tool_calls"):
-            raise invalid("tool calls are not supported", f"{param}.tool_calls")
+            raise invalid(f"role must be one of {', '.join(ROLES)}", f"{param}.role")
         content = _text(message.get("content"), f"{param}.content", may_be_empty=role == "assistant")
-        item = {"role": "system" if role == "developer" else role, "content": content}
+        item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and message.get("tool_calls"):
+            item["tool_calls"] = _calls(message["tool_calls"], f"{param}.tool_calls")
+        if role == "tool" and message.get("tool_call_id") is not None:
+            if not isinstance(message["tool_call_id"], str):
+                raise invalid("tool_call_id must be a string", f"{param}.tool_call_id")
+            item["tool_call_id"] = message["tool_call_id"]
         reasoning = message.get("reasoning_content", message.get("reasoning"))
         if role == "assistant":
             if reasoning is not None and not isinstance(reasoning, str):
@@ -194,6 +202,38 @@ def _messages(value: Any) -> list[dict[str, str]]:
         raise invalid("the last message must not be the assistant's (continuing a reply is not supported)",
                       f"messages[{len(messages) - 1}].role")
     return messages
+
+
+def _tools(value: Any, choice: Any) -> list[dict[str, Any]] | None:
+    """The functions offered, as the template takes them; "none" offers none."""
+    if choice not in (None, "auto", "none"):
+        raise invalid('tool_choice must be "auto" or "none" (a call cannot be forced here)', "tool_choice")
+    if value is None or value == [] or choice == "none":
+        return None
+    if not isinstance(value, list):
+        raise invalid("tools must be a list", "tools")
+    for index, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise invalid("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                          f"tools[{index}]")
+    return value
+
+
+def _calls(value: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier calls, as the template renders them."""
+    if not isinstance(value, list):
+        raise invalid("tool_calls must be a list", param)
+    calls = []
+    for call in value:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments", ""), (str, dict)):
+            raise invalid("each tool call needs a function with a name and arguments", param)
+        calls.append({"id": call.get("id"), "type": "function",
+                      "function": {"name": function["name"], "arguments": function.get("arguments", "{}")}})
+    return calls
 
 
 def _text(value: Any, param: str, may_be_empty: bool) -> str:

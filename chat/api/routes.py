@@ -159,11 +159,14 @@ class _Answer:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if stream and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def chunk(self, delta: Delta | None, finish: str | None = None, with_role: bool = False) -> dict[str, Any]:
+    def chunk(self, delta: Delta | None, finish: str | None = None, with_role: bool = False,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
             fields: dict[str, Any] = {"role": "assistant", "content": ""} if with_role else {}
             if delta is not None:
                 fields["reasoning_content" if delta.kind == "reasoning" else "content"] = delta.text
+            if tool_calls:
+                fields["tool_calls"] = tool_calls
             choice: dict[str, Any] = {"index": 0, "delta": fields}
         else:
             choice = {"index": 0, "text": delta.text if delta is not None else ""}
@@ -174,6 +177,9 @@ class _Answer:
             message: dict[str, Any] = {"role": "assistant", "content": ending.content}
             if ending.reasoning:
                 message["reasoning_content"] = ending.reasoning
+            if ending.tool_calls:
+                message["tool_calls"] = [call.as_dict() for call in ending.tool_calls]
+                message["content"] = ending.content or None
             choice: dict[str, Any] = {"index": 0, "message": message}
         else:
             choice = {"index": 0, "text": ending.content}
@@ -198,6 +204,9 @@ async def _stream(events: asyncio.Queue[_Event], answer: _Answer, include_usage:
                 yield _sse({**answer.chunk(value), **usage})
                 continue
             if kind == "end":
+                if value.tool_calls:
+                    calls = [call.as_dict(index) for index, call in enumerate(value.tool_calls)]
+                    yield _sse({**answer.chunk(None, tool_calls=calls), **usage})
                 yield _sse({**answer.chunk(None, value.finish_reason), **usage})
                 if include_usage:
                     yield _sse({**answer.head(True), "choices": [], "usage": value.usage()})

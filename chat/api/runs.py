@@ -12,6 +12,7 @@ from typing import Hashable, Iterator, Literal
 
 from chat.api.kept_states import Claim, How, KeptStates
 from chat.api.protocol import ApiError, Call, ChatCall, invalid
+from chat.api.tool_calls import ToolCall, ToolCallText
 from chat.backends.local import system_prefix_length
 from chat.dialogue.detokenizer import IncrementalDecoder
 from chat.dialogue.reasoning import Delta, ReasoningSplitter
@@ -29,13 +30,14 @@ DEFAULT_MAX_IN_FLIGHT = 256  # requests of every client together
 class Ending:
     """How a reply ended and what it cost."""
 
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose states were kept (none computed for them)
     found: How  # how its kept state was found
     content: str
     reasoning: str
+    tool_calls: tuple[ToolCall, ...] = ()
 
     def usage(self) -> dict[str, object]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -130,8 +132,11 @@ class ApiRuns:
         runtime = self.engine.runtime
         opens_reasoning, shared_prefix = False, 0
         if isinstance(call, ChatCall):
+            if call.tools and not runtime.template.calls_tools:
+                raise invalid("this model's chat template offers no tools in a form this server reads back "
+                              "(<tool_call> blocks)", "tools")
             try:
-                rendered = runtime.template.render(call.messages,
+                rendered = runtime.template.render(call.messages, tools=call.tools,
                                                    enable_thinking=call.sampling.options.enable_thinking)
             except ConversationError as error:
                 raise invalid(str(error), "messages") from error
@@ -169,6 +174,8 @@ class ApiRun:
         self.chat = isinstance(call, ChatCall)
         self.splitter = ReasoningSplitter(starts_in_reasoning=opens_reasoning) if self.chat else None
         self.stops = StopStrings(call.sampling.stops)
+        self.tool_text = ToolCallText() if isinstance(call, ChatCall) and call.tools else None
+        self.tool_calls: list[ToolCall] = []
         self.content = self.reasoning = ""
         self._ended: Ending | None = None
 
@@ -186,6 +193,9 @@ class ApiRun:
         if self.splitter is not None:
             for delta in self.splitter.finish():
                 yield from self._kept(delta)
+        if self.tool_text is not None:
+            self.tool_calls, rest = self.tool_text.finish()
+            yield from self._kept(Delta("answer", rest), calls_read=True)
         yield from self._kept(Delta("answer", self.stops.flush()), flushed=True)
 
     def _text(self, text: str) -> Iterator[Delta]:
@@ -193,9 +203,14 @@ class ApiRun:
         for delta in deltas:
             yield from self._kept(delta)
 
-    def _kept(self, delta: Delta, flushed: bool = False) -> Iterator[Delta]:
-        """A delta after the stop strings: reasoning passes, the answer is cut at a stop."""
-        text = delta.text if delta.kind == "reasoning" or flushed else self.stops.feed(delta.text)
+    def _kept(self, delta: Delta, flushed: bool = False, calls_read: bool = False) -> Iterator[Delta]:
+        """A delta after tool calls and stop strings: reasoning passes; the answer is held from
+        a tool call's start (`ToolCallText`) and cut at a stop."""
+        text = delta.text
+        if delta.kind == "answer" and not flushed:
+            if self.tool_text is not None and not calls_read:
+                text = self.tool_text.feed(text)
+            text = self.stops.feed(text)
         if delta.kind == "reasoning" and not self.reasoning:
             text = text.lstrip("\n")  # as the history keeps it (`ReasoningSplitter.message_fields`)
         elif delta.kind == "answer" and self.reasoning and not self.content:
@@ -224,7 +239,7 @@ class ApiRun:
         eos = self.runs.engine.eos_token_ids
         ran_out = len(generated) >= self.generation.options.max_new_tokens and not (generated and generated[-1] in eos)
         prefill = self.generation.prefill
-        self._ended = Ending("length" if ran_out and not self.stops.hit else "stop", prompt_length, len(generated),
-                             prefill.reused_tokens if prefill is not None else 0, self.claim.how, self.content,
-                             self.reasoning.rstrip("\n"))
+        reason = "tool_calls" if self.tool_calls else "length" if ran_out and not self.stops.hit else "stop"
+        self._ended = Ending(reason, prompt_length, len(generated), prefill.reused_tokens if prefill is not None else 0,
+                             self.claim.how, self.content, self.reasoning.rstrip("\n"), tuple(self.tool_calls))
         return self._ended

@@ -12,6 +12,7 @@ from chat.errors import ConversationError, ModelLoadError
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")  # an assistant's calls, a tool result's call
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class ChatTemplate:
         # Templates such as Qwen3's read `reasoning_content`; the others get reasoning stripped.
         self.reads_reasoning_content = "reasoning_content" in source
         self.accepts_system = self._accepts_system()
+        # Tools are offered only where the template writes them and the calls in a form this
+        # project reads back (Qwen's and Hermes' `<tool_call>{json}</tool_call>`: chat/api/tool_calls.py).
+        self.calls_tools = "tools" in source and "<tool_call>" in source
 
     def _accepts_system(self) -> bool:
         """Some templates (Gemma's) raise on a system message; theirs goes into the first user turn."""
@@ -53,6 +57,7 @@ class ChatTemplate:
                 system = message["content"]
                 continue
             item = {"role": message["role"], "content": message["content"]}
+            item.update({name: message[name] for name in TOOL_FIELDS if message.get(name)})
             if message["role"] == "assistant" and self.reads_reasoning_content:
                 # Always given, "" included: it tells the template the content is literal answer
                 # text (Qwen3's would otherwise split a stray "</think>" out of it).
@@ -63,8 +68,10 @@ class ChatTemplate:
         return converted
 
     def render_text(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool,
-                    enable_thinking: bool | None) -> str:
-        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+                    enable_thinking: bool | None, tools: Sequence[dict[str, Any]] | None = None) -> str:
+        extra: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        if tools:
+            extra["tools"] = list(tools)
         try:
             return self.tokenizer.apply_chat_template(
                 self.template_messages(messages),
@@ -104,10 +111,13 @@ class ChatTemplate:
             raise ConversationError(f"the model's chat template cannot continue this reply: {error}") from error
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def render(self, messages: Sequence[dict[str, Any]], *, enable_thinking: bool | None = None) -> RenderedPrompt:
-        """The prompt for the next reply, and whether it leaves a <think> block open."""
-        text = self.render_text(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
-        history = self.render_text(messages, add_generation_prompt=False, enable_thinking=enable_thinking)
+    def render(self, messages: Sequence[dict[str, Any]], *, enable_thinking: bool | None = None,
+               tools: Sequence[dict[str, Any]] | None = None) -> RenderedPrompt:
+        """The prompt for the next reply (offering `tools`, where given), and whether it leaves a
+        <think> block open."""
+        text = self.render_text(messages, add_generation_prompt=True, enable_thinking=enable_thinking, tools=tools)
+        history = self.render_text(messages, add_generation_prompt=False, enable_thinking=enable_thinking,
+                                   tools=tools)
         suffix = text[len(history):] if text.startswith(history) else ""
         return RenderedPrompt(text=text, ids=self.encode(text), opens_reasoning=_opens_reasoning(suffix))
 
