@@ -344,6 +344,7 @@ def test_a_reply_sent_back_as_text_is_read_as_the_tokens_the_model_chose(make_en
         said = reply.choices[0].message.content
         second = first + [{"role": "assistant", "content": said}, {"role": "user", "content": "And again."}]
         again, how = ask(served.client(), second, 24)
+        retried, retried_how = ask(served.client(), second, 24)  # a Regenerate of that turn
     finally:
         served.close()
     prompt = engine.template.render(first).ids
@@ -362,6 +363,10 @@ def test_a_reply_sent_back_as_text_is_read_as_the_tokens_the_model_chose(make_en
     assert again.choices[0].message.content == engine.tokenizer.decode(new, skip_special_tokens=False)
     assert again.usage.prompt_tokens == len(expected)
     assert again.usage.prompt_tokens_details.cached_tokens >= len(chosen) - 1  # all it held (the last is unfed)
+    # its Regenerate reads the earlier reply as chosen too: the whole prompt was kept, the reply the same
+    assert retried_how == "rolls back"
+    assert retried.usage.prompt_tokens_details.cached_tokens == retried.usage.prompt_tokens == len(expected)
+    assert retried.choices[0].message.content == again.choices[0].message.content
 
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",

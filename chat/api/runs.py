@@ -112,20 +112,30 @@ class ApiRuns:
                     del self._in_flight[client]
 
     def own_tokens(self, client: Hashable, text: str, prompt_ids: list[int]) -> list[int]:
-        """The prompt with an earlier reply as the tokens the model chose for it. A client sends a
+        """The prompt with earlier replies as the tokens the model chose for them. A client sends a
         reply back as text, which the tokenizer may split otherwise than the model's own tokens
         (the kept states would then part from the prompt inside it, and the model would read its
         reply in a form it never wrote); the page keeps a reply's tokens for the same reason.
-        Where what a kept session holds decodes to the start of `text`, those ids stand for it and
-        only the rest is encoded; elsewhere the prompt is as encoded."""
+        The longest start of what the nearest kept session holds that decodes to a start of
+        `text` stands for it, and only the rest is encoded; where none does, the prompt is as
+        encoded. (A decoded start grows with the tokens, so it is found by halving.)"""
         held = self.states.nearest(client, prompt_ids)
         if len(held) <= len(prompt_ids) and held == prompt_ids[: len(held)]:
             return prompt_ids  # nothing to gain: it holds a prefix of the prompt as encoded
-        template = self.engine.runtime.template
-        said = self.engine.tokenizer.decode(held, skip_special_tokens=False)
-        if not held or not text.startswith(said):
+        decode = self.engine.tokenizer.decode
+
+        def said(count: int) -> str | None:
+            """What its first `count` tokens say, if that starts `text` (and ends on a whole character)."""
+            spoken = decode(held[:count], skip_special_tokens=False)
+            return spoken if text.startswith(spoken) and not spoken.endswith("\ufffd") else None
+
+        low, high = 0, len(held)  # said(low) holds; find the largest such count
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if said(middle) is not None else (low, middle - 1)
+        if low == 0 or held[:low] == prompt_ids[:low]:
             return prompt_ids
-        return held + template.encode(text[len(said):])
+        return held[:low] + self.engine.runtime.template.encode(text[len(said(low) or ""):])
 
     def start(self, call: Call, client: Hashable, stop: threading.Event) -> "ApiRun":
         """Render and check the prompt, claim its state and submit it; raises `ApiError` first."""
