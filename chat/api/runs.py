@@ -118,7 +118,8 @@ class ApiRuns:
         reply in a form it never wrote); the page keeps a reply's tokens for the same reason.
         The longest start of what the nearest kept session holds that decodes to a start of
         `text` stands for it, and only the rest is encoded; where none does, the prompt is as
-        encoded. (A decoded start grows with the tokens, so it is found by halving.)"""
+        encoded. (A decoded start grows with the tokens, so where not all of it is a start of
+        `text`, the longest that is is found by halving.)"""
         held = self.states.nearest(client, prompt_ids)
         if len(held) <= len(prompt_ids) and held == prompt_ids[: len(held)]:
             return prompt_ids  # nothing to gain: it holds a prefix of the prompt as encoded
@@ -129,7 +130,8 @@ class ApiRuns:
             spoken = decode(held[:count], skip_special_tokens=False)
             return spoken if text.startswith(spoken) and not spoken.endswith("\ufffd") else None
 
-        low, high = 0, len(held)  # said(low) holds; find the largest such count
+        # said(low) holds; the largest such count, all of it first (a next turn: the common case)
+        low, high = (len(held), len(held)) if said(len(held)) is not None else (0, len(held) - 1)
         while low < high:
             middle = (low + high + 1) // 2
             low, high = (middle, high) if said(middle) is not None else (low, middle - 1)
