@@ -168,6 +168,7 @@ def main() -> None:
     parser.add_argument("--regenerates", type=int, default=4)
     parser.add_argument("--servers", nargs="+", default=["engine", "llama.cpp"])
     parser.add_argument("--engine-args", default="--draft off", help="more flags for python -m chat.api")
+    parser.add_argument("--llama-args", default="", help="more flags for llama-server (e.g. -np 32)")
     parser.add_argument("--lookup", action="store_true", help="time the kept-state lookup only")
     args = parser.parse_args()
     if args.lookup:
@@ -189,7 +190,8 @@ def main() -> None:
             ready = "/v1/models"
         else:
             command = [str(args.llama_server), "-m", str(gguf), "--port", str(port), "-t", threads, "-tb", threads,
-                       "-c", str(args.conversations * 2048), "-ctk", "f32", "-ctv", "f32", "--jinja"]
+                       "-c", str(args.conversations * 2048), "-ctk", "f32", "-ctv", "f32", "--jinja",
+                       *args.llama_args.split()]
             ready = "/health"
         with server(command, port, log, ready) as url:
             run_server(name, url, args)
