@@ -9,6 +9,8 @@ project's `Conversation` (the same messages, rendered by the same template, gree
   engine            this engine, in process (fp32; `engine-packed`: `--weights packed`, the fp32
                     weights in oneDNN's layout; `engine-bf16`: weights in bf16; `engine-int8`:
                     `--weights int8`, linear weights in int8 with a scale per channel)
+  engine-api        this engine behind its own OpenAI API (`python -m chat.api`, fp32), through the
+                    same HTTP client as the servers below (chat messages)
   llama.cpp-f32     `llama-server` on the f32 GGUF, f32 KV cache, prompts as token ids
   llama.cpp-q8_0    the same on the Q8_0 GGUF (llama.cpp users' common choice)
   transformers-cb   `transformers serve --continuous-batching` (prompts as text: it takes no ids)
@@ -53,7 +55,8 @@ from chat.models import build_model, parameter_count
 from chat.backends.served import ServedEngine
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and stay on topic."
-PEERS = ("engine", "engine-packed", "engine-bf16", "engine-int8", "llama.cpp-f32", "llama.cpp-q8_0", "transformers-cb")
+PEERS = ("engine", "engine-packed", "engine-bf16", "engine-int8", "engine-api", "llama.cpp-f32", "llama.cpp-q8_0",
+         "transformers-cb")
 ENGINE_WEIGHTS = {"engine-packed": "packed", "engine-int8": "int8"}  # the others: "full"
 # Equal precision: what the targets compare.
 PAIRS = (("engine", "llama.cpp-f32"), ("engine-packed", "llama.cpp-f32"), ("engine-int8", "llama.cpp-q8_0"))
@@ -131,7 +134,16 @@ def open_peer(name: str, args: argparse.Namespace, folder: Path, engines: dict[s
     """The peer as something with `.conversation(system_prompt)`."""
     port, log = free_port(), args.workdir / f"{name}.log"
     threads = str(torch.get_num_threads())
-    if name.startswith("engine"):
+    if name == "engine-api":
+        # this engine behind its own OpenAI API (`python -m chat.api`), driven through the same
+        # HTTP client as llama.cpp's server (chat messages: it finds each conversation's cache by
+        # its tokens)
+        command = [sys.executable, "-m", "chat.api", "--model", str(folder), "--served-model-name", "model",
+                   "--port", str(port), "--weights", "full", "--dtype", "float32", "--max-batch", str(max(args.users)),
+                   "--compile", args.compile, "--draft", args.draft]
+        with server(command, port, log, "/v1/models") as url:
+            yield ServedEngine(url, "model", tokenizer=str(folder), prompt_format="messages", timeout_s=600)
+    elif name.startswith("engine"):
         if name not in engines:
             engines[name] = ChatEngine.load(str(folder), dtype="bfloat16" if name == "engine-bf16" else "float32",
                                             weights=ENGINE_WEIGHTS.get(name, "full"),
