@@ -1,4 +1,4 @@
-"""Decode through the public API against a bare eager loop of the same model (issue #43, item 6).
+"""Decode through the public API against a bare eager loop of the same model.
 
 One conversation on an idle engine (`ChatEngine`, its compiled decode graphs built or loaded
 first), grown turn by turn to each `--lengths` history; at each, alternated `--repeats` times:
@@ -38,7 +38,7 @@ from chat.model_step.weights import WEIGHT_FORMATS, apply_weight_format
 from chat.scheduling.worker import ModelWorker
 
 SYSTEM_PROMPT = "You are a helpful assistant."
-TARGET = 1.35  # issue #43: int8 decode at one user through the public API over a bare eager loop
+TARGET = 1.35  # int8 decode at one user through the public API over a bare eager loop
 
 
 def grow(conv: Any, words: Words, history: int, message_words: int) -> None:

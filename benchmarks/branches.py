@@ -1,4 +1,4 @@
-"""What the branch tree costs and saves (issue #8), in one run on the benchmark model.
+"""What the branch tree costs and saves, in one run on the benchmark model.
 
   switch     `switch_branch` back to the long first branch (about `--history` tokens) while its
              cache states are kept: no forward pass; then the next turn prefills only the new

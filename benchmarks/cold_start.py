@@ -1,4 +1,4 @@
-"""What a cold start costs the users while the compiled steps build (issue #43), with the compiling
+"""What a cold start costs the users while the compiled steps build, with the compiling
 thread yielding the CPU (nice 19, the engine's way) and competing as an equal, in one run.
 
 Each start is a process of its own with an empty cache folder (`XDG_CACHE_HOME`: nothing compiled

@@ -1,4 +1,4 @@
-"""The cold tier against re-prefilling (issue #23), in one run: an idle conversation of `--tokens`
+"""The cold tier against re-prefilling, in one run: an idle conversation of `--tokens`
 tokens whose cache the budget pushed out. With `--cache-dir` its next turn first reads the
 states back from disk; without, it computes them again (a prefill of the whole history).
 
@@ -7,7 +7,7 @@ states back from disk; without, it computes them again (a prefill of the whole h
   write     until the file is written and the memory freed (beside the loop)
   resume    read back, on the model's device; checked equal to what was written, bit for bit
 
-And what a spill costs the others (`--stall-tokens`, issue #30): on an engine with a cold tier,
+And what a spill costs the others (`--stall-tokens`): on an engine with a cold tier,
 a conversation of that many tokens goes to disk while another user streams a reply; that user's
 worst gap between tokens while the file is written, against its median gap.
 

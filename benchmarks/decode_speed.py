@@ -1,4 +1,4 @@
-"""Decode speed against the length of the history, one row and a full batch, in one run (issue #23).
+"""Decode speed against the length of the history, one row and a full batch, in one run.
 
 Two ways, through the engine's own scheduler (chat/scheduling/scheduler.py) and cache sessions:
 

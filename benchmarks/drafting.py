@@ -1,4 +1,4 @@
-"""Draft-and-verify decoding (issue #45 item 2, chat/scheduling/drafting.py), in one run, through the library.
+"""Draft-and-verify decoding (chat/scheduling/drafting.py), in one run, through the library.
 
 Each scenario is one reply of `--tokens` tokens (end token off, so every reply runs its length)
 in a conversation with one earlier turn, timed from its first token to its last, with

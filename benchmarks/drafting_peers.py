@@ -1,5 +1,5 @@
-"""Guessed tokens beside llama.cpp's own n-gram drafting, on the same model and conversations
-(issue #45 item 2). Not run in CI: it needs a llama-server built from llama.cpp's source.
+"""Guessed tokens beside llama.cpp's own n-gram drafting, on the same model and conversations.
+Not run in CI: it needs a llama-server built from llama.cpp's source.
 
 The model and its GGUF f32 are benchmarks/peers.py's (Qwen3-0.6B's shape, random weights, made
 once in `--workdir`). Both are driven through this project's `Conversation` (llama.cpp through

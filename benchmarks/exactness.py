@@ -1,4 +1,4 @@
-"""What "exact" holds, per mode, measured on the trained demo model (issue #33, item 8).
+"""What "exact" holds, per mode, measured on the trained demo model.
 
 For each mode, one conversation runs send, send, regenerate, edit, send (arithmetic questions of
 the demo's evaluation split, greedy, thinking on) with prefill in 7-token chunks (the worst case

@@ -9,16 +9,16 @@ Two scenarios, as a shared Space's users would meet them, through the library's 
 - **short after long**: a ~4,000-token message, then 50 ms later a one-line message from
   another user. The short one's time to first token against the long one's; the long one's
   against its own alone.
-- **long beside one-liners** (#43): the ~4,000-token message from one client while another sends
+- **long beside one-liners**: the ~4,000-token message from one client while another sends
   one-line messages back to back from two conversations: the long one's TTFT against alone.
-- **newcomer beside every row** (#43): one client streams a long reply on every row of the batch,
+- **newcomer beside every row**: one client streams a long reply on every row of the batch,
   another then sends one message: its TTFT against the same message on an idle engine.
 
 Tokens are timed as the scheduler emits them (not as text: a random model's bytes may decode to
 text only at the end). Each `--configs` entry (`prefill_chunk/prefill_chunk_alone` in packed
 steps, the first a cap under the measured step budget; `fixed:` the same without measuring;
 or `before`: one chunk size while others decode, a whole prefill alone, oldest first, as the
-scheduler did before #30, in packed steps: the gathered batch it ran on then has left the engine) runs both scenarios `--repeats` times on the same model (medians); ratios
+scheduler did before its prompt budget was timed, in packed steps: the gathered batch it ran on then has left the engine) runs both scenarios `--repeats` times on the same model (medians); ratios
 are within one run. The streaming user's worst gap alone is the machine's own noise floor.
 `python -m benchmarks.fairness --help`.
 """
@@ -145,7 +145,7 @@ def short_after_long_scenario(engine: ChatEngine, long_text: str, delay_s: float
 
 
 def long_beside_one_liners_scenario(engine: ChatEngine, long_text: str) -> dict:
-    """Issue #43: `long_text` from one client while another client sends one-line messages back to
+    """`long_text` from one client while another client sends one-line messages back to
     back from two conversations (one always waiting to be prefilled) until the long one's first
     token. The long one's time to first token against its own alone."""
     with token_clock() as times:
@@ -178,7 +178,7 @@ def long_beside_one_liners_scenario(engine: ChatEngine, long_text: str) -> dict:
 
 
 def newcomer_beside_streams_scenario(engine: ChatEngine, streams: int, reply_tokens: int) -> dict:
-    """Issue #43: one client streams `streams` long replies (every row of the batch); another client
+    """One client streams `streams` long replies (every row of the batch); another client
     then sends one message. Its time to first token against the same message on an idle engine."""
     with token_clock() as times:
         idle = engine.conversation(SYSTEM_PROMPT, client="203.0.113.9")
@@ -225,7 +225,7 @@ def gaps(times: list[float]) -> list[float]:
 
 def engine_for(config: str, model, tokenizer, worker: ModelWorker,
                alone_step_s: float = DEFAULT_ALONE_STEP_S) -> ChatEngine:
-    """`before`: the scheduler's choices before #30 (256 tokens a step while others decode, a whole
+    """`before`: the scheduler's earlier choices (256 tokens a step while others decode, a whole
     prefill alone, oldest first); `fixed:A/B`:
     `A` prompt tokens a step while others decode; `A/B`: packed, at most `A` while others decode
     and `B` alone, fewer when timed steps say so (chat/scheduling/step_budget.py); `alone-fixed:A/B`: the

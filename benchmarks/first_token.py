@@ -1,4 +1,4 @@
-"""A reply's first token in the step that feeds the end of its prompt (#43), against a step apart.
+"""A reply's first token in the step that feeds the end of its prompt, against a step apart.
 
 Before, every reply's prompt was fed up to its last token, then a decode step fed that token and
 chose the first one: two steps at least, even for a one-line follow-up on an idle engine. Now,

@@ -1,4 +1,4 @@
-"""`--kv-cache`: what each kind costs and saves, in one run (issue #23).
+"""`--kv-cache`: what each kind costs and saves, in one run.
 
 For `dynamic` (exact), `quantized` 8 bits and `quantized` 4 bits:
 

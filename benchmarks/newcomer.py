@@ -1,4 +1,4 @@
-"""A newcomer beside busy rows (#43): how its message is fed, three ways alternated.
+"""A newcomer beside busy rows: how its message is fed, three ways alternated.
 
 One client streams long replies on every row of the batch; another client then sends one short
 message (`benchmarks.fairness`'s newcomer scenario, the engine made as there: `--config`). Its

@@ -1,4 +1,4 @@
-"""What parallel page loads carrying large records cost the server (issue #44, item 4), in one run.
+"""What parallel page loads carrying large records cost the server, in one run.
 
 Starts the app (the demo model) in its own process, then sends `--loads` page loads at once, each
 a forged browser record of `--mb` MB (Gradio's queue, as a page does), from `--clients` addresses

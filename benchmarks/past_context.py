@@ -1,5 +1,4 @@
-"""A conversation far past the model's context: what each turn prefills, in one run (issue #44
-item 11, issue #45 item 3).
+"""A conversation far past the model's context: what each turn prefills, in one run.
 
 Through the library (`send(..., fit_context=True)`, the page's path), greedy: `--turns` turns of
 `--message-tokens`-token messages and `--reply-tokens`-token replies at `--context`. For each

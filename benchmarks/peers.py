@@ -1,5 +1,5 @@
 """This engine beside llama.cpp's server and transformers' continuous batching, at a real model's
-size, on the same weights and the same conversations (issue #23). Not run in CI.
+size, on the same weights and the same conversations. Not run in CI.
 
 The model is Qwen3-0.6B's shape (`real-qwen3-0.6b` in chat/models.py) with seeded random weights
 and the benchmark tokenizer (8,192 entries), saved as a Hugging Face folder and converted with
@@ -60,7 +60,7 @@ PEERS = ("engine", "engine-packed", "engine-bf16", "engine-int8", "engine-api", 
 ENGINE_WEIGHTS = {"engine-packed": "packed", "engine-int8": "int8"}  # the others: "full"
 # Equal precision: what the targets compare.
 PAIRS = (("engine", "llama.cpp-f32"), ("engine-packed", "llama.cpp-f32"), ("engine-int8", "llama.cpp-q8_0"))
-# Issue #31's targets, ours over theirs: decode at one user by pair, the largest user count's
+# The targets, ours over theirs: decode at one user by pair, the largest user count's
 # aggregate, and time to first token per turn (their time over ours).
 DECODE_TARGETS = {"engine": 1.0, "engine-packed": 1.0, "engine-int8": 1.4}
 USERS_TARGET, TTFT_TARGET = 1.3, 1.15

@@ -1,4 +1,4 @@
-"""What planning a reply costs on a history longer than the context (issue #19), in one run.
+"""What planning a reply costs on a history longer than the context, in one run.
 
 For histories of N turns (every message `--chars` characters) restored from saved data, one Send
 with the oldest turns left out to fit the context: the plan as the app makes it

@@ -1,4 +1,4 @@
-"""Prefill while typing (issue #45, item 1), in one run, through the library.
+"""Prefill while typing, in one run, through the library.
 
 - **prepared**: a conversation with one earlier turn; a `--message`-token message sent as is,
   against the same message prepared first (`Conversation.prepare`, waited for), then sent. Time to
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--send-after-ms", default="200,100,50",
                         help="each a case: how long after the last character the Send comes")
     parser.add_argument("--page-rules", default="now",
-                        help="whose asks: now (the page's rule), before (its rule until #45's change)")
+                        help="whose asks: now (the page's rule), before (its earlier rule)")
     parser.add_argument("--typed-chars", type=int, default=100, help="characters of the typed message")
     parser.add_argument("--reply-tokens", type=int, default=120)
     parser.add_argument("--repeats", type=int, default=3)

@@ -1,5 +1,5 @@
-"""Int8 prompts: the product each host runs fastest (issue #43, "kernels chosen by the host",
-"prompts at the compute limit"), in one run.
+"""Int8 prompts: the product each host runs fastest (kernels chosen by the host,
+prompts at the compute limit), in one run.
 
 `--weights int8` multiplies a decode step's few rows with the weight-only int8 kernel; a prompt
 piece's many rows go through `Int8Linear.prompt_product`, whose kernel the engine times at start

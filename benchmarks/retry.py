@@ -1,4 +1,4 @@
-"""A Retry's first token from the logits kept after its prompt (#45), against feeding the prompt's
+"""A Retry's first token from the logits kept after its prompt, against feeding the prompt's
 last token again.
 
 A reply's first logits, after its prompt's last token, stay with its cache

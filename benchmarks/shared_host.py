@@ -1,4 +1,4 @@
-"""Decode speed on a shared host: quiet, and with another process busy on the same cores (issue #23).
+"""Decode speed on a shared host: quiet, and with another process busy on the same cores.
 
 A free Space shares its 2 vCPUs with whatever else the host runs. PyTorch's OpenMP workers spin
 while they wait for work by default (`OMP_WAIT_POLICY` unset: 300,000 turns, then sleep), so two

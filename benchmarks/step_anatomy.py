@@ -6,7 +6,7 @@ plain step (chat/model_step/plain_step.py) and as the model's own packed forward
 
   one row      a decode step of one conversation (`--history` tokens)
   four rows    a decode step of four conversations of that length: per token against one row is
-               issue #43's "4 at once <= 1.6x one alone"
+               the target "4 at once <= 1.6x one alone"
   mixed        one decode row beside `--chunk` prompt tokens of a conversation at
                `--prompt-history` tokens (the step a streaming user waits on while another prefills);
                the model's own forward with the query heads that share a key/value head stacked (the

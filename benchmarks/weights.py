@@ -1,5 +1,5 @@
 """Weights in bf16 (`--dtype bfloat16`), packed for oneDNN (`--weights packed`) and in int8
-(`--weights int8`) against fp32 on the CPU, in one run (issues #23, #31).
+(`--weights int8`) against fp32 on the CPU, in one run.
 
   decode     one conversation of `--tokens` decoding 64 tokens through the engine's scheduler, on
              `--model` (bench-full; real-qwen3-0.6b for a real model's shape), tokens/s, medians of

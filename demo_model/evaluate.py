@@ -13,7 +13,7 @@ token within the token limit. These use the corpus's own phrasings. Then phrasin
 conversation shapes the corpus never uses (demo_model/held_out.py): a standalone question at the
 first turn and after one to four earlier turns of any kind, a follow-up, an off-topic line, and
 the last turn of a conversation longer than any trained: greedy with thinking on and with it off
-(issue #46: 95 % standalone, 90 % follow-ups, both ways), and sampled with a Regenerate
+(the targets: 95 % standalone, 90 % follow-ups, both ways), and sampled with a Regenerate
 (HELD_OUT_TARGETS). With thinking off the model answers with its columns written in the answer
 (`Problem.worked`), so "right" is the answer's last number, as with thinking on.
 """
@@ -35,8 +35,8 @@ from demo_model.corpus import Problem, arithmetic_dialogue, first_problem, quest
 
 MAX_NEW_TOKENS = 200
 TARGETS = {"addition and subtraction": 0.95, "multiplication": 0.95, "follow-ups": 0.90, "well formed": 0.98}
-# on held-out phrasings and shapes: greedy with thinking on and off (issue #46), and sampled at the
-# model's own settings (issue #22)
+# on held-out phrasings and shapes: greedy with thinking on and off, and sampled at the
+# model's own settings
 HELD_OUT_TARGETS = {"standalone, first turn": 0.95, "standalone, after earlier turns": 0.95,
                     "follow-up, after earlier turns": 0.90, "off-topic, after earlier turns": 0.95, "well formed": 0.99}
 

@@ -1,4 +1,4 @@
-"""Conversations as a newcomer has them, in phrasings and shapes the corpus never uses (issue #22).
+"""Conversations as a newcomer has them, in phrasings and shapes the corpus never uses.
 
 `evaluate.py` holds out number pairs; this holds out *how people ask* as well:
 - questions and follow-ups in (prefix, operation words) pairs the corpus never combines, and with
