@@ -8,9 +8,9 @@ import argparse
 import os
 import sys
 
-from chat.api.kept_states import DEFAULT_MAX_PER_CLIENT, DEFAULT_MAX_STATES, KeptStates
+from chat.api.kept_states import DEFAULT_MAX_STATES, DEFAULT_STATES_PER_CLIENT, KeptStates
 from chat.api.routes import DEFAULT_MAX_BODY_BYTES, api_routes
-from chat.api.runs import DEFAULT_MAX_PER_CLIENT as DEFAULT_REQUESTS_PER_CLIENT, ApiRuns
+from chat.api.runs import DEFAULT_REQUESTS_PER_CLIENT, ApiRuns
 from chat.config import EngineConfig
 from chat.engine import ChatEngine
 from chat.errors import ModelLoadError
@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache-dir", default=None, help="a folder for idle caches over the budget")
     parser.add_argument("--max-states", type=int, default=DEFAULT_MAX_STATES,
                         help="conversations' states kept for every client together")
-    parser.add_argument("--max-states-per-client", type=int, default=DEFAULT_MAX_PER_CLIENT)
+    parser.add_argument("--max-states-per-client", type=int, default=DEFAULT_STATES_PER_CLIENT)
     parser.add_argument("--max-requests-per-client", type=int, default=DEFAULT_REQUESTS_PER_CLIENT,
                         help="requests one client (an address) may have running or waiting; more get 429")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20)

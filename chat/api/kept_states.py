@@ -42,7 +42,7 @@ from cache_sessions.session import CacheSession
 How = Literal["continues", "rolls back", "copies", "new"]
 DEFAULT_MAX_STATES = 256
 MIN_COPY = 16  # shared tokens worth a copy
-DEFAULT_MAX_PER_CLIENT = 64
+DEFAULT_STATES_PER_CLIENT = 64
 
 
 @dataclass(eq=False)
@@ -82,7 +82,7 @@ def shared_length(held: np.ndarray, prompt: np.ndarray) -> int:
 
 class KeptStates:
     def __init__(self, caches: CacheOwner, run_on_loop: Callable[..., object], *,
-                 max_states: int = DEFAULT_MAX_STATES, max_per_client: int = DEFAULT_MAX_PER_CLIENT):
+                 max_states: int = DEFAULT_MAX_STATES, max_per_client: int = DEFAULT_STATES_PER_CLIENT):
         """`caches`: the engine's cache owner; `run_on_loop(function, *args)`: runs a change to the
         caches on the engine's loop and returns its result (`DecodeScheduler.call`)."""
         if max_states < 1 or max_per_client < 1:

@@ -22,7 +22,7 @@ from chat.scheduling.requests import CacheWork, GenerationRequest
 
 # Requests one client may have running or waiting (past the batch they wait in the scheduler,
 # fairly): one address can be a whole chat UI's server, as Open WebUI's is.
-DEFAULT_MAX_PER_CLIENT = 64
+DEFAULT_REQUESTS_PER_CLIENT = 64
 DEFAULT_MAX_IN_FLIGHT = 256  # requests of every client together
 
 
@@ -74,7 +74,7 @@ class StopStrings:
 class ApiRuns:
     """The API's face of one engine: its model's name, its kept states, the requests in flight."""
 
-    def __init__(self, engine: ChatEngine, *, max_new_tokens: int, max_per_client: int = DEFAULT_MAX_PER_CLIENT,
+    def __init__(self, engine: ChatEngine, *, max_new_tokens: int, max_per_client: int = DEFAULT_REQUESTS_PER_CLIENT,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, states: KeptStates | None = None,
                  model_name: str | None = None):
         """`model_name`: what /v1/models lists and requests name (default: the engine's model)."""
