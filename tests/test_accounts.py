@@ -1,4 +1,4 @@
-"""Conversations that follow the person (issue #47): signing in with a stand-in for Hugging Face's
+"""Conversations that follow the person: signing in with a stand-in for Hugging Face's
 OpenID provider (tests/oidc_provider.py), the account's records kept on the server, another
 browser of the same person finding them, another person finding nothing, and a forged session
 cookie signing no one in. Each page of `browser` is a browser of its own (no storage shared)."""

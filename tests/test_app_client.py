@@ -59,7 +59,7 @@ def test_send_streams_and_every_button_works(client):
     chat = texts(final[0])
     assert chat[0] == ("user", "Hello there!") and chat[1][0] == "assistant" and chat[1][1]
     # the message box: its placeholder says a reply runs; its text is the page's to empty (it
-    # empties it only if it still holds what was sent: a message typed meanwhile stays, #46 item 1)
+    # empties it only if it still holds what was sent: a message typed meanwhile stays)
     box = outputs[0][1]
     assert "from the cache" in final[2] and isinstance(box, dict) and "value" not in box
     assert "when this reply ends" in box.get("placeholder", "")
@@ -133,7 +133,7 @@ def test_stop_keeps_the_partial_reply(endless_app):
 
 
 def test_refusals_are_errors_a_client_can_catch_and_change_nothing(client):
-    """Issue #20: a refusal is an error for an API client (before, `predict` returned normally
+    """A refusal is an error for an API client (before, `predict` returned normally
     with only a toast for a page), with its reason, and the conversation is as it was."""
     for api_name, reason in (("/regenerate", "no conversation yet"), ("/continue", "no conversation yet"),
                              ("/undo", "nothing to undo")):
@@ -152,7 +152,7 @@ def test_refusals_are_errors_a_client_can_catch_and_change_nothing(client):
 
 
 def test_the_api_names_its_parameters_and_refuses_a_wrong_number_of_inputs(app, client):
-    """Issue #20: the parameters were `param_2`... and an input too many was silently dropped on
+    """The parameters were `param_2`... and an input too many was silently dropped on
     every endpoint. Now they are named, the settings have the panel's defaults, and a call with
     more values than its event takes is refused with an error that says so."""
     import json

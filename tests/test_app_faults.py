@@ -1,4 +1,4 @@
-"""Faults and abuse through the real interface (issue #9): `gradio_client` and raw HTTP against a
+"""Faults and abuse through the real interface: `gradio_client` and raw HTTP against a
 launched app. The model is a tiny random one with its end token off, so a reply runs as long as
 it is allowed: a cancelled stream is really cut, not ended by chance."""
 
@@ -115,7 +115,7 @@ def test_new_chat_during_a_reply_leaves_one_conversation(app):
 
 
 def test_a_system_prompt_change_during_a_reply_is_refused_not_forked(app):
-    # Issue #33 (7): the count was settled (several status calls) after the reply began, and on a
+    # The count was settled (several status calls) after the reply began, and on a
     # busy machine the reply could end first; now only the refused call runs while it streams
     # (1,500 tokens: the model's end token is off).
     before = settled(app)
@@ -319,9 +319,9 @@ def test_fuzzed_inputs_either_work_or_name_the_problem(app, field, value):
 
 
 def test_a_stopped_server_leaves_no_conversation_data_on_disk(endless_model, tmp_path):
-    """Issue #33 (E): after SIGTERM the cold tier's files (token ids of conversations) and the
+    """After SIGTERM the cold tier's files (token ids of conversations) and the
     exports folder stayed on disk. A stop now ends like Ctrl-C: the exit handlers remove the cold
-    tier's; exports are no longer written to disk at all (issue #46, 2)."""
+    tier's; exports are no longer written to disk at all."""
     cache_dir, temp = tmp_path / "cold", tmp_path / "tmp"
     temp.mkdir()
     server = AppServer("--model", str(endless_model), "--cache-dir", str(cache_dir), "--cache-budget-mb", "0",
@@ -337,7 +337,7 @@ def test_a_stopped_server_leaves_no_conversation_data_on_disk(endless_model, tmp
 
 
 def test_a_stop_during_a_compile_exits_cleanly(tmp_path):
-    """Issue #44 (3): SIGTERM while the decode steps were being compiled (a thread nothing can stop)
+    """SIGTERM while the decode steps were being compiled (a thread nothing can stop)
     aborted the process ("terminate called without an active exception", exit 134, 2 of 2). Now
     the exit handlers run and the process ends without the interpreter's teardown: exit 0, and no
     half-written file, stopped as soon as it serves (the first graph being built) and once the

@@ -1,4 +1,4 @@
-"""Branch off into a new chat (issue #46): a new conversation of a path of another, whose cache
+"""Branch off into a new chat: a new conversation of a path of another, whose cache
 starts from a copy of the other's. Its replies are those of the same path restored from saved
 data (no cache), on every layer mix, and its first turn computes only what it does not share."""
 

@@ -1,4 +1,4 @@
-"""The branch tree (issue #8): edits, regenerations, hand-edited replies and system prompts add
+"""The branch tree: edits, regenerations, hand-edited replies and system prompts add
 siblings; switching puts a branch's cache states back without a forward pass; the cache stays
 exact against a from-scratch forward after any sequence; saved data round-trips and bad data
 is refused."""
@@ -349,7 +349,7 @@ def test_random_tree_operations_keep_the_cache_exact(make_engine, models, tokeni
 @pytest.mark.parametrize("arch", ["sliding", "hybrid"])
 def test_a_kept_branch_stays_switchable_however_many_turns_follow(make_engine, models, tokenizers, arch,
                                                                   monkeypatch):
-    """Issue #33 (1): thinning checkpoints did not know where kept branches start. Once the one at
+    """Thinning checkpoints did not know where kept branches start. Once the one at
     a branch's start was gone, switching back rolled the cache to an earlier checkpoint or to
     nothing (the ledger at 0 tokens), then failed. Now that checkpoint stays, and a switch that
     cannot reach its start leaves the cache as it was."""

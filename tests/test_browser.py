@@ -25,7 +25,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout  # noqa: E402
 from ui import page_assets, views  # noqa: E402
 
 # Every `expect` waits for its condition up to 30 s, not Playwright's 5: on a busy machine a reload
-# and its first view took longer than 5 s (issue #33, 7). A condition that holds returns at once.
+# and its first view took longer than 5 s. A condition that holds returns at once.
 expect.set_options(timeout=30_000)
 
 XSS_REPLY = ("<think>\nChecking the markup.\n</think>\n\n"
@@ -71,7 +71,7 @@ def send(page: Page, text: str) -> str:
 
 
 def open_settings(page: Page) -> None:
-    """Open the Settings panel, in the sidebar (#46, 4): unfolded first where it is folded away
+    """Open the Settings panel, in the sidebar: unfolded first where it is folded away
     (a phone)."""
     folded = page.locator(".sidebar:not(.open) button[aria-label='Toggle Sidebar']")
     if folded.count():
@@ -223,7 +223,7 @@ def test_stop_and_escape_end_a_long_reply(browser, endless_app):
     page.keyboard.press("Escape")
     wait_reply(page, before)
     expect(page.locator("#stats")).to_contain_text("stopped")
-    # a stopped reply can go on (#46, 5): Continue is enabled, and extends it in the same turn
+    # A stopped reply can go on: Continue is enabled, and extends it in the same turn
     expect(page.locator("#continue")).to_be_enabled()
     user_messages = messages(page, "user").count()
     before = stats_text(page)
@@ -257,7 +257,7 @@ def test_the_demo_thinks_answers_and_regenerates(browser, demo_app):
     page.wait_for_timeout(500)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "readme-desktop.png"), full_page=True)  # docs/screenshot-desktop.png
-    # a reply the model ended cannot be continued: Continue is off (#46, 5: it stayed on, then
+    # A reply the model ended cannot be continued: Continue is off (it stayed on, then
     # said "Error: ... nothing to continue"); the library refuses it too (tests/test_versions_continue.py)
     expect(page.locator("#continue")).to_be_disabled()
     page.close()
@@ -268,7 +268,7 @@ SIDEBAR_AT_REST = """() => { const sidebar = document.querySelector(".sidebar");
 
 
 def test_on_a_phone_a_retry_keeps_everything_in_view_and_the_list_folds_away(browser, demo_app):
-    """Issue #20 at 390×844: after a Retry the version label took the width and pushed Send below
+    """390×844: after a Retry the version label took the width and pushed Send below
     the screen; the branch controls were 19×21 px; the list stayed open over the chat after a pick
     and its toggle sat half off-screen. Saves the README's phone screenshot."""
     width, height = 390, 844
@@ -306,7 +306,7 @@ def test_on_a_phone_a_retry_keeps_everything_in_view_and_the_list_folds_away(bro
         button.scroll_into_view_if_needed()
         assert in_view(button)
     assert all(min(box["width"], box["height"]) >= 40 for box in (button.bounding_box() for button in buttons.all()))
-    # finger-sized (#46, 8): a reply's Thinking expander was 18 px; and ⑂, branch off (#46)
+    # Finger-sized: a reply's Thinking expander was 18 px; and ⑂, branch off
     for selector in ("#chatbot .thought-group .title", "#chatbot button.fork-here"):
         box = page.locator(selector).first.bounding_box()
         assert box is not None and min(box["width"], box["height"]) >= 40, (selector, box)
@@ -322,7 +322,7 @@ def test_on_a_phone_a_retry_keeps_everything_in_view_and_the_list_folds_away(bro
         expect(page.locator("#new-chat")).to_be_in_viewport(ratio=1.0)
         assert not overlaps(toggle, page.locator("#new-chat"))
         heights = {button.inner_text(): button.bounding_box()["height"] for button in
-                   page.locator("#sidebar button:visible").all()}  # the list's buttons were 26 px (#46, 8)
+                   page.locator("#sidebar button:visible").all()}  # the list's buttons were 26 px
         assert len(heights) >= 5 and all(height >= 40 for height in heights.values()), heights
         pick()
         expect(page.locator(".sidebar")).not_to_have_class(re.compile(r"\bopen\b"))  # the chat is in view
@@ -374,7 +374,7 @@ def type_system_prompt(page: Page, text: str) -> None:
 
 
 def test_the_settings_and_the_theme_survive_a_reload(browser, demo_app):
-    """Issue #20: thinking, temperature... and light/dark were back to their defaults after a reload."""
+    """Thinking, temperature... and light/dark were back to their defaults after a reload."""
     page = open_chat(browser, demo_app.url)
     open_settings(page)
     for _ in range(3):  # under load the panel's first draw was seen to put the typed value back
@@ -467,7 +467,7 @@ def test_closing_the_tab_frees_its_conversation(browser, demo_app):
 
 
 def test_the_list_tells_chats_apart_groups_them_by_day_and_searches_their_messages(browser, demo_app):
-    """Issue #46 (3): titles were the first message only (six alike in a row), with no date, no
+    """Titles were the first message only (six alike in a row), with no date, no
     preview and no search."""
     page = open_chat(browser, demo_app.url)
     for text in ("What is 12 + 30?", "What is 12 + 30?", "Tell me about lighthouses please."):
@@ -499,7 +499,7 @@ def test_the_list_tells_chats_apart_groups_them_by_day_and_searches_their_messag
 
 
 def test_what_a_person_types_is_shown_as_typed(browser, demo_app):
-    """Issue #46 (6): HTML, Markdown and math in a person's message showed as "bold code link" and
+    """HTML, Markdown and math in a person's message showed as "bold code link" and
     a broken image. Now its characters show as typed, and nothing of it is an element that could
     run or fetch: no image, no link, no formula."""
     page = open_chat(browser, demo_app.url)
@@ -515,9 +515,9 @@ def test_what_a_person_types_is_shown_as_typed(browser, demo_app):
 def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
     page = open_chat(browser, demo_app.url)
     tracebacks = Path(demo_app.log.name).read_text().count("Traceback")
-    for button in ("#continue", "#export-json", "#export-markdown", "#delete"):  # nothing to act on yet (#32, 9)
+    for button in ("#continue", "#export-json", "#export-markdown", "#delete"):  # nothing to act on yet
         expect(page.locator(button)).to_be_disabled()
-    page.fill("#message textarea", "   ")  # an empty box sends nothing, as in other chat apps (#32, 7)
+    page.fill("#message textarea", "   ")  # an empty box sends nothing, as in other chat apps
     expect(page.locator("#send")).to_be_disabled()
     page.press("#message textarea", "Enter")
     page.locator("#send").click(force=True)
@@ -536,12 +536,12 @@ def test_bad_input_warns_and_leaves_the_conversation_intact(browser, demo_app):
 
     for button in ("#export-json", "#export-markdown", "#delete"):
         expect(page.locator(button)).to_be_enabled()
-    expect(page.locator("#continue")).to_be_disabled()  # the reply had ended: nothing to continue (#46, 5)
+    expect(page.locator("#continue")).to_be_disabled()  # the reply had ended: nothing to continue
     # a refusal is one toast: no "Error" badge over the chat, the input, the stats or the settings
     expect(page.locator("[data-testid='status-tracker'] .error >> visible=true")).to_have_count(0)
     assert Path(demo_app.log.name).read_text().count("Traceback") == tracebacks  # routine: no traceback
     send(page, "word " * 3900)  # under the size limit, over the context
-    expect_warning(page, "too long for this model by about")  # in a user's words (#32, 7)
+    expect_warning(page, "too long for this model by about")  # in a user's words
     expect_warning(page, "lower “Max new tokens” in Settings, or start a new chat.")
     assert shown() == before
     assert page.locator("#message textarea").input_value().startswith("word word")  # kept for fixing
@@ -660,9 +660,8 @@ def switcher(page: Page):
 
 
 def export_json(page: Page, path: Path, name: str | None = None) -> Path:
-    """Export JSON, as a person does: one click, and the browser downloads the file (issue #46,
-    2: it used to show a "Download" box at the sidebar's foot, to be clicked again); `name`: the
-    file's name it must have."""
+    """Export JSON, as a person does: one click, and the browser downloads the file (no "Download" box at the sidebar's
+    foot to be clicked again); `name`: the file's name it must have."""
     with page.expect_download() as download:
         page.click("#export-json")
     if name is not None:
@@ -672,7 +671,7 @@ def export_json(page: Page, path: Path, name: str | None = None) -> Path:
 
 
 def test_branches_the_list_and_a_reload_lose_nothing(browser, demo_app, tmp_path):
-    """Issue #8 in a real browser: a new reply to an earlier message keeps the later turns on the
+    """In a real browser: a new reply to an earlier message keeps the later turns on the
     old branch, ‹ › switches back, a reload shows the same branch and list, New chat keeps the old
     conversation, and an exported file imports as the same conversation."""
     page = open_chat(browser, demo_app.url)
@@ -705,7 +704,7 @@ def test_branches_the_list_and_a_reload_lose_nothing(browser, demo_app, tmp_path
     expect(page.locator("#chatbot")).to_contain_text("What is 47 + 38?")
     expect(page.locator("#chatbot")).not_to_contain_text("What is 7 * 46?")
 
-    # the file of the chat shown, named from its title, not of the one shown before (#46, 2)
+    # The file of the chat shown, named from its title, not of the one shown before
     exported = export_json(page, tmp_path / "conversation.json", name="What-is-47-38.json")
     assert json.loads(exported.read_text())["title"] == "What is 47 + 38?"
     with page.expect_file_chooser() as chooser:
@@ -737,7 +736,7 @@ def test_new_chat_during_a_reply_keeps_it_in_the_list(browser, endless_app):
 
 
 def test_two_tabs_keep_both_conversations_through_reloads(browser, demo_app):
-    """Issue #20: a new chat in each of two tabs of one browser; each tab's reload shows its own,
+    """A new chat in each of two tabs of one browser; each tab's reload shows its own,
     the list in both has both (the other tab's appears without a reload), nothing is overwritten."""
     context = browser.new_context(viewport={"width": 1200, "height": 1000})
     first, second = context.new_page(), context.new_page()
@@ -779,7 +778,7 @@ DRAFTED_REPLY = """(message) => {
 
 
 def test_a_reload_during_a_reply_keeps_the_message_and_what_was_written(browser, endless_app):
-    """Issue #20: the message is in the browser's copy before its reply streams and the reply so
+    """The message is in the browser's copy before its reply streams and the reply so
     far is kept while it streams, so a reload mid-reply shows both (as a stopped reply)."""
     page = open_chat(browser, endless_app.url)
     open_settings(page)
@@ -849,7 +848,7 @@ def test_the_browsers_copy_merges_by_record_and_never_overwrites_another_tabs(br
 
 
 def test_a_changed_system_prompt_shows_as_pending_until_the_next_message(browser, demo_app):
-    """Issue #20: after the system prompt was changed, Retry answered with the old one while the box
+    """After the system prompt was changed, Retry answered with the old one while the box
     showed the new one. The page now says the new one is not applied until the next message."""
     page = open_chat(browser, demo_app.url)
     wait_reply(page, send(page, "What is 10 + 10?"))
@@ -880,7 +879,7 @@ MISPLACED_WAITING = """() => [...document.querySelectorAll('#chatbot [aria-label
 
 
 def test_the_waiting_bubble_shows_only_after_the_new_message(browser, demo_app):
-    """Issue #20: while a reply streamed, an earlier reply sometimes showed Gradio's "•••" bubble
+    """While a reply streamed, an earlier reply sometimes showed Gradio's "•••" bubble
     (its node is reused as the list grows and landed between the first reply's thinking and
     answer). Every moment of a second turn is looked at: a shown waiting bubble is the last thing
     in the chat, right after the user's new message."""
@@ -896,7 +895,7 @@ def test_the_waiting_bubble_shows_only_after_the_new_message(browser, demo_app):
 
 
 def test_enter_during_a_reply_keeps_it_and_sends_the_message_when_it_ends(browser, endless_app):
-    """Issue #32, 1: Enter pressed while a reply streamed turned it into an empty "stopped" bubble
+    """Enter pressed while a reply streamed turned it into an empty "stopped" bubble
     and rebuilt the cache. Now the reply goes on, the message waits in the box (a line says so)
     and is sent as the reply ends, here by Stop."""
     page = open_chat(browser, endless_app.url)
@@ -936,7 +935,7 @@ SHOWN_REPLY = """(message) => {
 
 
 def test_a_reload_as_a_reply_begins_keeps_what_was_on_screen(browser, endless_app):
-    """Issue #32, 3: the draft was written once a second, so a reload in a reply's first second
+    """The draft was written once a second, so a reload in a reply's first second
     (all of a demo reply) showed an empty "stopped" bubble. The draft now follows each update of
     the chat: a reload just after the first words keeps them."""
     page = open_chat(browser, endless_app.url)
@@ -953,7 +952,7 @@ def test_a_reload_as_a_reply_begins_keeps_what_was_on_screen(browser, endless_ap
 
 
 def test_a_typed_system_prompt_survives_a_reload_and_an_import_brings_its_own(browser, demo_app, tmp_path):
-    """Issue #32, 4: a system prompt typed and not applied yet was lost on reload. Issue #32, 2: an
+    """A system prompt typed and not applied yet was lost on reload. An
     import kept the box's prompt, so the next message forked the imported conversation."""
     page = open_chat(browser, demo_app.url)
     open_settings(page)
@@ -983,8 +982,8 @@ def test_a_typed_system_prompt_survives_a_reload_and_an_import_brings_its_own(br
 
 
 def test_one_new_chat_starts_a_new_chat_and_keeps_the_last_in_the_list(browser, demo_app):
-    """Issue #46, 4: three controls started a new chat ("Start a new chat", "New chat", the chat's
-    trash icon). One is left, at the top of the list; the chat has no trash icon. And #32, 5: the
+    """Three controls started a new chat ("Start a new chat", "New chat", the chat's
+    trash icon). One is left, at the top of the list; the chat has no trash icon. And the
     trash icon blanked the view only (the list still marked the conversation, the next message
     went on with it, a reload brought it back): New chat starts one for good."""
     page = open_chat(browser, demo_app.url)
@@ -1005,7 +1004,7 @@ def test_one_new_chat_starts_a_new_chat_and_keeps_the_last_in_the_list(browser, 
 
 
 def test_the_chat_fills_the_window_with_the_box_at_its_foot(browser, demo_app):
-    """Issue #46, 4: the chat area was 520 px at any window size, with white space under it. Now,
+    """The chat area was 520 px at any window size, with white space under it. Now,
     on a desktop and on a phone, the chat takes what the window leaves and the box and the line
     under it end inside the window."""
     for width, height in ((1280, 900), (1280, 1300), (390, 844)):
@@ -1020,7 +1019,7 @@ def test_the_chat_fills_the_window_with_the_box_at_its_foot(browser, demo_app):
             return line.bottom <= height && height - line.bottom < 40 && box.top > chat.bottom
                 && chat.height > 0.55 * height;
         }""", arg=height)
-        if width < 700:  # #46, 8: scrolled to the end, the list's floating toggle covers neither the chat nor the box
+        if width < 700:  # scrolled to the end, the list's floating toggle covers neither the chat nor the box
             page.evaluate("window.scrollTo(0, document.scrollingElement.scrollHeight)")
             page.wait_for_function(SIDEBAR_AT_REST)
             toggle = page.locator("button[aria-label='Toggle Sidebar']").first.bounding_box()
@@ -1045,7 +1044,7 @@ SMALLEST_CONTROL = """() => {
 
 
 def test_controls_are_named_and_finger_sized_and_the_list_takes_enter_and_cancel(browser, endless_app):
-    """Issue #32, 8 and 9: the message box was announced as "Textbox", two buttons were both "New
+    """The message box was announced as "Textbox", two buttons were both "New
     chat", a stopped reply was read as "<sub>stopped</sub>", the message buttons were 18 px on a
     phone; Enter in the name box did nothing and Delete's confirmation had no Cancel."""
     page = browser.new_page(viewport={"width": 390, "height": 844}, has_touch=True, is_mobile=True)
@@ -1089,7 +1088,7 @@ def test_controls_are_named_and_finger_sized_and_the_list_takes_enter_and_cancel
 
 
 def test_the_reply_is_prepared_while_the_message_is_typed(browser, demo_app):
-    """#45: typed key by key, the message is prefilled as it is typed (asked again while typing
+    """Typed key by key, the message is prefilled as it is typed (asked again while typing
     goes on, not only once it pauses: typed without a pause, a message was never prepared), the
     logits after it kept; Send then computes no prompt token. The switch in Settings is kept in
     the browser."""
@@ -1121,7 +1120,7 @@ def test_the_reply_is_prepared_while_the_message_is_typed(browser, demo_app):
 
 
 def test_a_long_paste_scrolls_inside_the_box_and_says_it_is_over_the_limit(browser, demo_app):
-    """#46 (7): a 200,000-character paste grew the box without bound (Send and the buttons left
+    """A 200,000-character paste grew the box without bound (Send and the buttons left
     the screen) and the limit was said only after Send."""
     page = open_chat(browser, demo_app.url)
     page.fill("#message textarea", "x" * 200_000)
@@ -1140,7 +1139,7 @@ def test_a_long_paste_scrolls_inside_the_box_and_says_it_is_over_the_limit(brows
 
 
 def test_a_message_sent_right_after_another_is_kept_and_sent_after_it(browser, demo_app):
-    """#46 (1): a second message put in the box within ~150 ms of the first one's Enter, then
+    """A second message put in the box within ~150 ms of the first one's Enter, then
     Enter: one of the two was gone (the server read the box when its step ran, and the first
     reply emptied it). Now the first is what the box held at its Enter, and the second waits
     and is sent when the first reply ends."""

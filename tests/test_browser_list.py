@@ -1,5 +1,5 @@
-"""The list's newer ways in and out, driven in a real browser: "Export all" and its import
-(issue #47), and "Branch off into a new chat" (issue #46)."""
+"""The list's newer ways in and out, driven in a real browser: "Export all" and its import,
+and "Branch off into a new chat"."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def fork_button(row):
 
 
 def test_export_all_gives_every_chat_and_imports_whole_elsewhere(browser, demo_app, tmp_path):
-    """"Export all" (issue #47): not signed in, the page makes the file of every chat its browser
+    """"Export all": not signed in, the page makes the file of every chat its browser
     keeps; another browser imports it and lists them all (their branches kept)."""
     import json
 
@@ -48,7 +48,7 @@ def test_export_all_gives_every_chat_and_imports_whole_elsewhere(browser, demo_a
 
 
 def test_branch_off_from_a_reply_or_a_message_into_a_new_chat(browser, demo_app):
-    """Issue #46: "Branch off into a new chat" from any message: at a reply, the path up to it in
+    """"Branch off into a new chat" from any message: at a reply, the path up to it in
     a new entry of the list (its cache copied: the next turn reuses it); at a message of the
     person, the path before it, with the message in the box."""
     page = open_chat(browser, demo_app.url)
@@ -86,7 +86,7 @@ DROP = """(text) => {
 
 
 def test_a_file_dropped_on_the_page_is_imported(browser, demo_app):
-    """Issue #46: Import also by dropping a file on the page; a file that is not a conversation
+    """Import also by dropping a file on the page; a file that is not a conversation
     is refused with the reason, and the list is left as it was."""
     page = open_chat(browser, demo_app.url)
     exported = {"format": "rewind-chat.conversation", "version": 1, "title": "Dropped in",

@@ -1,4 +1,4 @@
-"""The browser's list of conversations (issues #8, #20) through its handlers, without a server:
+"""The browser's list of conversations through its handlers, without a server:
 what the page is sent to keep, what comes back from it (untrusted), New chat, switching, a
 reload, drafts of a streaming reply, export and import. How the browser merges records (two
 tabs) is its script's, tested in a real browser (tests/test_browser.py)."""
@@ -159,7 +159,7 @@ def test_a_record_another_tab_changed_replaces_the_servers_older_copy(make_engin
 
 def test_a_streaming_reply_is_copied_so_a_reload_keeps_the_message_and_the_text(make_engine):
     """The message is in the browser's copy before its reply streams (the whole record, once), and
-    each update of the chat brings the draft's reply up to what is on screen (#32, 3: a draft
+    each update of the chat brings the draft's reply up to what is on screen (a draft
     written each second lost a reply shorter than that)."""
     handlers, chat_list = make_list(make_engine)
     browser, book = Browser(), Book()
@@ -189,7 +189,7 @@ def test_a_streaming_reply_is_copied_so_a_reload_keeps_the_message_and_the_text(
 
 
 def test_a_message_typed_during_a_reply_never_rebuilds_it_from_its_own_draft(make_engine):
-    """Issue #32, 1: Enter pressed while a reply streamed sent the page's probe with the revision of
+    """Enter pressed while a reply streamed sent the page's probe with the revision of
     that reply's own draft; the server took it for another tab's change, rebuilt the conversation
     from the draft and so stopped the reply (an empty "stopped" bubble, a "rebuilt" stats line).
     Now the page's own draft is known: the reply goes on and the message is refused as busy (the
@@ -277,8 +277,8 @@ def test_export_then_import_gives_the_same_conversation_and_its_name(make_engine
     before = len(handlers.directory.manager)
     chat_list.import_text(None, bad.read_text(), new_key, book)
     assert len(handlers.directory.manager) == before  # refused: nothing created
-    # issue #44 (6): a path is not text: nothing is opened, nothing deleted (it used to read and
-    # delete whatever file of Gradio's upload folder the event named)
+    # a path is not text: nothing is opened, nothing deleted (whatever file of
+    # Gradio's upload folder the event names)
     someone_elses = tmp_path / "someone-elses-upload.json"
     someone_elses.write_text(exported["text"])
     for sent in (str(someone_elses), {"path": str(someone_elses)}, None, "x" * (saved.MAX_JSON_BYTES + 1)):
@@ -299,7 +299,7 @@ def test_delete_leaves_a_tombstone_and_frees_the_server(make_engine):
 
 
 def test_an_export_is_the_shown_conversations_and_leaves_nothing_behind(make_engine, monkeypatch, tmp_path):
-    """Issue #46 (2): the file goes to the page with the event, for the browser to download at
+    """The file goes to the page with the event, for the browser to download at
     once; nothing is written to disk, so nothing of one conversation can be offered for another."""
     handlers, chat_list = make_list(make_engine)
     warnings = []
@@ -359,7 +359,7 @@ def test_a_snapshot_mid_reply_is_the_conversation_as_a_stop_there_leaves_it(make
 
 
 def test_a_reply_stopped_before_its_first_word_says_stopped_at_once(make_engine):
-    """Issue #20: a reply stopped before any text was an empty bubble until a reload. Stop comes
+    """A reply stopped before any text was an empty bubble until a reload. Stop comes
     right after the message is shown, before the stream's first step: the reply ends at once
     (a stop at that moment was once cleared as the stream began) and the last view says so."""
     handlers, _ = make_list(make_engine)
@@ -375,7 +375,7 @@ def test_a_reply_stopped_before_its_first_word_says_stopped_at_once(make_engine)
 
 
 def test_a_snapshot_as_a_reply_is_recorded_shows_it_once(make_engine, monkeypatch):
-    """Issue #33 (6): `snapshot()` took no lock, and a reply is recorded before its run ends; a
+    """`snapshot()` took no lock, and a reply is recorded before its run ends; a
     snapshot in between recorded it again on its copy (2 replies where there is 1), and the
     page's draft kept a spurious version. Forced: a snapshot is asked for from another thread
     right after the reply is recorded."""
@@ -407,7 +407,7 @@ APPLIED = ChatOutputs.names().index("applied_prompt")
 
 
 def test_an_import_brings_its_own_system_prompt_into_the_box(make_engine, tmp_path):
-    """Issue #32, 2: the box kept the page's prompt, so the next message forked the imported
+    """The box kept the page's prompt, so the next message forked the imported
     conversation onto a new system-prompt branch and its history left the view."""
     handlers, chat_list = make_list(make_engine)
     browser, book = Browser(), Book()
@@ -418,7 +418,7 @@ def test_an_import_brings_its_own_system_prompt_into_the_box(make_engine, tmp_pa
 
 
 def test_a_reload_keeps_a_system_prompt_typed_and_not_yet_applied(make_engine):
-    """Issue #32, 4: the load drew the record's prompt over the one typed before the reload."""
+    """The load drew the record's prompt over the one typed before the reload."""
     handlers, chat_list = make_list(make_engine)
     browser, book = Browser(), Book()
     send(chat_list, browser, book, "First question?", None)
@@ -433,7 +433,7 @@ def test_a_reload_keeps_a_system_prompt_typed_and_not_yet_applied(make_engine):
 
 
 def test_the_chats_trash_button_starts_a_new_chat_and_says_so(make_engine):
-    """Issue #32, 5: it blanked the view only; the next message went on with the old conversation."""
+    """It blanked the view only; the next message went on with the old conversation."""
     from ui import views
 
     handlers, chat_list = make_list(make_engine)
@@ -452,7 +452,7 @@ def test_the_chats_trash_button_starts_a_new_chat_and_says_so(make_engine):
 
 
 def test_titles_several_chats_share_are_numbered_from_the_oldest():
-    """Issue #46 (3): an import twice gave two "Pirate chat"; six "What is 33 + 44?" in a row."""
+    """An import twice gave two "Pirate chat"; six "What is 33 + 44?" in a row."""
     from ui.chat_list import distinct_titles
 
     index = [("d", "Sum"), ("c", "Pirate chat"), ("b", "Sum"), ("a", "Sum"), ("e", "Pirate chat")]  # newest first

@@ -1,4 +1,4 @@
-"""The cold tier (issue #23): over the budget, an idle conversation's cache goes to disk instead of
+"""The cold tier: over the budget, an idle conversation's cache goes to disk instead of
 being dropped, and its next operation reads it back exact. Checked against from-scratch forwards
 and greedy replies (tests/reference.py) on every layer mix: full attention, a sliding window, the
 two mixed, and linear attention (whose rollbacks need the checkpoints that travel with it)."""
@@ -197,7 +197,7 @@ def spilled(make_engine, folder, text="Hello there?"):
 
 
 def test_a_flipped_bit_or_a_replaced_file_is_refused_unread(make_engine, tokenizers, tmp_path):
-    """Issue #33 (3, F): one flipped bit in a file's tensor data was accepted (states off by
+    """One flipped bit in a file's tensor data was accepted (states off by
     2.4e-4), and a replaced file was unpickled (its code ran). Every file carries a digest keyed
     by a secret only its store holds; nothing is parsed before it matches."""
     folder = tmp_path / "cold"
@@ -227,7 +227,7 @@ def test_a_flipped_bit_or_a_replaced_file_is_refused_unread(make_engine, tokeniz
 
 
 def test_two_processes_on_one_cache_dir_keep_to_their_own_files(make_engine, tokenizers, tmp_path):
-    """Issue #33 (3): a second store's start deleted the first one's files, reused its file
+    """A second store's start deleted the first one's files, reused its file
     names, and the first then resumed the other conversation's states as its own. Each store now
     writes in its own locked folder and accepts only files it wrote (a swapped file rebuilds)."""
     folder = tmp_path / "cold"
@@ -249,7 +249,7 @@ def test_two_processes_on_one_cache_dir_keep_to_their_own_files(make_engine, tok
 
 
 def test_a_spill_that_fails_in_any_way_evicts_and_drops_no_other_file(make_engine, tmp_path, monkeypatch):
-    """Issue #33 (2): a MemoryError while serializing escaped `settle` and switched the budget
+    """A MemoryError while serializing escaped `settle` and switched the budget
     off for good (225 KB held against a budget of 1 byte, the spill retried every round); and
     older files were deleted to make room before a write that then failed. Now a write that
     fails (beside the loop) loses that session's states, as an eviction would, and older files
@@ -295,7 +295,7 @@ def held_thread(executor) -> threading.Event:
 
 
 def test_a_spill_is_written_beside_the_loop_and_taken_back_from_memory_before_it_is(make_engine, tmp_path):
-    """Issue #30: a spill wrote on the loop (a 51 MiB one stalled every decoding user 223 ms). The
+    """A spill wrote on the loop (a 51 MiB one stalled every decoding user 223 ms). The
     loop now only hands the states over; needed again before their file is written, they come
     back from memory and no file is left."""
     folder = tmp_path / "cold"
@@ -392,7 +392,7 @@ def test_a_reply_stopped_while_its_states_are_read_never_holds_up_the_others(mak
 
 
 def test_a_session_needed_while_its_spill_is_being_written_waits_beside_the_loop(make_engine, tmp_path, monkeypatch):
-    """Issue #44 (9): `ready` said yes for a session whose write was running, and `resume` then
+    """`ready` said yes for a session whose write was running, and `resume` then
     waited for the disk on the loop (0.70 s for every decoding user on a slow disk). Now `ready`
     says no until the write has ended, and the states come back from memory, its file dropped."""
     folder = tmp_path / "cold"
@@ -427,7 +427,7 @@ def test_a_session_needed_while_its_spill_is_being_written_waits_beside_the_loop
 
 def test_a_file_swapped_between_two_sessions_or_an_older_one_of_the_same_is_refused(make_engine, tokenizers,
                                                                                    tmp_path):
-    """Issue #44 (7): two sessions of one store spilled, their files swapped: session x came back
+    """Two sessions of one store spilled, their files swapped: session x came back
     with y's states and ledger (both files carry this store's key). Each file is now bound to its
     write; x rebuilds instead, exact, and so does a session handed its own older file."""
     folder = tmp_path / "cold"
@@ -463,7 +463,7 @@ def test_a_file_swapped_between_two_sessions_or_an_older_one_of_the_same_is_refu
 
 
 def test_a_forked_worker_has_a_cold_tier_of_its_own_and_leaves_the_parents_alone(make_engine, tmp_path):
-    """Issue #44 (8): a forked worker (ZeroGPU) inherited its parent's cold tier (folder, file
+    """A forked worker (ZeroGPU) inherited its parent's cold tier (folder, file
     list, key), and its exit removed the parent's folder: the parent's session then came back with
     none of its tokens. The worker now has a folder, key and list of its own."""
     import multiprocessing

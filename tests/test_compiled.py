@@ -1,4 +1,4 @@
-"""The compiled decode step (chat/model_step/compiled.py, issue #31): each step against a
+"""The compiled decode step (chat/model_step/compiled.py): each step against a
 from-scratch forward over the whole sequence (fp32 and int8 weights), one graph for every length
 and buffer capacity, rollback into compiled steps, and every operation of an engine that uses it
 held to the same references as the eager engine (tests/reference.py)."""
@@ -121,7 +121,7 @@ def test_a_restart_loads_the_saved_graphs_and_they_give_a_from_scratch_forwards_
     deeper = build_model("full", len(base_tokenizer), None)
     deeper.config.num_hidden_layers += 1
     assert graph_key(deeper, 1) != graph_key(model, 1)
-    # issue #44 (1): a file put in a graph's place that runs code when unpickled is never
+    # a file put in a graph's place that runs code when unpickled is never
     # unpickled (its seal does not verify): compiled again, and sealed over
     planted = tmp_path / f"{graph_key(model, 1)}.graph"
     ran = tmp_path / "the planted file ran"
@@ -134,7 +134,7 @@ def test_a_restart_loads_the_saved_graphs_and_they_give_a_from_scratch_forwards_
 
 
 class RunsCode:
-    """A pickle that runs a shell command when it is loaded (what issue #44's attack planted)."""
+    """A pickle that runs a shell command when it is loaded (what an attack planted)."""
 
     def __init__(self, command: str):
         self.command = command
@@ -175,7 +175,7 @@ def test_a_step_that_would_compile_again_goes_back_to_eager_with_nothing_fed(bas
 
 def test_a_graph_that_fails_at_run_time_is_retired_for_eager_and_a_refused_file_is_kept(base_tokenizer, tmp_path,
                                                                                      monkeypatch):
-    """Issue #44 (10): a compiled step that raised anything but a failed guard was raised again at
+    """A compiled step that raised anything but a failed guard was raised again at
     every step (every row ended, each time). Now it is retired at once, with nothing fed, and
     the steps go eager. And a saved graph that loads but refuses this model is not sealed over
     (two such models would each compile again at every start)."""

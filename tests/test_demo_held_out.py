@@ -1,4 +1,4 @@
-"""The demo's held-out phrasings and shapes (issue #22): the corpus never asks that way, and the
+"""The demo's held-out phrasings and shapes: the corpus never asks that way, and the
 evaluation's conversations are judged against the true results."""
 
 import random

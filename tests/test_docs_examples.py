@@ -1,4 +1,4 @@
-"""Every Python example in README.md and docs/ runs as written (issue #32: the library example
+"""Every Python example in README.md and docs/ runs as written (the library example
 raised after `undo`). The blocks of a file run in order in one namespace, on the offline demo
 model: a hub id in an example is replaced by "demo", the one change made to the text."""
 
@@ -33,7 +33,7 @@ def heading_anchors(text: str) -> set[str]:
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_every_link_between_readme_and_docs_resolves(path):
-    """The README was split into docs/ (issue #32, 10): a link to a moved section must follow it."""
+    """The README was split into docs/: a link to a moved section must follow it."""
     broken = []
     for link in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
         if link.startswith(("http://", "https://")):

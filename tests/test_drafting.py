@@ -1,4 +1,4 @@
-"""Draft-and-verify decoding (chat/scheduling/drafting.py, issue #45 item 2): decode rows feed guessed tokens,
+"""Draft-and-verify decoding (chat/scheduling/drafting.py): decode rows feed guessed tokens,
 the step verifies them, the cache gives back the ones refused; replies are what they are without.
 
 References are independent of the drafting code: greedy `generate` from scratch on the rendered

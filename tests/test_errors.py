@@ -81,7 +81,7 @@ def test_refused_operation_changes_nothing(conv, case):
 
 
 def test_a_refused_edit_names_what_the_message_is_in_words(conv):
-    """Issue #32 (7): it said "message 2 is a assistant message"."""
+    """It said "message 2 is a assistant message"."""
     list(conv.send("Hello?", **OPTIONS))
     with pytest.raises(NotAUserMessageError, match="message 2 is a reply, not a user message"):
         conv.edit(2, "new", **OPTIONS)
@@ -102,7 +102,7 @@ def test_nothing_to_act_on(make_engine):
 @pytest.mark.parametrize("read_first", [True, False])
 def test_second_operation_while_streaming_is_refused(conv, read_first):
     """Refused from the moment the reply is started, not only once its stream is read: a second
-    Send in that moment replaced the running reply (issue #32, 1)."""
+    Send in that moment replaced the running reply."""
     stream = conv.send("A long answer please.", max_new_tokens=20, do_sample=False)
     if read_first:
         next(stream)

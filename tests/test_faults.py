@@ -1,4 +1,4 @@
-"""Faults from outside (issue #9): clients that go away, operations racing each other."""
+"""Faults from outside: clients that go away, operations racing each other."""
 
 import subprocess
 import sys
@@ -74,7 +74,7 @@ print("streaming", flush=True)
 
 
 def test_a_process_that_exits_while_a_reply_streams_ends_cleanly():
-    """Issue #33 (5): a script that left a reply streaming aborted at exit ("terminate called
+    """A script that left a reply streaming aborted at exit ("terminate called
     without an active exception", status 134): the compute thread was still inside torch while
     the interpreter tore down. Now the scheduler stops its requests and the thread ends first."""
     tests = Path(__file__).parent
@@ -87,7 +87,7 @@ def test_a_process_that_exits_while_a_reply_streams_ends_cleanly():
 
 
 def test_sends_at_once_from_one_address_keep_exactly_its_limit(make_engine, monkeypatch):
-    """Issue #44 (5): 16 sends at once from one address kept 6 conversations under a limit of 4:
+    """16 sends at once from one address kept 6 conversations under a limit of 4:
     each read the client's count before any had recorded its own. Here every open is held at a
     barrier until all 16 reach it (the interleaving the attack hit) or it times out (opens taken
     one at a time: only one ever gets there)."""

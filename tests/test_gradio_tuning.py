@@ -1,5 +1,5 @@
 """What the app does about Gradio's own costs while a reply streams (ui/gradio_tuning.py), and a
-page load that used to copy the model (see docs/performance.md, "Through the web")."""
+page load that copies no model (see docs/performance.md, "Through the web")."""
 
 import asyncio
 import urllib.request

@@ -1,4 +1,4 @@
-"""The imports show the roles (issue #43): the scheduler decides, the cache owner applies, the
+"""The imports show the roles: the scheduler decides, the cache owner applies, the
 runner executes; the UI reaches the engine only through `chat`; no module imports itself back.
 
 Read from the source (every import statement, those inside functions and `TYPE_CHECKING` blocks

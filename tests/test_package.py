@@ -1,4 +1,4 @@
-"""`pip install .` (issue #46, item 9): the packages and the app import from anywhere, the demo
+"""`pip install .`: the packages and the app import from anywhere, the demo
 model's files come along, and a `rewind-chat` command starts the app. Built from a copy of the
 sources (in-tree builds leave folders behind), without dependencies (they are this interpreter's)."""
 

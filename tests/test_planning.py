@@ -167,7 +167,7 @@ def test_planning_is_counted_while_it_runs_and_stops_when_its_caller_leaves(make
 
 
 def test_a_snapshot_mid_reply_holds_when_older_turns_were_dropped(make_engine):
-    """Issue #33 A: once a conversation outgrows the context, the page's draft snapshot of a
+    """Once a conversation outgrows the context, the page's draft snapshot of a
     reply whose plan dropped older turns raised (the copied replies lost their versions), so
     every Send from the page failed. The snapshot is the tree as a stop there leaves it: the
     kept turns copied under the system prompt with their replies, the reply so far last."""
@@ -188,7 +188,7 @@ def test_a_snapshot_mid_reply_holds_when_older_turns_were_dropped(make_engine):
 
 
 def test_many_short_turns_are_planned_in_a_few_renders(models, tokenizers, monkeypatch):
-    """Issue #33 (C): a history of many short messages, under `room x 8` characters but over the
+    """A history of many short messages, under `room x 8` characters but over the
     room in tokens, was rendered again for each dropped turn (212 renders for 249 turns; 5-26 CPU
     s a Send). Now the cut comes from the measured sizes there too: a few renders, and still the
     fewest turns dropped and the template's own prompt."""

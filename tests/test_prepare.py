@@ -1,4 +1,4 @@
-"""Prefill while typing (issue #45, item 1; library and scheduler): `Conversation.prepare(text)`
+"""Prefill while typing (library and scheduler): `Conversation.prepare(text)`
 prefills the conversation as it will be with that message, only in steps where no reply has
 work; a Send of the same text then starts from the cache, and every reply is exactly what it
 would have been unprepared (the independent references of tests/reference.py)."""

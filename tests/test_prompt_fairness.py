@@ -1,4 +1,4 @@
-"""Fair by tokens owed, per client (chat/scheduling/prompt_fairness.py, issue #43 item 2), on made-up steps: the
+"""Fair by tokens owed, per client (chat/scheduling/prompt_fairness.py), on made-up steps: the
 budget is handed out as the scheduler hands it (in `order`, each taking what it still needs up to
 what is left), and requests arrive and leave between steps."""
 

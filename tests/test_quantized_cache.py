@@ -27,8 +27,7 @@ KINDS = [KVCacheKind("quantized", 8), KVCacheKind("quantized", 4)]
 def test_each_value_is_the_nearest_of_its_groups_levels(bits, dim, group):
     """Against a plain computation, element by element: a group's levels are minimum + k * scale,
     k in 0..2**bits - 1, with scale = (max - min) / (2**bits - 1); each value dequantizes to the
-    nearest level. Heads of 80 or 96 channels (Phi-2, Phi-3-mini) group by 40 or 48 (issue #33:
-    they crashed every reply's first forward)."""
+    nearest level. Heads of 80 or 96 channels (Phi-2, Phi-3-mini) group by 40 or 48."""
     generator = torch.Generator().manual_seed(bits)
     states = torch.randn(1, 2, 5, dim, generator=generator) * 3
     states[0, 0, 0, :group] = 1.5  # a constant group

@@ -167,7 +167,7 @@ def test_message_ids_stay_unique_through_the_worker_and_the_saved_copy_restores_
 
 
 def test_a_reply_in_a_forked_worker_under_a_tiny_budget_is_exact(models, tokenizers, monkeypatch):
-    """Issue #30: the worker starts with no record of the server's pins, so its budget evicted
+    """The worker starts with no record of the server's pins, so its budget evicted
     the very session it was decoding (garbage, then "generated sequence does not extend the
     cache ledger"). What is in use is the scheduler's own record of its requests, in the worker
     too: under a budget smaller than one conversation the reply is the local engine's."""

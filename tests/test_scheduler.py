@@ -1,4 +1,4 @@
-"""Replies of several conversations decode together (issue #12), each exactly as it would alone.
+"""Replies of several conversations decode together, each exactly as it would alone.
 
 References are independent of the scheduler: greedy `generate` from scratch on the re-rendered
 prompt and a from-scratch forward over each ledger (`check_exact`), and for sampling a plain
@@ -321,14 +321,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, 
 @pytest.mark.parametrize("arch,weights", [(arch, "full") for arch in ARCHS] + [("full", "int8")])
 def test_a_first_token_comes_from_the_step_that_feeds_the_prompts_end(make_engine, models, tokenizers, monkeypatch,
                                                                       arch, weights):
-    """#43: every reply's first token took two steps on an idle engine: its prompt up to the last
+    """Every reply's first token took two steps on an idle engine: its prompt up to the last
     token, then a decode step of that one token. Where the cache keeps nothing at the generation
     start (every layer full attention: a Regenerate crops back to it), the last piece now goes
     with that token in the first decode row, whose first token is chosen after it: one step.
     Where a checkpoint is kept there (sliding windows, recurrent states), the piece still ends
     there and the token follows; and with int8 weights where the two would pass the rows their
     products keep apart (16), so that the token gets the bits a Regenerate's step of that token
-    alone gives (#45: a greedy Retry is the reply it replaces); a short follow-up's still go
+    alone gives (a greedy Retry is the reply it replaces); a short follow-up's still go
     together there. The reply, and a Regenerate, are exact either way."""
     tokenizer = tokenizers[THINKING_TEMPLATE]
     if weights == "int8":  # converted in place: a model of its own, not the suite's
@@ -465,7 +465,7 @@ def test_interleaved_operations_of_several_conversations_stay_exact(models, toke
 
 @pytest.mark.parametrize("order", ["shortest", "arrival"])
 def test_a_short_message_behind_a_long_one_is_prefilled_first(make_engine, models, tokenizers, monkeypatch, order):
-    """Issue #30: a one-line message sent just after a long one waited for the long one's whole
+    """A one-line message sent just after a long one waited for the long one's whole
     prefill. Now prefill is chunked even when nobody decodes, and the step's budget goes to the
     shortest remaining prefill first: the short reply's first token comes before the long one's,
     which needed several chunks. ("arrival", oldest first, is the order measured against.) Both
@@ -588,7 +588,7 @@ def test_a_step_budget_stays_between_one_token_and_its_cap():
 
 def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next_forward(make_engine, models,
                                                                                         monkeypatch):
-    """Issue #43 (1): a request given no prompt budget was passed over before its Stop was read:
+    """A request given no prompt budget was passed over before its Stop was read:
     it stayed (its conversation busy, its Stop doing nothing) until the budget reached it, after
     another user's prompt. Two prompts start at one step; the shorter takes the whole budget of
     each step; the longer is stopped during the first forward and has left before the second."""
@@ -629,7 +629,7 @@ def test_a_reply_stopped_while_it_waits_for_prompt_budget_leaves_before_the_next
 
 def test_a_client_holding_every_row_gives_one_to_another_client_at_once(make_engine, models, tokenizers,
                                                                        monkeypatch):
-    """Issue #43 (2): rows went first come first served, and one address may hold as many
+    """Rows went first come first served, and one address may hold as many
     conversations as there are rows: its long replies kept every row and another client's message
     waited for one of them to end. Now that client is below its share (4 rows over 2 clients):
     one of the first client's rows is paused, the newcomer's reply starts while all four long
@@ -718,7 +718,7 @@ def test_one_slow_step_moves_the_budget_for_a_few_steps_at_most(hiccup_tokens):
 @pytest.mark.parametrize("apart", [True, False])
 def test_a_newcomers_prompt_end_runs_apart_from_the_rows_where_their_gap_allows(make_engine, models, tokenizers,
                                                                                hooks, batches, monkeypatch, apart):
-    """#43: a newcomer's short message beside busy rows took 1.6-1.8x its first token on an idle
+    """A newcomer's short message beside busy rows took 1.6-1.8x its first token on an idle
     engine: the step that fed its prompt's end carried every decode row too. On a made-up clock
     (a forward 10 units, 5 a decode row, 1 every other token fed), three rows decoding (25 a
     step) and a newcomer's prompt end of fewer than 35 tokens (a one-row step of 15 plus those,
@@ -781,7 +781,7 @@ def message_of_prompt_length(tokenizer, system: str, low: int, high: int) -> str
 def test_a_message_a_little_over_the_step_budget_goes_whole_where_one_step_can_carry_it(make_engine, models,
                                                                                         tokenizers, monkeypatch,
                                                                                         whole):
-    """#43: a message a little longer than the step budget beside decode rows was cut to it: its
+    """A message a little longer than the step budget beside decode rows was cut to it: its
     first token came a step later, and each of the two steps carried a step with prefill's fixed
     part (at Qwen3-0.6B's shape, int8, eight rows decoding: 1.7-2.0x an idle engine's first
     token). On a made-up clock (a forward 10 units, 5 a decode row, a quarter every other token

@@ -1,4 +1,4 @@
-"""Files the app runs when it loads them back (cache_sessions/sealed.py, issue #44 items 1-2):
+"""Files the app runs when it loads them back (cache_sessions/sealed.py):
 only from a folder no other user can write, only with a seal made under this folder's key for
 this very name, and inductor's kernels in the app's own folder, chosen before torch loads."""
 
@@ -102,7 +102,7 @@ print(cache_dir())
 
 @pytest.mark.parametrize("module", ["app", "chat"])
 def test_inductors_cache_is_in_the_apps_folder_not_in_tmp(module, tmp_path):
-    """Issue #44 (2): torch fixed it at /tmp/torchinductor_<user> before the app chose."""
+    """Torch fixed it at /tmp/torchinductor_<user> before the app chose."""
     environ = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"}
     run = lambda **env: subprocess.run(  # noqa: E731
         [sys.executable, "-c", INDUCTOR_FOLDER.format(module=module)], cwd=ROOT, env=environ | env,

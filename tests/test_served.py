@@ -1,4 +1,4 @@
-"""Issue #11: the same conversations with replies from a real OpenAI-compatible server
+"""The same conversations with replies from a real OpenAI-compatible server
 (`transformers serve` on the demo model, started once for this module on 127.0.0.1)."""
 
 import os
@@ -168,7 +168,7 @@ def test_continue_through_chat_messages_sends_the_reply_so_far_left_open(base_to
 
 
 def test_a_message_being_typed_warms_the_servers_prefix_cache_with_the_sends_own_request(base_tokenizer, tmp_path):
-    """Issue #45: behind a model server, `prepare` sends the request the Send will make (same
+    """Behind a model server, `prepare` sends the request the Send will make (same
     messages, salt and affinity, so a prefix-caching server keeps the prompt's blocks where the
     Send looks), for one token; nothing is recorded in the conversation."""
     engine, wire = wired_engine(base_tokenizer, tmp_path, "qwen2_5", "ignored", "It is 85")
@@ -188,7 +188,7 @@ def test_a_message_being_typed_warms_the_servers_prefix_cache_with_the_sends_own
 
 
 def test_a_conversations_warm_ups_start_at_most_every_warm_every_s(base_tokenizer, tmp_path):
-    """The page asks at each keystroke (#45); behind a model server that would be a request a
+    """The page asks at each keystroke; behind a model server that would be a request a
     keystroke. Asks within `WARM_EVERY_S` of a conversation's last warm-up start none."""
     from chat.backends import served
 

@@ -1,4 +1,4 @@
-"""Share by link (issue #47), driven in a real browser: a person shares the chat on screen, a
+"""Share by link, driven in a real browser: a person shares the chat on screen, a
 second person (another browser context: no storage in common) reads the link, continues it in a
 chat of their own, and the link stops working once its maker revokes it."""
 

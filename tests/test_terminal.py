@@ -46,7 +46,7 @@ def test_commands_work_and_help_is_not_sent_to_the_model(tmp_path, base_tokenize
     assert "0 user: Hello there" in out and "(version 1 of 2)" in out
     assert "from the cache" in out and "(undone)" in out and "(a new conversation)" in out
     assert "unknown command /bogus" in out and "/edit takes the number /history shows" in out
-    assert "/version takes a version number, from 1" in out and "branch -1" not in out  # issue #32 (7)
+    assert "/version takes a version number, from 1" in out and "branch -1" not in out
 
 
 def test_ctrl_c_stops_the_reply_and_a_second_one_exits(tmp_path, base_tokenizer):
@@ -91,7 +91,7 @@ def test_ctrl_c_stops_the_reply_and_a_second_one_exits(tmp_path, base_tokenizer)
 
 
 def test_a_message_typed_in_the_terminal_is_prepared_before_its_send(make_engine, capsys):
-    """#45: the terminal prepares the line being typed, as the page does (at most every 150 ms,
+    """The terminal prepares the line being typed, as the page does (at most every 150 ms,
     the text as it stands, on a thread of its own): once the last text typed is prepared, its
     Send computes at most the prompt's last token. Keys go through prompt_toolkit's own pipe."""
     import threading

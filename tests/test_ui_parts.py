@@ -117,7 +117,7 @@ def test_a_revision_is_never_written_past_what_the_browser_holds_exactly():
 
 
 def test_a_reply_of_thinking_only_says_no_answer_came_and_the_busy_box_invites_typing():
-    """#46 (5): a reply that was only a folded Thinking block showed nothing else; the message box
+    """A reply that was only a folded Thinking block showed nothing else; the message box
     during a reply said to stop first, though typing ahead works."""
     from ui import views
 
@@ -147,7 +147,7 @@ def test_a_reply_stopped_while_thinking_shows_its_mark_under_the_fold_and_can_go
 
 
 def test_only_a_reply_the_model_did_not_end_is_marked_for_continue_and_the_mark_is_not_its_text(tokenizers):
-    """Issue #46 (5): the page enables Continue from the class on the last reply's note."""
+    """The page enables Continue from the class on the last reply's note."""
     from conftest import THINKING_TEMPLATE
     from tiny_models import scripted_reply_model
 
@@ -170,7 +170,7 @@ def test_only_a_reply_the_model_did_not_end_is_marked_for_continue_and_the_mark_
 @given(st.lists(st.sampled_from(list("ab 1.#-+=*_`[](){}<>&;!|~$\\\t\n") + ["&nbsp;", "&amp;", "&lt;", "&Tab;"]),
                 max_size=40).map("".join))
 def test_a_persons_message_is_shown_as_typed_and_an_edit_gets_it_back(text):
-    """Issue #46 (6): what `as_typed` makes of a message gives the message back (an edit starts
+    """What `as_typed` makes of a message gives the message back (an edit starts
     from it), and holds no character Markdown, HTML or math would act on unescaped."""
     from ui import views
 

@@ -77,7 +77,7 @@ def test_fit_context_drops_the_oldest_turns_and_stays_exact(models, tokenizers, 
         stream = conv.send(question, fit_context=True, **GREEDY)
         list(stream)
     assert stream.dropped_turns >= 1 and conv.stats.dropped_turns == stream.dropped_turns
-    messages = conv.messages  # the whole conversation stays (issue #44, 11): the prompt leaves turns out
+    messages = conv.messages  # the whole conversation stays: the prompt leaves turns out
     assert messages[0] == {"role": "system", "content": "System stays."}
     assert [m["content"] for m in messages if m["role"] == "user"] == [
         "First question here?", "Second question here?", "Third question here?"]
@@ -140,7 +140,7 @@ def test_continue_on_a_reply_the_model_ended_is_refused_and_changes_nothing():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_retry_takes_its_first_token_from_the_logits_kept_after_its_prompt(make_engine, models, tokenizers,
                                                                               monkeypatch, arch):
-    """#45: a reply's first logits, after its prompt's last token, stay with its cache; a Retry
+    """A reply's first logits, after its prompt's last token, stay with its cache; a Retry
     keeps the whole prompt and chooses its first token from them with no model step. Where a layer
     keeps earlier states only at checkpoints (sliding windows, recurrent states) none are kept and
     the Retry feeds the prompt's last token again. The kept logits are a from-scratch forward's,

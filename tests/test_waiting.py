@@ -1,4 +1,4 @@
-"""What clients may have waiting (ui/waiting.py, issue #44 item 4): large bodies counted per client
+"""What clients may have waiting (ui/waiting.py): large bodies counted per client
 and in all from their arrival until what they carry is done with, refused before they are read.
 Driven through the middleware itself, over a stand-in for Gradio that reads each body it is given
 and queues it as an event the test ends."""
